@@ -1,0 +1,23 @@
+"""shardps_client: the PyTorch client of the shardps parameter server."""
+
+from shardps.optim import SGD, Adagrad, Adam
+from shardps.specs import Initializer, Staleness
+from shardps_client.client import Client, Versions
+from shardps_client.errors import (
+    IdOutOfRangeError,
+    InvalidArgumentError,
+    RequestTooLargeError,
+    ShardMapError,
+    ShardpsError,
+    ShardTimeoutError,
+    ShardUnavailableError,
+    StaleUpdateError,
+    TableExistsError,
+    TableNotFoundError,
+)
+
+__all__ = [
+    "Client", "Versions", "SGD", "Adagrad", "Adam", "Initializer", "Staleness",
+    "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
+    "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
+]

@@ -1,0 +1,565 @@
+"""The shardps client: routes ids to shards, fans out in parallel, reassembles.
+
+Usage::
+
+    from shardps_client import Client, Adam
+    with Client(["127.0.0.1:7000", "127.0.0.1:7001"]) as c:
+        c.create_table("user", num_embeddings=1_000_000, dim=64, optimizer=Adam(lr=1e-3))
+        rows = c.pull("user", ids)      # ids.shape + (64,)
+        c.push("user", ids, grads)      # duplicate ids summed
+        c.flush()                       # every push so far applied
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import grpc
+import numpy as np
+import torch
+
+from shardps import codec
+from shardps.optim import SGD, Optimizer
+from shardps.routing import dense_row_ranges, name_hash, split_by_shard
+from shardps.specs import (
+    DenseSpec,
+    Initializer,
+    Staleness,
+    TableSpec,
+    dense_spec_from_pb,
+    dense_spec_to_pb,
+    table_spec_from_pb,
+    table_spec_to_pb,
+)
+from shardps.errors import InvalidArgument as _ServerInvalidArgument
+from shardps.table import coalesce
+from shardps.v1 import shardps_pb2 as pb
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
+from shardps_client.errors import (
+    IdOutOfRangeError,
+    InvalidArgumentError,
+    ShardMapError,
+    ShardpsError,
+    from_rpc_error,
+)
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_WIRE = {"float32": pb.FLOAT32, "float16": pb.FLOAT16, "bfloat16": pb.BFLOAT16}
+_WIRE_BYTES = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
+IdsLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The shard versions a pull read at: ``{shard index: version}``; pass it back to ``push``."""
+
+    by_shard: dict[int, int]
+
+    def merged(self, other: "Versions") -> "Versions":
+        """Oldest version per shard of two pulls (the conservative staleness)."""
+        out = dict(self.by_shard)
+        for s, v in other.by_shard.items():
+            out[s] = min(v, out.get(s, v))
+        return Versions(out)
+
+
+class Client:
+    """A connection to every shard of a cluster.
+
+    Args:
+        addresses: shard addresses ("host:port"); list position = shard index,
+            checked against each shard on connect.
+        timeout: deadline in seconds of every call.
+        retry_timeout: how long calls keep retrying a shard that is UNAVAILABLE
+            (restarting, not yet up) before raising ShardUnavailableError.
+        wire_dtype: "float32", "float16" or "bfloat16" for rows and gradients on
+            the wire (shards always store float32).
+        max_message_bytes: requests and replies are split to stay below this
+            (keep it under the shards' --max-message-mb).
+        max_inflight_pushes: asynchronous pushes in flight before push() blocks.
+        read_your_writes: a pull of a table first waits for this client's
+            pushes to that table (so one worker sees its own updates).
+        check_shard_map: verify each shard's (index, count) on connect.
+        client_id: identity for exactly-once pushes (default: random).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        timeout: float = 30.0,
+        retry_timeout: float = 30.0,
+        wire_dtype: str = "float32",
+        max_message_bytes: int = 4 * MiB - 64 * 1024,
+        max_inflight_pushes: int = 32,
+        read_your_writes: bool = True,
+        check_shard_map: bool = True,
+        client_id: Optional[str] = None,
+    ) -> None:
+        if not addresses:
+            raise InvalidArgumentError("Client needs at least one shard address")
+        if wire_dtype not in _WIRE:
+            raise InvalidArgumentError(f"wire_dtype must be one of {sorted(_WIRE)}, got {wire_dtype!r}")
+        self.addresses = list(addresses)
+        self.num_shards = len(self.addresses)
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        self.wire_dtype = _WIRE[wire_dtype]
+        self.max_message_bytes = int(max_message_bytes)
+        self.read_your_writes = read_your_writes
+        self.client_id = client_id or uuid.uuid4().hex
+        limit = max(self.max_message_bytes + 64 * 1024, 4 * MiB)
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._stubs = [pb_grpc.ShardStub(ch) for ch in self._channels]
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 4 * self.num_shards), thread_name_prefix="shardps-client")
+        self._seq = [itertools.count(1) for _ in self.addresses]
+        self._seq_lock = threading.Lock()
+        self._tables: dict[str, TableSpec] = {}
+        self._dense: dict[str, DenseSpec] = {}
+        self._pending: dict[str, set[Future]] = {}
+        self._pending_lock = threading.Lock()
+        self._inflight = threading.BoundedSemaphore(max_inflight_pushes)
+        self._errors: list[BaseException] = []
+        self._closed = False
+        if check_shard_map:
+            self.check_shard_map()
+
+    @classmethod
+    def from_file(cls, path: str, **kwargs: Any) -> "Client":
+        """Connect to the cluster described by a cluster file (written by ``shardps cluster``)."""
+        with open(path) as f:
+            data = json.load(f)
+        return cls(data["addresses"], **kwargs)
+
+    # ---- plumbing --------------------------------------------------------------------
+
+    def _call(self, shard: int, method: str, request: Any, retry: bool = True) -> Any:
+        """One RPC with a deadline, retried with backoff while the shard is UNAVAILABLE."""
+        stub_method = getattr(self._stubs[shard], method)
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                return stub_method(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if retry and e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+                    time.sleep(delay * (0.5 + random.random()))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise from_rpc_error(e, self.addresses[shard], method) from None
+
+    def _fan_out(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+        """Run calls on their shards in parallel; results in order; raises the first error."""
+        if len(calls) == 1:
+            return [self._call(*calls[0])]
+        futures = [self._pool.submit(self._call, *c) for c in calls]
+        results, first_error = [], None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below after all finished
+                first_error = first_error or e
+                results.append(None)
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def _map(self, shard: int) -> pb.ShardMap:
+        return pb.ShardMap(shard_index=shard, num_shards=self.num_shards)
+
+    def check_shard_map(self) -> list[pb.ShardInfoResponse]:
+        """Verify that shard i of the address list reports (index i, count len(addresses))."""
+        infos = self.shard_info()
+        for i, info in enumerate(infos):
+            if (info.shard_index, info.num_shards) != (i, self.num_shards):
+                raise ShardMapError(
+                    f"address list does not match the cluster: position {i} ({self.addresses[i]}) is shard "
+                    f"{info.shard_index} of {info.num_shards}, but the client was given {self.num_shards} "
+                    f"addresses (list the shards in index order 0..{info.num_shards - 1})",
+                    address=self.addresses[i],
+                )
+        return infos
+
+    def shard_info(self) -> list[pb.ShardInfoResponse]:
+        """ShardInfo of every shard, in index order."""
+        return self._fan_out([(s, "ShardInfo", pb.ShardInfoRequest()) for s in range(self.num_shards)])
+
+    def _next_seq(self, shard: int) -> int:
+        with self._seq_lock:
+            return next(self._seq[shard])
+
+    # ---- tables ----------------------------------------------------------------------
+
+    def create_table(
+        self,
+        name: str,
+        dim: int,
+        num_embeddings: Optional[int] = None,
+        optimizer: Optional[Optimizer] = None,
+        initializer: Optional[Initializer] = None,
+        staleness: Optional[Staleness] = None,
+        allow_nonfinite: bool = False,
+    ) -> bool:
+        """Create a table on every shard; True if created, False if an equal one existed.
+
+        ``num_embeddings=None`` makes an unbounded table (any int64 id). The
+        default initializer is normal(0, 1), like ``torch.nn.Embedding``, seeded
+        from the table name. A table of the same name with another spec raises
+        TableExistsError.
+        """
+        try:
+            spec = TableSpec(
+                name=name, dim=dim, num_embeddings=num_embeddings, optimizer=optimizer or SGD(),
+                initializer=initializer or Initializer(kind="normal", std=1.0, seed=name_hash(name) >> 1),
+                staleness=staleness or Staleness(), allow_nonfinite=allow_nonfinite,
+            )
+        except (_ServerInvalidArgument, ValueError) as e:
+            raise InvalidArgumentError(str(e)) from None
+        msg = table_spec_to_pb(spec)
+        results = self._fan_out(
+            [(s, "CreateTable", pb.CreateTableRequest(spec=msg, shard_map=self._map(s))) for s in range(self.num_shards)]
+        )
+        self._tables[name] = spec
+        return any(r.created for r in results)
+
+    def table_spec(self, name: str) -> TableSpec:
+        """The spec of a table (asked of shard 0 the first time, then cached)."""
+        spec = self._tables.get(name)
+        if spec is None:
+            info = self._call(0, "DescribeTable", pb.DescribeTableRequest(name=name))
+            if not info.HasField("spec"):
+                raise InvalidArgumentError(f"{name!r} is a dense tensor, not a table")
+            spec = self._tables[name] = table_spec_from_pb(info.spec)
+        return spec
+
+    def describe_table(self, name: str) -> list[pb.TableInfo]:
+        """What each shard holds of a table or dense tensor (rows, bytes)."""
+        return self._fan_out([(s, "DescribeTable", pb.DescribeTableRequest(name=name)) for s in range(self.num_shards)])
+
+    def drop_table(self, name: str) -> bool:
+        """Drop a table or dense tensor on every shard."""
+        self.flush()
+        results = self._fan_out([(s, "DropTable", pb.DropTableRequest(name=name)) for s in range(self.num_shards)])
+        self._tables.pop(name, None)
+        self._dense.pop(name, None)
+        return any(r.dropped for r in results)
+
+    def _check_ids(self, spec: TableSpec, ids: np.ndarray) -> None:
+        if ids.size == 0:
+            raise InvalidArgumentError(f"{spec.name}: request has no ids")
+        if spec.num_embeddings is not None:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= spec.num_embeddings:
+                raise IdOutOfRangeError(
+                    f"{spec.name}: id {lo if lo < 0 else hi} out of range [0, {spec.num_embeddings})"
+                )
+
+    def _rows_per_message(self, dim: int, wire: int) -> int:
+        return max(1, self.max_message_bytes // (dim * _WIRE_BYTES[wire] + 8))
+
+    def pull(self, table: str, ids: IdsLike, device: Any = None, wire_dtype: Optional[str] = None) -> torch.Tensor:
+        """Rows of ``ids`` (any shape): float32 tensor of shape ids.shape + (dim,)."""
+        return self.pull_with_version(table, ids, device, wire_dtype)[0]
+
+    def pull_with_version(
+        self, table: str, ids: IdsLike, device: Any = None, wire_dtype: Optional[str] = None
+    ) -> tuple[torch.Tensor, Versions]:
+        """Like ``pull``, also returning the shard versions the rows were read at."""
+        spec = self.table_spec(table)
+        ids_np = _ids_to_numpy(ids)
+        self._check_ids(spec, ids_np)
+        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        if self.read_your_writes:
+            self._wait_pending(table)
+        flat = ids_np.reshape(-1)
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        rows, versions = self._pull_unique(spec, uniq, wire)
+        out = torch.from_numpy(rows[inverse.reshape(-1)].reshape(ids_np.shape + (spec.dim,)))
+        if device is not None:
+            out = out.to(device, non_blocking=True)
+        return out, versions
+
+    def _pull_unique(self, spec: TableSpec, uniq: np.ndarray, wire: int) -> tuple[np.ndarray, Versions]:
+        order, bounds = split_by_shard(uniq, self.num_shards)
+        step = self._rows_per_message(spec.dim, wire)
+        calls, slices = [], []
+        for s in range(self.num_shards):
+            idx = order[bounds[s] : bounds[s + 1]]
+            for start in range(0, idx.shape[0], step):
+                part = idx[start : start + step]
+                req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire, shard_map=self._map(s))
+                calls.append((s, "Pull", req))
+                slices.append(part)
+        replies = self._fan_out(calls)
+        rows = np.empty((uniq.shape[0], spec.dim), dtype=np.float32)
+        versions: dict[int, int] = {}
+        for (s, _, _), part, reply in zip(calls, slices, replies):
+            rows[part] = codec.decode(reply.rows, "rows")
+            versions[s] = min(reply.version, versions.get(s, reply.version))
+        return rows, Versions(versions)
+
+    def push(
+        self,
+        table: str,
+        ids: IdsLike,
+        grads: Union[torch.Tensor, np.ndarray],
+        versions: Optional[Versions] = None,
+        wait: bool = False,
+        wire_dtype: Optional[str] = None,
+    ) -> None:
+        """Send gradients of ``ids`` (grads: ids.shape + (dim,)); duplicate ids are summed.
+
+        Asynchronous: returns once the push is sent; ``flush()`` waits for it and
+        raises any error a shard reported. ``versions`` (from
+        ``pull_with_version``) lets shards compute staleness; ``wait=True``
+        blocks until applied.
+        """
+        spec = self.table_spec(table)
+        ids_np = _ids_to_numpy(ids)
+        g = _grads_to_numpy(grads, f"{table}: grads")
+        self._check_ids(spec, ids_np)
+        if g.shape != ids_np.shape + (spec.dim,):
+            raise InvalidArgumentError(
+                f"{table}: grads must have shape {list(ids_np.shape) + [spec.dim]} (ids.shape + (dim,)), got {list(g.shape)}"
+            )
+        if not spec.allow_nonfinite and not np.isfinite(g).all():
+            raise InvalidArgumentError(f"{table}: gradient contains NaN or Inf; push rejected")
+        uniq, summed = coalesce(ids_np.reshape(-1), g.reshape(-1, spec.dim))
+        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        order, bounds = split_by_shard(uniq, self.num_shards)
+        step = self._rows_per_message(spec.dim, wire)
+        calls = []
+        for s in range(self.num_shards):
+            idx = order[bounds[s] : bounds[s + 1]]
+            for start in range(0, idx.shape[0], step):
+                part = idx[start : start + step]
+                req = pb.PushRequest(
+                    table=table, ids=codec.encode(uniq[part]), grads=codec.encode(summed[part], wire),
+                    client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
+                )
+                if versions is not None and s in versions.by_shard:
+                    req.pulled_version = versions.by_shard[s]
+                calls.append((s, "Push", req))
+        self._submit_pushes(table, calls, wait)
+
+    def _submit_pushes(self, key: str, calls: list[tuple[int, str, Any]], wait: bool) -> None:
+        futures = []
+        for call in calls:
+            self._inflight.acquire()
+            try:
+                f = self._pool.submit(self._call, *call)
+            except BaseException:
+                self._inflight.release()
+                raise
+            with self._pending_lock:
+                self._pending.setdefault(key, set()).add(f)
+            f.add_done_callback(lambda f, key=key: self._push_done(key, f))
+            futures.append(f)
+        if wait:
+            for f in futures:
+                f.result()
+
+    def _push_done(self, key: str, f: Future) -> None:
+        self._inflight.release()
+        with self._pending_lock:
+            self._pending.get(key, set()).discard(f)
+            if f.exception() is not None:
+                self._errors.append(f.exception())  # type: ignore[arg-type]
+
+    def _wait_pending(self, key: Optional[str] = None) -> None:
+        with self._pending_lock:
+            if key is None:
+                waiting = [f for fs in self._pending.values() for f in fs]
+            else:
+                waiting = list(self._pending.get(key, ()))
+        for f in waiting:
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - recorded by _push_done, raised by flush()
+                pass
+
+    def flush(self) -> None:
+        """Wait until every push sent so far is applied; raise the first error any of them met."""
+        self._wait_pending()
+        with self._pending_lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            for e in errors[1:]:
+                log.error("another push failed: %s", e)
+            raise errors[0]
+
+    # ---- dense tensors ---------------------------------------------------------------
+
+    def register_dense(
+        self,
+        name: str,
+        value: Union[torch.Tensor, np.ndarray],
+        optimizer: Optional[Optimizer] = None,
+        staleness: Optional[Staleness] = None,
+        chunk_bytes: int = 1 * MiB,
+        allow_nonfinite: bool = False,
+    ) -> bool:
+        """Register a dense tensor with its initial value; True if this call created it.
+
+        A tensor larger than ``chunk_bytes`` is split into row chunks spread
+        over the shards. If the tensor exists with the same spec, rows already
+        initialised keep their (possibly trained) values: first writer wins.
+        """
+        arr = _grads_to_numpy(value, f"{name}: value")
+        if not np.isfinite(arr).all():
+            raise InvalidArgumentError(f"{name}: initial value contains NaN or Inf")
+        shape = tuple(arr.shape)
+        rows2d = arr.reshape(shape[0], -1) if arr.ndim >= 2 else arr.reshape(1, -1)
+        cols = rows2d.shape[1]
+        chunk_rows = 0 if rows2d.nbytes <= chunk_bytes else max(1, chunk_bytes // (cols * 4))
+        try:
+            spec = DenseSpec(
+                name=name, shape=shape, optimizer=optimizer or SGD(), staleness=staleness or Staleness(),
+                chunk_rows=chunk_rows, allow_nonfinite=allow_nonfinite,
+            )
+        except _ServerInvalidArgument as e:
+            raise InvalidArgumentError(str(e)) from None
+        msg = dense_spec_to_pb(spec)
+        calls = []
+        for s, start, end in self._dense_pieces(spec, pb.FLOAT32):
+            req = pb.RegisterDenseRequest(
+                spec=msg, row_start=start, values=codec.encode(rows2d[start:end]), shard_map=self._map(s)
+            )
+            calls.append((s, "RegisterDense", req))
+        results = self._fan_out(calls)
+        self._dense[name] = spec
+        return any(r.created for r in results)
+
+    def _dense_pieces(self, spec: DenseSpec, wire: int) -> Iterable[tuple[int, int, int]]:
+        step = self._rows_per_message(spec.cols, wire)
+        for s, start, end in dense_row_ranges(spec.name, spec.rows, spec.chunk_rows, self.num_shards):
+            for a in range(start, end, step):
+                yield s, a, min(a + step, end)
+
+    def dense_spec(self, name: str) -> DenseSpec:
+        spec = self._dense.get(name)
+        if spec is None:
+            info = self._call(0, "DescribeTable", pb.DescribeTableRequest(name=name))
+            if not info.HasField("dense"):
+                raise InvalidArgumentError(f"{name!r} is a table, not a dense tensor")
+            spec = self._dense[name] = dense_spec_from_pb(info.dense)
+        return spec
+
+    def pull_dense(
+        self, name: str, device: Any = None, wire_dtype: Optional[str] = None
+    ) -> tuple[torch.Tensor, Versions]:
+        """The current value of a dense tensor (its registered shape) and the versions read at."""
+        spec = self.dense_spec(name)
+        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        if self.read_your_writes:
+            self._wait_pending(name)
+        pieces = list(self._dense_pieces(spec, wire))
+        calls = [
+            (s, "PullDense", pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire, shard_map=self._map(s)))
+            for s, a, b in pieces
+        ]
+        replies = self._fan_out(calls)
+        out = np.empty((spec.rows, spec.cols), dtype=np.float32)
+        versions: dict[int, int] = {}
+        for (s, a, b), reply in zip(pieces, replies):
+            out[a:b] = codec.decode(reply.rows, "rows")
+            versions[s] = min(reply.version, versions.get(s, reply.version))
+        t = torch.from_numpy(out.reshape(spec.shape))
+        return (t.to(device) if device is not None else t), Versions(versions)
+
+    def push_dense(
+        self,
+        name: str,
+        grad: Union[torch.Tensor, np.ndarray],
+        versions: Optional[Versions] = None,
+        wait: bool = False,
+        wire_dtype: Optional[str] = None,
+    ) -> None:
+        """Send the gradient of a whole dense tensor (asynchronous, like ``push``)."""
+        spec = self.dense_spec(name)
+        g = _grads_to_numpy(grad, f"{name}: grad")
+        if tuple(g.shape) != spec.shape:
+            raise InvalidArgumentError(f"{name}: grad must have shape {list(spec.shape)}, got {list(g.shape)}")
+        if not spec.allow_nonfinite and not np.isfinite(g).all():
+            raise InvalidArgumentError(f"{name}: gradient contains NaN or Inf; push rejected")
+        g2 = g.reshape(spec.rows, spec.cols)
+        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        calls = []
+        for s, a, b in self._dense_pieces(spec, wire):
+            req = pb.PushDenseRequest(
+                name=name, row_start=a, grads=codec.encode(g2[a:b], wire), client_id=self.client_id,
+                seq=self._next_seq(s), shard_map=self._map(s),
+            )
+            if versions is not None and s in versions.by_shard:
+                req.pulled_version = versions.by_shard[s]
+            calls.append((s, "PushDense", req))
+        self._submit_pushes(name, calls, wait)
+
+    # ---- cluster operations ----------------------------------------------------------
+
+    def checkpoint(self, checkpoint_id: Optional[str] = None) -> str:
+        """Flush, then checkpoint every shard under one id; returns the id."""
+        self.flush()
+        cid = checkpoint_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self._fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid)) for s in range(self.num_shards)])
+        return cid
+
+    def close(self) -> None:
+        """Flush pending pushes (errors are logged) and close the channels."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        except ShardpsError as e:
+            log.error("pending push failed at close: %s", e)
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+            for ch in self._channels:
+                ch.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ids_to_numpy(ids: IdsLike) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidArgumentError(f"ids must be an integer tensor (int64 or int32), got {ids.dtype}")
+        return ids.detach().to("cpu", torch.int64).numpy()
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"ids must be integers, got {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= 2**63:
+        raise IdOutOfRangeError("ids must fit in int64")
+    return arr.astype(np.int64, copy=False)
+
+
+def _grads_to_numpy(g: Union[torch.Tensor, np.ndarray], what: str) -> np.ndarray:
+    if isinstance(g, torch.Tensor):
+        if not g.is_floating_point():
+            raise InvalidArgumentError(f"{what} must be a floating-point tensor, got {g.dtype}")
+        return g.detach().to("cpu", torch.float32).numpy()
+    arr = np.asarray(g)
+    if arr.dtype.kind != "f":
+        raise InvalidArgumentError(f"{what} must be floating point, got {arr.dtype}")
+    return arr.astype(np.float32, copy=False)
+
+
+__all__ = ["Client", "Versions"]
+

@@ -1,0 +1,81 @@
+"""Exceptions raised by the client; each names the shard address involved."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+
+class ShardpsError(Exception):
+    """Base class of client errors.
+
+    Attributes:
+        address: the shard's address, when one shard is involved.
+        code: the gRPC status code, when the error came from a shard.
+    """
+
+    def __init__(self, message: str, address: Optional[str] = None, code: Optional[grpc.StatusCode] = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.code = code
+
+
+class InvalidArgumentError(ShardpsError, ValueError):
+    """Wrong dims, dtypes or shapes, non-finite gradients, empty requests."""
+
+
+class TableNotFoundError(ShardpsError, KeyError):
+    """Unknown table or dense tensor."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class TableExistsError(ShardpsError):
+    """A table or dense tensor exists with a different spec."""
+
+
+class IdOutOfRangeError(ShardpsError, IndexError):
+    """Ids outside [0, num_embeddings) of a fixed table, or negative."""
+
+
+class ShardMapError(ShardpsError):
+    """The address list does not match the shards' (index, count), or an id reached the wrong shard."""
+
+
+class StaleUpdateError(ShardpsError):
+    """A push was staler than the table's max_staleness and was rejected."""
+
+
+class RequestTooLargeError(ShardpsError):
+    """A request or reply exceeded a message size limit."""
+
+
+class ShardUnavailableError(ShardpsError):
+    """A shard could not be reached within the retry window."""
+
+
+class ShardTimeoutError(ShardpsError):
+    """A call did not finish within its deadline."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
+    grpc.StatusCode.OUT_OF_RANGE: IdOutOfRangeError,
+    grpc.StatusCode.FAILED_PRECONDITION: ShardMapError,
+    grpc.StatusCode.ABORTED: StaleUpdateError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: RequestTooLargeError,
+    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ShardTimeoutError,
+}
+
+
+def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:
+    """Translate a gRPC error of call ``what`` to ``address`` into a client exception."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    cls = _BY_CODE.get(code, ShardpsError)
+    return cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)

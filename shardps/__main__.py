@@ -1,0 +1,5 @@
+import sys
+
+from shardps.cli import main
+
+sys.exit(main())

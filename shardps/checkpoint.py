@@ -1,0 +1,149 @@
+"""Atomic, checksummed checkpoint files.
+
+Layout of one file::
+
+    b"SHARDPS1" | u64 header length | header (JSON) | array bytes ... | sha256 of all before
+
+The header lists every array (name, dtype, shape, offset). A file is written
+under a temporary name, fsynced, renamed into place and the directory fsynced,
+so a crash leaves either the old or the new checkpoint, never half of one; a
+truncated or corrupted file fails its checksum on load and is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import pathlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SHARDPS1"
+SUFFIX = ".ckpt"
+_ALIGN = 64
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint file failed its checksum or could not be parsed."""
+
+
+@dataclass
+class Loaded:
+    """A checkpoint read back: its metadata, arrays and file."""
+
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    path: pathlib.Path
+
+
+class _HashingWriter:
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.h = hashlib.sha256()
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.h.update(data)
+        self.pos += len(data)
+
+
+def write(path: pathlib.Path, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
+    """Write a checkpoint atomically to ``path``; returns its size in bytes."""
+    entries = []
+    offset = 0
+    for name, arr in arrays.items():
+        arr = np.ascontiguousarray(arr)
+        entries.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset})
+        offset += -(-arr.nbytes // _ALIGN) * _ALIGN
+    header = json.dumps({"meta": meta, "arrays": entries}).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        w = _HashingWriter(f)
+        w.write(MAGIC)
+        w.write(struct.pack("<Q", len(header)))
+        w.write(header)
+        w.write(b"\0" * (-w.pos % _ALIGN))
+        for arr in arrays.values():
+            data = np.ascontiguousarray(arr)
+            w.write(memoryview(data).cast("B"))
+            w.write(b"\0" * (-data.nbytes % _ALIGN))
+        f.write(w.h.digest())
+        f.flush()
+        os.fsync(f.fileno())
+        size = w.pos + 32
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return size
+
+
+def fsync_dir(d: pathlib.Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(path: pathlib.Path) -> Loaded:
+    """Read and verify a checkpoint; raises CorruptCheckpoint on any damage."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < len(MAGIC) + 8 + 32:
+            raise CorruptCheckpoint(f"{path}: truncated ({size} bytes)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            body = memoryview(mm)[: size - 32]
+            try:
+                if hashlib.sha256(body).digest() != mm[size - 32 :]:
+                    raise CorruptCheckpoint(f"{path}: checksum mismatch (truncated or corrupted)")
+                if body[: len(MAGIC)] != MAGIC:
+                    raise CorruptCheckpoint(f"{path}: not a shardps checkpoint")
+                (hlen,) = struct.unpack("<Q", body[8:16])
+                header = json.loads(bytes(body[16 : 16 + hlen]))
+                base = 16 + hlen + (-(16 + hlen) % _ALIGN)
+                arrays = {}
+                for e in header["arrays"]:
+                    dt = np.dtype(e["dtype"])
+                    count = int(np.prod(e["shape"], dtype=np.int64))
+                    start = base + e["offset"]
+                    arr = np.frombuffer(body[start : start + count * dt.itemsize], dtype=dt).reshape(e["shape"])
+                    arrays[e["name"]] = arr.copy()
+                    del arr
+            finally:
+                body.release()
+    return Loaded(meta=header["meta"], arrays=arrays, path=path)
+
+
+def list_checkpoints(data_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Checkpoint files in ``data_dir``, newest first (by the sequence number in the name)."""
+    files = [p for p in data_dir.glob("ckpt-*" + SUFFIX)]
+    return sorted(files, key=lambda p: p.name, reverse=True)
+
+
+def load_newest(data_dir: pathlib.Path) -> Iterator[Loaded]:
+    """Yield valid checkpoints newest first, logging and skipping corrupt ones."""
+    for path in list_checkpoints(data_dir):
+        try:
+            yield read(path)
+        except (CorruptCheckpoint, ValueError, KeyError, OSError) as e:
+            log.error("skipping corrupt checkpoint %s: %s", path, e)
+
+
+def file_name(seqno: int, checkpoint_id: str) -> str:
+    return f"ckpt-{seqno:012d}-{checkpoint_id}{SUFFIX}"
+
+
+def prune(data_dir: pathlib.Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest checkpoints (and stale temporary files)."""
+    for old in list_checkpoints(data_dir)[keep:]:
+        old.unlink(missing_ok=True)
+    for tmp in data_dir.glob("*.tmp"):
+        tmp.unlink(missing_ok=True)

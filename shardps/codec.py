@@ -1,0 +1,71 @@
+"""Arrays to and from the wire ``Tensor`` message (raw little-endian bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shardps.errors import InvalidArgument
+from shardps.v1 import shardps_pb2 as pb
+
+# numpy has no bfloat16: it travels as uint16 holding the upper half of a float32.
+_NP_OF = {
+    pb.FLOAT32: np.dtype("<f4"),
+    pb.FLOAT16: np.dtype("<f2"),
+    pb.BFLOAT16: np.dtype("<u2"),
+    pb.INT64: np.dtype("<i8"),
+}
+DTYPE_NAMES = {pb.FLOAT32: "float32", pb.FLOAT16: "float16", pb.BFLOAT16: "bfloat16", pb.INT64: "int64"}
+WIRE_FLOAT_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
+
+
+def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest even), returned as uint16 bit patterns."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    nan = np.isnan(x)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(
+        np.uint16
+    )
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Widen uint16 bfloat16 bit patterns to float32."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def encode(array: np.ndarray, dtype: int = pb.DTYPE_UNSPECIFIED) -> pb.Tensor:
+    """Encode ``array`` as a Tensor, converting float data to ``dtype`` if given."""
+    array = np.asarray(array)
+    if dtype == pb.DTYPE_UNSPECIFIED:
+        dtype = pb.INT64 if array.dtype.kind in "iu" else pb.FLOAT32
+    if dtype == pb.BFLOAT16:
+        data = float32_to_bfloat16_bits(array.astype(np.float32, copy=False))
+    else:
+        data = np.ascontiguousarray(array, dtype=_NP_OF[dtype])
+    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=data.tobytes())
+
+
+def decode(t: pb.Tensor, what: str, as_float32: bool = True) -> np.ndarray:
+    """Decode a Tensor to numpy (a zero-copy read-only view where possible).
+
+    Float payloads are widened to float32 when ``as_float32``; errors name ``what``.
+    """
+    np_dtype = _NP_OF.get(t.dtype)
+    if np_dtype is None:
+        raise InvalidArgument(f"{what}: unsupported or missing dtype {t.dtype}")
+    shape = tuple(int(s) for s in t.shape)
+    if any(s < 0 for s in shape):
+        raise InvalidArgument(f"{what}: negative dimension in shape {shape}")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count * np_dtype.itemsize != len(t.data):
+        raise InvalidArgument(
+            f"{what}: {len(t.data)} bytes do not match shape {list(shape)} of {DTYPE_NAMES[t.dtype]}"
+        )
+    arr = np.frombuffer(t.data, dtype=np_dtype).reshape(shape)
+    if as_float32 and t.dtype == pb.BFLOAT16:
+        return bfloat16_bits_to_float32(arr)
+    if as_float32 and t.dtype == pb.FLOAT16:
+        return arr.astype(np.float32)
+    return arr

@@ -1,0 +1,39 @@
+"""Exception types raised inside the shard; the servicer maps them to gRPC codes."""
+
+from __future__ import annotations
+
+
+class ShardError(Exception):
+    """Base class of errors a shard reports to its caller."""
+
+
+class InvalidArgument(ShardError):
+    """Malformed request: wrong dtype, shape, dim, non-finite values, empty ids."""
+
+
+class NotFound(ShardError):
+    """Unknown table or dense tensor."""
+
+
+class AlreadyExists(ShardError):
+    """A table or dense tensor exists with a different spec."""
+
+
+class OutOfRange(ShardError):
+    """Ids outside [0, num_embeddings) or rows outside a dense tensor."""
+
+
+class WrongShard(ShardError):
+    """The request addresses ids, rows or a shard map this shard does not own."""
+
+
+class StaleUpdate(ShardError):
+    """A push exceeded the table's max_staleness."""
+
+
+class ResourceExhausted(ShardError):
+    """The request is too large for this shard."""
+
+
+class Unavailable(ShardError):
+    """The shard is not ready (restoring, shutting down)."""

@@ -1,0 +1,190 @@
+"""Server-side optimizer math: pure functions over row arrays with explicit state.
+
+Each optimizer is a frozen dataclass holding its hyper-parameters (defaults as
+in ``torch.optim``) and a ``step`` function that updates a block of rows in
+place. Storage gathers the rows touched by a push, calls ``step`` on the
+gathered copies and scatters them back; the math knows nothing of storage.
+
+Sparse semantics are lazy: only rows present in a push change, and every row
+carries its own step count, so a row's trajectory equals ``torch.optim``
+applied to that row as a parameter of its own, stepped whenever it receives a
+gradient (the reference used by the tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SGD:
+    """Stochastic gradient descent, as ``torch.optim.SGD``.
+
+    Args:
+        lr: learning rate.
+        momentum: momentum factor; 0 keeps no per-row buffer.
+        dampening: dampening for momentum.
+        weight_decay: L2 penalty added to the gradient.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening == 0).
+    """
+
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.lr >= 0, f"SGD lr must be >= 0, got {self.lr}")
+        _check(self.momentum >= 0, f"SGD momentum must be >= 0, got {self.momentum}")
+        _check(self.weight_decay >= 0, f"SGD weight_decay must be >= 0, got {self.weight_decay}")
+        _check(
+            not self.nesterov or (self.momentum > 0 and self.dampening == 0),
+            "SGD nesterov needs momentum > 0 and dampening == 0",
+        )
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.momentum != 0 else ()
+
+    def initial_state(self, name: str) -> float:
+        return 0.0
+
+    def step(
+        self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray, lr_scale: float
+    ) -> None:
+        lr = self.lr * lr_scale
+        d_p = grad
+        if self.weight_decay != 0:
+            d_p = d_p + np.float32(self.weight_decay) * param
+        if self.momentum != 0:
+            buf = state["momentum_buffer"]
+            first = (step == 1)[:, None]
+            updated = np.float32(self.momentum) * buf + np.float32(1 - self.dampening) * d_p
+            buf[...] = np.where(first, d_p, updated)
+            d_p = d_p + np.float32(self.momentum) * buf if self.nesterov else buf
+        param -= np.float32(lr) * d_p
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """Adagrad, as ``torch.optim.Adagrad``.
+
+    Args:
+        lr: learning rate.
+        lr_decay: learning-rate decay per step of the row.
+        weight_decay: L2 penalty added to the gradient.
+        initial_accumulator_value: starting value of the squared-gradient sum.
+        eps: added to the denominator.
+    """
+
+    lr: float = 1e-2
+    lr_decay: float = 0.0
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-10
+
+    def __post_init__(self) -> None:
+        _check(self.lr >= 0, f"Adagrad lr must be >= 0, got {self.lr}")
+        _check(self.lr_decay >= 0, f"Adagrad lr_decay must be >= 0, got {self.lr_decay}")
+        _check(self.weight_decay >= 0, f"Adagrad weight_decay must be >= 0, got {self.weight_decay}")
+        _check(
+            self.initial_accumulator_value >= 0,
+            f"Adagrad initial_accumulator_value must be >= 0, got {self.initial_accumulator_value}",
+        )
+        _check(self.eps >= 0, f"Adagrad eps must be >= 0, got {self.eps}")
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("sum",)
+
+    def initial_state(self, name: str) -> float:
+        return self.initial_accumulator_value
+
+    def step(
+        self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray, lr_scale: float
+    ) -> None:
+        if self.weight_decay != 0:
+            grad = grad + np.float32(self.weight_decay) * param
+        clr = (self.lr * lr_scale) / (1 + (step.astype(np.float64) - 1) * self.lr_decay)
+        acc = state["sum"]
+        acc += grad * grad
+        std = np.sqrt(acc) + np.float32(self.eps)
+        param -= clr.astype(np.float32)[:, None] * (grad / std)
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Adam, as ``torch.optim.Adam`` (L2 weight decay, not AdamW), lazy per row.
+
+    Args:
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: L2 penalty added to the gradient.
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        _check(self.lr >= 0, f"Adam lr must be >= 0, got {self.lr}")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"Adam betas must be in [0, 1), got {self.betas}")
+        _check(self.eps >= 0, f"Adam eps must be >= 0, got {self.eps}")
+        _check(self.weight_decay >= 0, f"Adam weight_decay must be >= 0, got {self.weight_decay}")
+
+    def state_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def initial_state(self, name: str) -> float:
+        return 0.0
+
+    def step(
+        self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray, lr_scale: float
+    ) -> None:
+        beta1, beta2 = self.betas
+        if self.weight_decay != 0:
+            grad = grad + np.float32(self.weight_decay) * param
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m += np.float32(1 - beta1) * (grad - m)
+        v *= np.float32(beta2)
+        v += np.float32(1 - beta2) * (grad * grad)
+        steps = step.astype(np.float64)
+        step_size = (self.lr * lr_scale) / (1 - beta1**steps)
+        bc2_sqrt = np.sqrt(1 - beta2**steps)
+        denom = np.sqrt(v) / bc2_sqrt.astype(np.float32)[:, None] + np.float32(self.eps)
+        param -= step_size.astype(np.float32)[:, None] * (m / denom)
+
+
+Optimizer = Union[SGD, Adagrad, Adam]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def optimizer_to_dict(opt: Optimizer) -> dict:
+    """A JSON-able description, e.g. ``{"type": "adam", "lr": 0.001, ...}``."""
+    d = dataclasses.asdict(opt)
+    d["type"] = type(opt).__name__.lower()
+    if "betas" in d:
+        d["betas"] = list(d["betas"])
+    return d
+
+
+def optimizer_from_dict(d: dict) -> Optimizer:
+    """Inverse of :func:`optimizer_to_dict`."""
+    d = dict(d)
+    kind = d.pop("type")
+    cls = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam}.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown optimizer type {kind!r}")
+    if "betas" in d:
+        d["betas"] = tuple(d["betas"])
+    return cls(**d)

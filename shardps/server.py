@@ -1,0 +1,134 @@
+"""Start and stop a shard server.
+
+``ShardServer`` wires a ``Shard`` to a gRPC server with the standard health
+service, a periodic checkpoint thread and graceful shutdown. ``serve`` runs
+one until SIGTERM or SIGINT (the ``shardps serve`` command).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shardps.servicer import ShardServicer
+from shardps.shard import Shard, ShardConfig
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "shardps.v1.Shard"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How a shard serves.
+
+    Args:
+        host: address to bind (127.0.0.1 for local clusters, 0.0.0.0 in containers).
+        port: port to bind; 0 picks a free one.
+        workers: gRPC handler threads.
+        max_message_mb: largest request or reply in MiB (gRPC's default is 4).
+        checkpoint_interval_s: seconds between periodic checkpoints (0: none).
+        grace_s: seconds in-flight calls get to finish on shutdown.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    workers: int = 8
+    max_message_mb: int = 4
+    checkpoint_interval_s: float = 0.0
+    grace_s: float = 5.0
+
+
+class ShardServer:
+    """A running shard: gRPC server, health service and background checkpoints."""
+
+    def __init__(self, shard_config: ShardConfig, server_config: ServerConfig = ServerConfig()) -> None:
+        self.shard = Shard(shard_config)
+        self.config = server_config
+        limit = server_config.max_message_mb * 1024 * 1024
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=server_config.workers, thread_name_prefix="shardps"),
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+        )
+        pb_grpc.add_ShardServicer_to_server(ShardServicer(self.shard), self._server)
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.port = self._server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {server_config.host}:{server_config.port}")
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._ckpt_thread: Optional[threading.Thread] = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> "ShardServer":
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.checkpoint_interval_s > 0 and self.shard.data_dir is not None:
+            self._ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="checkpointer", daemon=True)
+            self._ckpt_thread.start()
+        log.info("shard %d of %d serving on %s", self.shard.index, self.shard.num_shards, self.address)
+        return self
+
+    def _checkpoint_loop(self) -> None:
+        while not self._stop.wait(self.config.checkpoint_interval_s):
+            try:
+                self.shard.checkpoint()
+            except Exception:
+                log.exception("periodic checkpoint failed")
+
+    def stop(self, checkpoint: bool = True) -> None:
+        """Stop serving: refuse new calls, let in-flight ones finish, then checkpoint."""
+        if self._stopped.is_set():
+            return
+        self._stop.set()
+        self._health.enter_graceful_shutdown()
+        self._server.stop(self.config.grace_s).wait()
+        if self._ckpt_thread is not None:
+            self._ckpt_thread.join()
+        if checkpoint and self.shard.data_dir is not None and self.shard.config.durability != "none":
+            self.shard.checkpoint("shutdown")
+        self._stopped.set()
+        log.info("shard %d stopped", self.shard.index)
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def __enter__(self) -> "ShardServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(shard_config: ShardConfig, server_config: ServerConfig, ready_file: Optional[str] = None) -> int:
+    """Run a shard until SIGTERM or SIGINT; returns the process exit code."""
+    server = ShardServer(shard_config, server_config).start()
+    print(f"shardps shard {shard_config.shard_index}/{shard_config.num_shards} listening on {server.address}", flush=True)
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(server.address)
+    done = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not done.wait(0.5):
+        pass
+    server.stop()
+    return 0

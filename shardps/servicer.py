@@ -1,0 +1,159 @@
+"""gRPC servicer: decode the request, call the shard, encode the reply.
+
+Exceptions become status codes here and only here (``_STATUS``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from shardps import codec
+from shardps.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    ShardError,
+    StaleUpdate,
+    Unavailable,
+    WrongShard,
+)
+from shardps.shard import Shard
+from shardps.specs import dense_spec_from_pb, table_spec_from_pb
+from shardps.v1 import shardps_pb2 as pb
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_STATUS: dict[type, grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    WrongShard: grpc.StatusCode.FAILED_PRECONDITION,
+    StaleUpdate: grpc.StatusCode.ABORTED,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _rpc(method: F) -> F:
+    """Run a servicer method, turning shard errors into status codes."""
+
+    @functools.wraps(method)
+    def wrapper(self: "ShardServicer", request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except ShardError as e:
+            with self.shard.stats.lock:
+                self.shard.stats.errors += 1
+            code = _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
+            context.abort(code, f"shard {self.shard.index}: {e}")
+        except Exception:
+            log.exception("internal error in %s", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method.__name__}")
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _ids(t: pb.Tensor) -> Any:
+    if t.dtype != pb.INT64:
+        raise InvalidArgument(f"ids must be int64, got {codec.DTYPE_NAMES.get(t.dtype, t.dtype)}")
+    return codec.decode(t, "ids")
+
+
+def _grads(t: pb.Tensor, what: str = "grads") -> Any:
+    if t.dtype not in codec.WIRE_FLOAT_DTYPES:
+        raise InvalidArgument(f"{what} must be float32, float16 or bfloat16, got {codec.DTYPE_NAMES.get(t.dtype, t.dtype)}")
+    return codec.decode(t, what)
+
+
+def _wire(dtype: int) -> int:
+    if dtype == pb.DTYPE_UNSPECIFIED:
+        return pb.FLOAT32
+    if dtype not in codec.WIRE_FLOAT_DTYPES:
+        raise InvalidArgument(f"wire_dtype must be float32, float16 or bfloat16, got {dtype}")
+    return dtype
+
+
+def _opt_version(request: Any) -> Any:
+    return request.pulled_version if request.HasField("pulled_version") else None
+
+
+class ShardServicer(pb_grpc.ShardServicer):
+    """The ``shardps.v1.Shard`` service over one ``Shard``."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    @_rpc
+    def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
+        self.shard.check_shard_map(request.shard_map)
+        return pb.CreateTableResponse(created=self.shard.create_table(table_spec_from_pb(request.spec)))
+
+    @_rpc
+    def DescribeTable(self, request: pb.DescribeTableRequest, context: grpc.ServicerContext) -> pb.TableInfo:
+        return self.shard.describe(request.name)
+
+    @_rpc
+    def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableResponse:
+        return pb.DropTableResponse(dropped=self.shard.drop(request.name))
+
+    @_rpc
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+        self.shard.check_shard_map(request.shard_map)
+        wire = _wire(request.wire_dtype)
+        rows, version = self.shard.pull(request.table, _ids(request.ids))
+        return pb.PullResponse(rows=codec.encode(rows, wire), version=version)
+
+    @_rpc
+    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
+        self.shard.check_shard_map(request.shard_map)
+        r = self.shard.push(
+            request.table, _ids(request.ids), _grads(request.grads), _opt_version(request),
+            request.client_id, request.seq,
+        )
+        return pb.PushResponse(version=r.version, staleness=r.staleness, duplicate=r.duplicate)
+
+    @_rpc
+    def RegisterDense(self, request: pb.RegisterDenseRequest, context: grpc.ServicerContext) -> pb.RegisterDenseResponse:
+        self.shard.check_shard_map(request.shard_map)
+        values = _grads(request.values, "values") if request.HasField("values") else None
+        created, initialized = self.shard.register_dense(dense_spec_from_pb(request.spec), request.row_start, values)
+        return pb.RegisterDenseResponse(created=created, initialized=initialized)
+
+    @_rpc
+    def PullDense(self, request: pb.PullDenseRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+        self.shard.check_shard_map(request.shard_map)
+        wire = _wire(request.wire_dtype)
+        rows, version = self.shard.pull_dense(request.name, request.row_start, request.row_end)
+        return pb.PullResponse(rows=codec.encode(rows, wire), version=version)
+
+    @_rpc
+    def PushDense(self, request: pb.PushDenseRequest, context: grpc.ServicerContext) -> pb.PushResponse:
+        self.shard.check_shard_map(request.shard_map)
+        r = self.shard.push_dense(
+            request.name, request.row_start, _grads(request.grads), _opt_version(request),
+            request.client_id, request.seq,
+        )
+        return pb.PushResponse(version=r.version, staleness=r.staleness, duplicate=r.duplicate)
+
+    @_rpc
+    def ShardInfo(self, request: pb.ShardInfoRequest, context: grpc.ServicerContext) -> pb.ShardInfoResponse:
+        from shardps import __version__
+
+        info = self.shard.info()
+        info.server_version = f"shardps/{__version__}"
+        return info
+
+    @_rpc
+    def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
+        cid, version, size, pause = self.shard.checkpoint(request.checkpoint_id)
+        return pb.CheckpointResponse(checkpoint_id=cid, version=version, bytes=size, pause_s=pause)

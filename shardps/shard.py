@@ -1,0 +1,438 @@
+"""One shard's state: tables, dense tensors, version counter, staleness, exactly-once pushes.
+
+``Shard`` is plain Python over numpy arrays and raises the exception types of
+``shardps.errors``; the gRPC servicer translates to and from protobuf.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import pathlib
+import threading
+import time
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from shardps import checkpoint as ckpt
+from shardps.errors import AlreadyExists, InvalidArgument, NotFound, OutOfRange, StaleUpdate, WrongShard
+from shardps.routing import dense_rows_owned, shard_of_ids
+from shardps.specs import (
+    DenseSpec,
+    TableSpec,
+    dense_spec_from_pb,
+    dense_spec_to_pb,
+    table_spec_from_pb,
+    table_spec_to_pb,
+)
+from shardps.table import Table
+from shardps.v1 import shardps_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DURABILITY_LEVELS = ("none", "checkpoint")
+
+
+class ShardMapMismatch(Exception):
+    """A checkpoint on disk was written by a shard with another (index, count)."""
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Configuration of one shard.
+
+    Args:
+        shard_index: this shard's index in [0, num_shards).
+        num_shards: number of shards in the cluster.
+        data_dir: directory for checkpoints (None: in memory only).
+        durability: "checkpoint" (restore the last checkpoint) or "none" (no files).
+        keep_checkpoints: checkpoints kept on disk (the newest and previous ones).
+    """
+
+    shard_index: int = 0
+    num_shards: int = 1
+    data_dir: Optional[str] = None
+    durability: str = "checkpoint"
+    keep_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard index {self.shard_index} is not in [0, {self.num_shards})")
+        if self.durability not in DURABILITY_LEVELS:
+            raise ValueError(f"durability must be one of {DURABILITY_LEVELS}, got {self.durability!r}")
+        if self.keep_checkpoints < 2:
+            raise ValueError("keep_checkpoints must be >= 2 (the previous good one is kept)")
+
+
+class SeenPushes:
+    """Remembers which (client id, sequence number) pushes were applied.
+
+    Per client: every seq <= ``low`` and every seq in ``above`` was applied.
+    Gaps (pushes that failed) are forgotten once more than ``max_pending`` seqs
+    wait above them; the ``max_clients`` least recently seen clients are dropped.
+    """
+
+    def __init__(self, max_clients: int = 10_000, max_pending: int = 65_536) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[str, tuple[int, set[int]]] = {}
+        self._max_clients = max_clients
+        self._max_pending = max_pending
+
+    def begin(self, client: str, seq: int) -> bool:
+        """Mark (client, seq) as applied; False if it already was (a duplicate)."""
+        with self._lock:
+            low, above = self._clients.pop(client, (0, set()))
+            self._clients[client] = (low, above)  # most recently used last
+            if seq <= low or seq in above:
+                return False
+            above.add(seq)
+            while low + 1 in above:
+                low += 1
+                above.discard(low)
+            if len(above) > self._max_pending:
+                low = sorted(above)[len(above) // 2]
+                above = {s for s in above if s > low}
+            self._clients[client] = (low, above)
+            if len(self._clients) > self._max_clients:
+                del self._clients[next(iter(self._clients))]
+            return True
+
+    def abort(self, client: str, seq: int) -> None:
+        """Forget a seq whose push failed, so a retry is applied."""
+        with self._lock:
+            entry = self._clients.get(client)
+            if entry is not None:
+                entry[1].discard(seq)
+
+    def to_json(self) -> dict[str, list]:
+        with self._lock:
+            return {c: [low, sorted(above)] for c, (low, above) in self._clients.items()}
+
+    def load_json(self, d: dict[str, list]) -> None:
+        with self._lock:
+            self._clients = {c: (int(v[0]), set(int(s) for s in v[1])) for c, v in d.items()}
+
+
+@dataclass
+class Stats:
+    """Counters since start (see ShardStats in the proto)."""
+
+    pulls: int = 0
+    pushes: int = 0
+    rows_pulled: int = 0
+    rows_pushed: int = 0
+    stale_rejected: int = 0
+    duplicates: int = 0
+    max_staleness: int = 0
+    staleness_sum: int = 0
+    errors: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def as_pb(self) -> pb.ShardStats:
+        with self.lock:
+            return pb.ShardStats(
+                pulls=self.pulls, pushes=self.pushes, rows_pulled=self.rows_pulled, rows_pushed=self.rows_pushed,
+                stale_rejected=self.stale_rejected, duplicates=self.duplicates, max_staleness=self.max_staleness,
+                mean_staleness=self.staleness_sum / self.pushes if self.pushes else 0.0, errors=self.errors,
+            )
+
+
+@dataclass
+class PushResult:
+    version: int
+    staleness: int
+    duplicate: bool
+
+
+class Shard:
+    """Tables and dense tensors owned by one shard, with its version counter."""
+
+    def __init__(self, config: ShardConfig) -> None:
+        self.config = config
+        self.index = config.shard_index
+        self.num_shards = config.num_shards
+        self._lock = threading.RLock()  # guards the table dict and the version
+        self._tables: dict[str, Table] = {}
+        self.version = 0
+        self.stats = Stats()
+        self.seen = SeenPushes()
+        self.started = time.monotonic()
+        self._ckpt_lock = threading.Lock()
+        self._ckpt_seqno = 0
+        self.last_checkpoint = ""
+        self.data_dir = pathlib.Path(config.data_dir) if config.data_dir else None
+        if self.data_dir is not None and config.durability != "none":
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._restore()
+
+    # ---- lookups and checks ----------------------------------------------------------
+
+    def check_shard_map(self, shard_map: Optional[pb.ShardMap]) -> None:
+        """Refuse requests addressed to another (index, count) than this shard's."""
+        if shard_map is None or shard_map.num_shards == 0:
+            return
+        if (shard_map.shard_index, shard_map.num_shards) != (self.index, self.num_shards):
+            raise WrongShard(
+                f"request meant for shard {shard_map.shard_index} of {shard_map.num_shards} reached "
+                f"shard {self.index} of {self.num_shards}: the client's address list does not match the cluster "
+                f"(expected shard map: index {self.index}, {self.num_shards} shards)"
+            )
+
+    def _table(self, name: str, dense: bool) -> Table:
+        with self._lock:
+            t = self._tables.get(name)
+        if t is None or t.is_dense != dense:
+            what = "dense tensor" if dense else "table"
+            raise NotFound(f"unknown {what} {name!r} on shard {self.index}")
+        return t
+
+    def _owns_ids(self, ids: np.ndarray) -> np.ndarray:
+        return shard_of_ids(ids, self.num_shards) == self.index
+
+    # ---- tables ----------------------------------------------------------------------
+
+    def create_table(self, spec: TableSpec) -> bool:
+        """Create a table; False if an equal one exists; AlreadyExists if it differs."""
+        with self._lock:
+            existing = self._tables.get(spec.name)
+            if existing is not None:
+                if existing.spec != spec:
+                    raise AlreadyExists(
+                        f"table {spec.name!r} exists with a different spec: {existing.spec} (requested {spec})"
+                    )
+                return False
+            expected = 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
+            self._tables[spec.name] = Table(spec, self._owns_ids, expected)
+            log.info("shard %d: created table %s", self.index, spec.name)
+            return True
+
+    def drop(self, name: str) -> bool:
+        with self._lock:
+            return self._tables.pop(name, None) is not None
+
+    def describe(self, name: str) -> pb.TableInfo:
+        with self._lock:
+            t = self._tables.get(name)
+        if t is None:
+            raise NotFound(f"unknown table or dense tensor {name!r} on shard {self.index}")
+        return self._info(t)
+
+    def _info(self, t: Table) -> pb.TableInfo:
+        with t.lock:
+            n, nbytes = t.n, t.nbytes()
+        info = pb.TableInfo(num_rows=n, bytes=nbytes, bytes_per_row=nbytes / n if n else 0.0, payload_bytes=n * t.dim * 4)
+        if isinstance(t.spec, DenseSpec):
+            info.dense.CopyFrom(dense_spec_to_pb(t.spec))
+        else:
+            info.spec.CopyFrom(table_spec_to_pb(t.spec))
+        return info
+
+    def pull(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of ``ids`` and the version they were read at."""
+        t = self._table(name, dense=False)
+        t.check_ids(ids)
+        return self._pull(t, ids)
+
+    def _pull(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        with t.lock:
+            slots = t._slots(ids, create=True)
+            version = self.version
+            rows = np.take(t.rows, slots, axis=0)
+        with self.stats.lock:
+            self.stats.pulls += 1
+            self.stats.rows_pulled += ids.shape[0]
+        return rows, version
+
+    def push(
+        self, name: str, ids: np.ndarray, grads: np.ndarray,
+        pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
+    ) -> PushResult:
+        """Apply gradients of ``ids`` (duplicates summed) with the table's optimizer."""
+        t = self._table(name, dense=False)
+        t.check_ids(ids)
+        t.check_grads(ids, grads)
+        return self._push(t, ids, grads, pulled_version, client_id, seq)
+
+    def _push(
+        self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], client_id: str, seq: int
+    ) -> PushResult:
+        if client_id and not self.seen.begin(client_id, seq):
+            with self.stats.lock:
+                self.stats.duplicates += 1
+            return PushResult(self.version, 0, True)
+        try:
+            with t.lock:
+                staleness = max(0, self.version - pulled_version) if pulled_version is not None else 0
+                policy = t.spec.staleness
+                if policy.max_staleness is not None and staleness > policy.max_staleness:
+                    with self.stats.lock:
+                        self.stats.stale_rejected += 1
+                    raise StaleUpdate(
+                        f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
+                        f"{policy.max_staleness}; pull again and recompute"
+                    )
+                rows = t.apply(ids, grads, policy.lr_scale(staleness))
+                with self._lock:
+                    self.version += 1
+                    version = self.version
+        except BaseException:
+            if client_id:
+                self.seen.abort(client_id, seq)
+            raise
+        with self.stats.lock:
+            self.stats.pushes += 1
+            self.stats.rows_pushed += rows
+            self.stats.staleness_sum += staleness
+            self.stats.max_staleness = max(self.stats.max_staleness, staleness)
+        return PushResult(version, staleness, False)
+
+    # ---- dense tensors ---------------------------------------------------------------
+
+    def register_dense(self, spec: DenseSpec, row_start: int, values: Optional[np.ndarray]) -> tuple[bool, bool]:
+        """Create or verify a dense tensor; initialise rows from ``values`` if not done before."""
+        with self._lock:
+            existing = self._tables.get(spec.name)
+            created = existing is None
+            if existing is not None:
+                if existing.spec != spec:
+                    raise AlreadyExists(
+                        f"dense tensor {spec.name!r} exists with a different spec: {existing.spec} (requested {spec})"
+                    )
+                t = existing
+            else:
+                owned = dense_rows_owned(spec.name, spec.rows, spec.chunk_rows, self.num_shards, self.index)
+
+                def owns(ids: np.ndarray, owned: np.ndarray = owned) -> np.ndarray:
+                    return owned[ids]
+
+                t = Table(spec, owns, int(owned.sum()))
+                self._tables[spec.name] = t
+        if values is None or values.size == 0:
+            return created, False
+        if values.ndim != 2 or values.shape[1] != t.dim:
+            raise InvalidArgument(f"{spec.name}: values must have shape [rows, {t.dim}], got {list(values.shape)}")
+        ids = np.arange(row_start, row_start + values.shape[0], dtype=np.int64)
+        t.check_ids(ids)
+        if not np.isfinite(values).all():
+            raise InvalidArgument(f"{spec.name}: initial values contain NaN or Inf")
+        return created, t.assign(ids, values)
+
+    def _dense_rows(self, t: Table, row_start: int, row_end: int) -> np.ndarray:
+        if not 0 <= row_start < row_end <= t.spec.rows:
+            raise OutOfRange(f"{t.spec.name}: rows [{row_start}, {row_end}) outside [0, {t.spec.rows})")
+        ids = np.arange(row_start, row_end, dtype=np.int64)
+        t.check_ids(ids)
+        return ids
+
+    def pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[np.ndarray, int]:
+        t = self._table(name, dense=True)
+        return self._pull(t, self._dense_rows(t, row_start, row_end))
+
+    def push_dense(
+        self, name: str, row_start: int, grads: np.ndarray,
+        pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
+    ) -> PushResult:
+        t = self._table(name, dense=True)
+        if grads.ndim != 2:
+            raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
+        ids = self._dense_rows(t, row_start, row_start + grads.shape[0])
+        t.check_grads(ids, grads)
+        return self._push(t, ids, grads, pulled_version, client_id, seq)
+
+    # ---- info ------------------------------------------------------------------------
+
+    def info(self) -> pb.ShardInfoResponse:
+        with self._lock:
+            tables = list(self._tables.values())
+            version = self.version
+        return pb.ShardInfoResponse(
+            shard_index=self.index, num_shards=self.num_shards, version=version,
+            tables=[self._info(t) for t in tables], uptime_s=time.monotonic() - self.started,
+            stats=self.stats.as_pb(), durability=self.config.durability if self.data_dir else "none",
+            last_checkpoint=self.last_checkpoint,
+        )
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def checkpoint(self, checkpoint_id: str = "") -> tuple[str, int, int, float]:
+        """Write a consistent snapshot to the data dir: (id, version, bytes, pause seconds)."""
+        if self.data_dir is None or self.config.durability == "none":
+            raise InvalidArgument(f"shard {self.index} has no data dir: start it with --data-dir to checkpoint")
+        checkpoint_id = checkpoint_id or uuid.uuid4().hex[:12]
+        if not all(c.isalnum() or c in "-_" for c in checkpoint_id) or len(checkpoint_id) > 64:
+            raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}: use up to 64 of [A-Za-z0-9_-]")
+        with self._ckpt_lock:
+            meta, arrays, pause = self._snapshot()
+            meta["checkpoint_id"] = checkpoint_id
+            self._ckpt_seqno += 1
+            meta["seqno"] = self._ckpt_seqno
+            path = self.data_dir / ckpt.file_name(self._ckpt_seqno, checkpoint_id)
+            size = ckpt.write(path, meta, arrays)
+            ckpt.prune(self.data_dir, self.config.keep_checkpoints)
+            self.last_checkpoint = checkpoint_id
+        log.info("shard %d: checkpoint %s at version %d (%d bytes, pause %.3fs)",
+                 self.index, checkpoint_id, meta["version"], size, pause)
+        return checkpoint_id, meta["version"], size, pause
+
+    def _snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
+        """Copy every table at one consistent version: pushes wait while the arrays are copied."""
+        with ExitStack() as stack:
+            stack.enter_context(self._lock)
+            tables = sorted(self._tables.items())
+            t0 = time.perf_counter()
+            for _, t in tables:
+                stack.enter_context(t.lock)
+            meta: dict[str, Any] = {
+                "shard_index": self.index, "num_shards": self.num_shards, "version": self.version,
+                "seen": self.seen.to_json(), "tables": [],
+            }
+            arrays: dict[str, np.ndarray] = {}
+            for i, (name, t) in enumerate(tables):
+                spec_pb = dense_spec_to_pb(t.spec) if t.is_dense else table_spec_to_pb(t.spec)  # type: ignore[arg-type]
+                meta["tables"].append(
+                    {"name": name, "dense": t.is_dense, "spec": base64.b64encode(spec_pb.SerializeToString()).decode()}
+                )
+                for k, v in t.snapshot().items():
+                    arrays[f"t{i}.{k}"] = v
+            pause = time.perf_counter() - t0
+        return meta, arrays, pause
+
+    def _restore(self) -> None:
+        assert self.data_dir is not None
+        for loaded in ckpt.load_newest(self.data_dir):
+            meta = loaded.meta
+            if (meta["shard_index"], meta["num_shards"]) != (self.index, self.num_shards):
+                raise ShardMapMismatch(
+                    f"checkpoint {loaded.path} belongs to shard {meta['shard_index']} of {meta['num_shards']}, "
+                    f"but this shard is {self.index} of {self.num_shards}; reshard it with "
+                    f"`shardps reshard` or point --data-dir elsewhere"
+                )
+            self.load_state(meta, loaded.arrays)
+            self._ckpt_seqno = int(meta["seqno"])
+            self.last_checkpoint = meta["checkpoint_id"]
+            log.info("shard %d: restored checkpoint %s (version %d, %d tables)",
+                     self.index, loaded.path.name, self.version, len(self._tables))
+            return
+
+    def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""
+        with self._lock:
+            self._tables.clear()
+            for i, entry in enumerate(meta["tables"]):
+                raw = base64.b64decode(entry["spec"])
+                spec: Union[TableSpec, DenseSpec]
+                if entry["dense"]:
+                    dspec = dense_spec_from_pb(pb.DenseSpec.FromString(raw))
+                    self.register_dense(dspec, 0, None)
+                    spec = dspec
+                else:
+                    spec = table_spec_from_pb(pb.TableSpec.FromString(raw))
+                    self.create_table(spec)
+                prefix = f"t{i}."
+                self._tables[spec.name].load({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+            self.version = int(meta["version"])
+            self.seen.load_json(meta.get("seen", {}))

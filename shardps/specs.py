@@ -1,0 +1,275 @@
+"""Table, dense-tensor, initializer and staleness specs, and their protobuf forms."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from shardps.errors import InvalidArgument
+from shardps.optim import SGD, Adagrad, Adam, Optimizer
+from shardps.routing import mix64
+from shardps.v1 import shardps_pb2 as pb
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/\-]{1,128}$")
+MAX_DIM = 1 << 16
+
+
+def check_name(name: str, what: str = "table") -> None:
+    if not NAME_RE.match(name or ""):
+        raise InvalidArgument(f"invalid {what} name {name!r}: use 1-128 characters of [A-Za-z0-9_.:/-]")
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """How a row is initialised on first touch.
+
+    Args:
+        kind: "zeros", "normal" or "uniform".
+        mean: mean of "normal".
+        std: standard deviation of "normal".
+        a: half-width of "uniform" (values in [-a, a)).
+        seed: per-table seed; a row's initial value depends only on (seed, id).
+    """
+
+    kind: str = "normal"
+    mean: float = 0.0
+    std: float = 1.0
+    a: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("zeros", "normal", "uniform"):
+            raise InvalidArgument(f"initializer kind must be zeros, normal or uniform, got {self.kind!r}")
+        if not (self.std >= 0 and self.a >= 0 and math.isfinite(self.mean)):
+            raise InvalidArgument("initializer std and a must be >= 0 and mean finite")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidArgument("initializer seed must fit in 64 unsigned bits")
+
+    def rows(self, ids: np.ndarray, dim: int) -> np.ndarray:
+        """Initial rows for ``ids`` (float32, shape [len(ids), dim]), deterministic per (seed, id)."""
+        n = len(ids)
+        if self.kind == "zeros" or n == 0:
+            return np.zeros((n, dim), dtype=np.float32)
+        counters = ids.astype(np.uint64)[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            bits = mix64(counters, np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03) + np.uint64(1))
+        hi = (bits >> np.uint64(40)).astype(np.float64) * (1.0 / (1 << 24))  # [0, 1)
+        if self.kind == "uniform":
+            return ((hi * 2.0 - 1.0) * self.a).astype(np.float32)
+        lo = ((bits & np.uint64(0xFFFFFF)).astype(np.float64) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
+        z = np.sqrt(-2.0 * np.log(lo)) * np.cos(2.0 * np.pi * hi)  # Box-Muller
+        return (self.mean + self.std * z).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Staleness:
+    """What a table does with stale pushes (staleness s = current - pulled version).
+
+    Args:
+        scaling: "none" (lr), "inverse" (lr / (1 + s)) or "linear" (lr / (1 + alpha * s)).
+        alpha: the alpha of "linear", e.g. 0.1.
+        max_staleness: reject pushes with s above this (None: never reject).
+    """
+
+    scaling: str = "none"
+    alpha: float = 0.1
+    max_staleness: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.scaling not in ("none", "inverse", "linear"):
+            raise InvalidArgument(f"staleness scaling must be none, inverse or linear, got {self.scaling!r}")
+        if not (self.alpha >= 0 and math.isfinite(self.alpha)):
+            raise InvalidArgument(f"staleness alpha must be finite and >= 0, got {self.alpha}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise InvalidArgument(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    def lr_scale(self, s: int) -> float:
+        if self.scaling == "inverse":
+            return 1.0 / (1.0 + s)
+        if self.scaling == "linear":
+            return 1.0 / (1.0 + self.alpha * s)
+        return 1.0
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """An embedding table.
+
+    Args:
+        name: table name.
+        dim: row width.
+        num_embeddings: ids in [0, num_embeddings); None for an unbounded table (any int64 id).
+        optimizer: server-side optimizer.
+        initializer: row initializer.
+        staleness: staleness policy.
+        allow_nonfinite: accept NaN/Inf gradients instead of rejecting the push.
+    """
+
+    name: str
+    dim: int
+    num_embeddings: Optional[int] = None
+    optimizer: Optimizer = field(default_factory=SGD)
+    initializer: Initializer = field(default_factory=Initializer)
+    staleness: Staleness = field(default_factory=Staleness)
+    allow_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+        if not 1 <= self.dim <= MAX_DIM:
+            raise InvalidArgument(f"table {self.name!r}: dim must be in [1, {MAX_DIM}], got {self.dim}")
+        if self.num_embeddings is not None and not 1 <= self.num_embeddings < 2**63:
+            raise InvalidArgument(f"table {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}")
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A dense tensor stored as rows of its 2-D view (shape[0] x prod(shape[1:])).
+
+    Args:
+        name: tensor name.
+        shape: logical shape.
+        optimizer: server-side optimizer.
+        staleness: staleness policy.
+        chunk_rows: rows per placement chunk (0: the whole tensor on one shard).
+        allow_nonfinite: accept NaN/Inf gradients.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    optimizer: Optimizer = field(default_factory=SGD)
+    staleness: Staleness = field(default_factory=Staleness)
+    chunk_rows: int = 0
+    allow_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        check_name(self.name, "dense tensor")
+        if any(s < 1 for s in self.shape):
+            raise InvalidArgument(f"dense tensor {self.name!r}: every dimension must be >= 1, got {self.shape}")
+        if self.chunk_rows < 0:
+            raise InvalidArgument(f"dense tensor {self.name!r}: chunk_rows must be >= 0")
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) >= 2 else 1
+
+    @property
+    def cols(self) -> int:
+        return int(np.prod(self.shape[1:])) if len(self.shape) >= 2 else int(np.prod(self.shape))
+
+
+# ---- protobuf conversion -------------------------------------------------------------
+
+
+def optimizer_to_pb(opt: Optimizer) -> pb.OptimizerSpec:
+    if isinstance(opt, SGD):
+        return pb.OptimizerSpec(
+            sgd=pb.SGDSpec(
+                lr=opt.lr, momentum=opt.momentum, dampening=opt.dampening,
+                weight_decay=opt.weight_decay, nesterov=opt.nesterov,
+            )
+        )
+    if isinstance(opt, Adagrad):
+        return pb.OptimizerSpec(
+            adagrad=pb.AdagradSpec(
+                lr=opt.lr, lr_decay=opt.lr_decay, weight_decay=opt.weight_decay,
+                initial_accumulator_value=opt.initial_accumulator_value, eps=opt.eps,
+            )
+        )
+    if isinstance(opt, Adam):
+        return pb.OptimizerSpec(
+            adam=pb.AdamSpec(
+                lr=opt.lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps, weight_decay=opt.weight_decay
+            )
+        )
+    raise InvalidArgument(f"unsupported optimizer {opt!r}")
+
+
+def optimizer_from_pb(msg: pb.OptimizerSpec) -> Optimizer:
+    kind = msg.WhichOneof("kind")
+    try:
+        if kind == "sgd":
+            s = msg.sgd
+            return SGD(lr=s.lr, momentum=s.momentum, dampening=s.dampening, weight_decay=s.weight_decay, nesterov=s.nesterov)
+        if kind == "adagrad":
+            a = msg.adagrad
+            return Adagrad(
+                lr=a.lr, lr_decay=a.lr_decay, weight_decay=a.weight_decay,
+                initial_accumulator_value=a.initial_accumulator_value, eps=a.eps,
+            )
+        if kind == "adam":
+            m = msg.adam
+            return Adam(lr=m.lr, betas=(m.beta1, m.beta2), eps=m.eps, weight_decay=m.weight_decay)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+    raise InvalidArgument("optimizer is not set: choose sgd, adagrad or adam")
+
+
+_INIT_KINDS = {"zeros": pb.InitializerSpec.ZEROS, "normal": pb.InitializerSpec.NORMAL, "uniform": pb.InitializerSpec.UNIFORM}
+_SCALINGS = {"none": pb.StalenessPolicy.NONE, "inverse": pb.StalenessPolicy.INVERSE, "linear": pb.StalenessPolicy.LINEAR}
+
+
+def initializer_to_pb(init: Initializer) -> pb.InitializerSpec:
+    return pb.InitializerSpec(kind=_INIT_KINDS[init.kind], mean=init.mean, std=init.std, a=init.a, seed=init.seed)
+
+
+def initializer_from_pb(msg: pb.InitializerSpec) -> Initializer:
+    kinds = {v: k for k, v in _INIT_KINDS.items()}
+    if msg.kind not in kinds:
+        raise InvalidArgument(f"unknown initializer kind {msg.kind}")
+    return Initializer(kind=kinds[msg.kind], mean=msg.mean, std=msg.std, a=msg.a, seed=msg.seed)
+
+
+def staleness_to_pb(s: Staleness) -> pb.StalenessPolicy:
+    msg = pb.StalenessPolicy(scaling=_SCALINGS[s.scaling], alpha=s.alpha)
+    if s.max_staleness is not None:
+        msg.max_staleness = s.max_staleness
+    return msg
+
+
+def staleness_from_pb(msg: pb.StalenessPolicy) -> Staleness:
+    names = {v: k for k, v in _SCALINGS.items()}
+    if msg.scaling not in names:
+        raise InvalidArgument(f"unknown staleness scaling {msg.scaling}")
+    return Staleness(
+        scaling=names[msg.scaling], alpha=msg.alpha,
+        max_staleness=msg.max_staleness if msg.HasField("max_staleness") else None,
+    )
+
+
+def table_spec_to_pb(spec: TableSpec) -> pb.TableSpec:
+    msg = pb.TableSpec(
+        name=spec.name, dim=spec.dim, optimizer=optimizer_to_pb(spec.optimizer),
+        initializer=initializer_to_pb(spec.initializer), staleness=staleness_to_pb(spec.staleness),
+        allow_nonfinite=spec.allow_nonfinite,
+    )
+    if spec.num_embeddings is not None:
+        msg.num_embeddings = spec.num_embeddings
+    return msg
+
+
+def table_spec_from_pb(msg: pb.TableSpec) -> TableSpec:
+    return TableSpec(
+        name=msg.name, dim=msg.dim,
+        num_embeddings=msg.num_embeddings if msg.HasField("num_embeddings") else None,
+        optimizer=optimizer_from_pb(msg.optimizer), initializer=initializer_from_pb(msg.initializer),
+        staleness=staleness_from_pb(msg.staleness), allow_nonfinite=msg.allow_nonfinite,
+    )
+
+
+def dense_spec_to_pb(spec: DenseSpec) -> pb.DenseSpec:
+    return pb.DenseSpec(
+        name=spec.name, shape=list(spec.shape), optimizer=optimizer_to_pb(spec.optimizer),
+        staleness=staleness_to_pb(spec.staleness), chunk_rows=spec.chunk_rows, allow_nonfinite=spec.allow_nonfinite,
+    )
+
+
+def dense_spec_from_pb(msg: pb.DenseSpec) -> DenseSpec:
+    return DenseSpec(
+        name=msg.name, shape=tuple(msg.shape), optimizer=optimizer_from_pb(msg.optimizer),
+        staleness=staleness_from_pb(msg.staleness), chunk_rows=msg.chunk_rows, allow_nonfinite=msg.allow_nonfinite,
+    )

@@ -1,0 +1,209 @@
+"""Row storage of one table (or dense tensor) on one shard.
+
+A ``Table`` owns rows, per-row optimizer state and per-row step counts in
+growable numpy arrays, plus an id -> slot index. It knows nothing of gRPC or
+versions: the shard validates ownership and staleness, the table validates
+shapes and values, gathers and applies the optimizer. Every method that reads
+or writes rows holds the table's lock, so no pull sees a half-written row.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from shardps.errors import InvalidArgument, OutOfRange, WrongShard
+from shardps.index import DirectIndex, HashIndex
+from shardps.optim import Optimizer
+from shardps.specs import DenseSpec, Initializer, TableSpec
+
+# Ownership test: ids -> boolean mask of the ids this shard owns.
+OwnsFn = Callable[[np.ndarray], np.ndarray]
+
+
+class Table:
+    """Rows and optimizer state of one table on one shard.
+
+    Args:
+        spec: the table or dense-tensor spec.
+        owns: returns, for an id array, which ids this shard owns.
+        expected_rows: rows this shard is expected to hold (sizes the arrays;
+            they grow beyond it if needed and stay lazily allocated by the OS).
+    """
+
+    def __init__(self, spec: Union[TableSpec, DenseSpec], owns: OwnsFn, expected_rows: int = 1024) -> None:
+        self.spec = spec
+        self.lock = threading.Lock()
+        self._owns = owns
+        self.is_dense = isinstance(spec, DenseSpec)
+        self.dim = spec.cols if isinstance(spec, DenseSpec) else spec.dim
+        self.num_embeddings: Optional[int] = spec.rows if isinstance(spec, DenseSpec) else spec.num_embeddings
+        self.optimizer: Optimizer = spec.optimizer
+        self.initializer: Optional[Initializer] = None if isinstance(spec, DenseSpec) else spec.initializer
+        cap = max(16, int(expected_rows))
+        self.index: Union[HashIndex, DirectIndex] = (
+            DirectIndex(self.num_embeddings)
+            if self.num_embeddings is not None and self._direct_index_pays(cap)
+            else HashIndex(cap)
+        )
+        self.n = 0
+        self.ids = np.zeros(cap, dtype=np.int64)
+        self.rows = np.zeros((cap, self.dim), dtype=np.float32)
+        self.steps = np.zeros(cap, dtype=np.int32)
+        self.state = {name: np.zeros((cap, self.dim), dtype=np.float32) for name in self.optimizer.state_names()}
+
+    # ---- validation (no lock needed) -------------------------------------------------
+
+    def _direct_index_pays(self, cap: int) -> bool:
+        """A flat map costs 4 bytes per id of the whole table; use it when that is cheap."""
+        assert self.num_embeddings is not None
+        row_bytes = self.dim * 4 * (1 + len(self.optimizer.state_names()))
+        return self.num_embeddings < 2**31 and self.num_embeddings * 4 <= 0.05 * cap * row_bytes
+
+    def check_ids(self, ids: np.ndarray) -> None:
+        """Raise unless ``ids`` is a non-empty 1-D int64 array of in-range ids this shard owns."""
+        what = "rows" if self.is_dense else "ids"
+        if ids.ndim != 1:
+            raise InvalidArgument(f"{self.spec.name}: {what} must be 1-D, got shape {list(ids.shape)}")
+        if ids.shape[0] == 0:
+            raise InvalidArgument(f"{self.spec.name}: request has no {what}")
+        if self.num_embeddings is not None:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_embeddings:
+                bad = lo if lo < 0 else hi
+                raise OutOfRange(
+                    f"{self.spec.name}: id {bad} out of range [0, {self.num_embeddings})"
+                )
+        owned = self._owns(ids)
+        if not owned.all():
+            bad = int(ids[np.argmin(owned)])
+            raise WrongShard(f"{self.spec.name}: id {bad} is not owned by this shard")
+
+    def check_grads(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        if grads.shape != (ids.shape[0], self.dim):
+            raise InvalidArgument(
+                f"{self.spec.name}: grads must have shape [{ids.shape[0]}, {self.dim}] (ids x dim), got {list(grads.shape)}"
+            )
+        if not self.spec.allow_nonfinite and not np.isfinite(grads).all():
+            raise InvalidArgument(f"{self.spec.name}: gradient contains NaN or Inf; push rejected")
+
+    # ---- storage ---------------------------------------------------------------------
+
+    def _reserve(self, extra: int) -> None:
+        need = self.n + extra
+        cap = self.rows.shape[0]
+        if need <= cap:
+            return
+        new_cap = max(need, cap + cap // 2)
+        self.ids = _grown(self.ids, new_cap)
+        self.rows = _grown(self.rows, new_cap)
+        self.steps = _grown(self.steps, new_cap)
+        self.state = {k: _grown(v, new_cap) for k, v in self.state.items()}
+
+    def _append(self, new_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Materialise rows for absent, unique ids; returns their slots."""
+        k = new_ids.shape[0]
+        self._reserve(k)
+        slots = np.arange(self.n, self.n + k, dtype=np.int64)
+        self.ids[self.n : self.n + k] = new_ids
+        self.rows[self.n : self.n + k] = values
+        for name, arr in self.state.items():
+            init = self.optimizer.initial_state(name)
+            if init != 0.0:
+                arr[self.n : self.n + k] = init
+        self.index.insert(new_ids, slots)
+        self.n += k
+        return slots
+
+    def _slots(self, ids: np.ndarray, create: bool) -> np.ndarray:
+        """Slots of ``ids``, materialising absent ones from the initializer if ``create``."""
+        slots = self.index.lookup(ids)
+        missing = slots < 0
+        if missing.any():
+            if not create or self.initializer is None:
+                bad = int(ids[np.argmax(missing)])
+                raise InvalidArgument(f"{self.spec.name}: row {bad} is not initialised; register the tensor first")
+            new_ids, inverse = np.unique(ids[missing], return_inverse=True)
+            new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
+            slots[missing] = new_slots[inverse]
+        return slots
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` (validated) as a new float32 array [len(ids), dim]."""
+        with self.lock:
+            slots = self._slots(ids, create=True)
+            return np.take(self.rows, slots, axis=0)
+
+    def apply(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float) -> int:
+        """Apply one optimizer step to the rows of ``ids`` (duplicates summed). Caller holds ``lock``."""
+        uniq, grads = coalesce(ids, grads)
+        slots = self._slots(uniq, create=True)
+        param = np.take(self.rows, slots, axis=0)
+        state = {k: np.take(v, slots, axis=0) for k, v in self.state.items()}
+        step = self.steps[slots] + 1
+        self.optimizer.step(param, grads, state, step, lr_scale)
+        self.rows[slots] = param
+        for k, v in state.items():
+            self.state[k][slots] = v
+        self.steps[slots] = step
+        return int(uniq.shape[0])
+
+    def assign(self, ids: np.ndarray, values: np.ndarray) -> bool:
+        """Initialise rows of a dense tensor unless already initialised (first writer wins)."""
+        with self.lock:
+            slots = self.index.lookup(ids)
+            if (slots >= 0).all():
+                return False
+            fresh = slots < 0
+            self._append(ids[fresh], values[fresh])
+            return True
+
+    # ---- accounting and snapshots ----------------------------------------------------
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per materialised row: value, optimizer state, step, id."""
+        return self.dim * 4 * (1 + len(self.state)) + 4 + 8
+
+    def nbytes(self) -> int:
+        return self.n * self.row_bytes + self.index.nbytes
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of the live part of every array. Caller holds ``lock``."""
+        out = {"ids": self.ids[: self.n].copy(), "rows": self.rows[: self.n].copy(), "steps": self.steps[: self.n].copy()}
+        for k, v in self.state.items():
+            out["state." + k] = v[: self.n].copy()
+        return out
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        """Replace the contents with a snapshot (rows of ids this shard owns)."""
+        with self.lock:
+            ids = arrays["ids"]
+            self.n = 0
+            self._reserve(ids.shape[0])
+            slots = self._append(ids, arrays["rows"])
+            self.steps[slots] = arrays["steps"]
+            for k in self.state:
+                self.state[k][slots] = arrays["state." + k]
+
+
+def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique ids (sorted) and their summed gradients; cheap when ids are already unique."""
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    first = np.empty(sorted_ids.shape[0], dtype=bool)
+    first[0] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    if first.all():
+        return sorted_ids, np.take(grads, order, axis=0).astype(np.float32, copy=False)
+    starts = np.flatnonzero(first)
+    summed = np.add.reduceat(np.take(grads, order, axis=0).astype(np.float32, copy=False), starts, axis=0)
+    return sorted_ids[starts], summed
+
+
+def _grown(arr: np.ndarray, cap: int) -> np.ndarray:
+    out = np.zeros((cap,) + arr.shape[1:], dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out

@@ -1,0 +1,379 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ShardMap(_message.Message):
+    __slots__ = ("shard_index", "num_shards")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class SGDSpec(_message.Message):
+    __slots__ = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
+
+class AdagradSpec(_message.Message):
+    __slots__ = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    LR_DECAY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    lr_decay: float
+    weight_decay: float
+    initial_accumulator_value: float
+    eps: float
+    def __init__(self, lr: _Optional[float] = ..., lr_decay: _Optional[float] = ..., weight_decay: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
+
+class AdamSpec(_message.Message):
+    __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    def __init__(self, lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("sgd", "adagrad", "adam")
+    SGD_FIELD_NUMBER: _ClassVar[int]
+    ADAGRAD_FIELD_NUMBER: _ClassVar[int]
+    ADAM_FIELD_NUMBER: _ClassVar[int]
+    sgd: SGDSpec
+    adagrad: AdagradSpec
+    adam: AdamSpec
+    def __init__(self, sgd: _Optional[_Union[SGDSpec, _Mapping]] = ..., adagrad: _Optional[_Union[AdagradSpec, _Mapping]] = ..., adam: _Optional[_Union[AdamSpec, _Mapping]] = ...) -> None: ...
+
+class InitializerSpec(_message.Message):
+    __slots__ = ("kind", "mean", "std", "a", "seed")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ZEROS: _ClassVar[InitializerSpec.Kind]
+        NORMAL: _ClassVar[InitializerSpec.Kind]
+        UNIFORM: _ClassVar[InitializerSpec.Kind]
+    ZEROS: InitializerSpec.Kind
+    NORMAL: InitializerSpec.Kind
+    UNIFORM: InitializerSpec.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    kind: InitializerSpec.Kind
+    mean: float
+    std: float
+    a: float
+    seed: int
+    def __init__(self, kind: _Optional[_Union[InitializerSpec.Kind, str]] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., a: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class StalenessPolicy(_message.Message):
+    __slots__ = ("scaling", "alpha", "max_staleness")
+    class Scaling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NONE: _ClassVar[StalenessPolicy.Scaling]
+        INVERSE: _ClassVar[StalenessPolicy.Scaling]
+        LINEAR: _ClassVar[StalenessPolicy.Scaling]
+    NONE: StalenessPolicy.Scaling
+    INVERSE: StalenessPolicy.Scaling
+    LINEAR: StalenessPolicy.Scaling
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    scaling: StalenessPolicy.Scaling
+    alpha: float
+    max_staleness: int
+    def __init__(self, scaling: _Optional[_Union[StalenessPolicy.Scaling, str]] = ..., alpha: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "num_embeddings", "dim", "optimizer", "initializer", "staleness", "allow_nonfinite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_embeddings: int
+    dim: int
+    optimizer: OptimizerSpec
+    initializer: InitializerSpec
+    staleness: StalenessPolicy
+    allow_nonfinite: bool
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ...) -> None: ...
+
+class DenseSpec(_message.Message):
+    __slots__ = ("name", "shape", "optimizer", "staleness", "chunk_rows", "allow_nonfinite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    optimizer: OptimizerSpec
+    staleness: StalenessPolicy
+    chunk_rows: int
+    allow_nonfinite: bool
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., chunk_rows: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("spec", "shard_map")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    shard_map: ShardMap
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class CreateTableResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class DescribeTableRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("spec", "dense", "num_rows", "bytes", "bytes_per_row", "payload_bytes")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    dense: DenseSpec
+    num_rows: int
+    bytes: int
+    bytes_per_row: float
+    payload_bytes: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., num_rows: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class DropTableRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DropTableResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("table", "ids", "wire_dtype", "shard_map")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    wire_dtype: DType
+    shard_map: ShardMap
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("rows", "version")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    rows: Tensor
+    version: int
+    def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("table", "ids", "grads", "pulled_version", "client_id", "seq", "shard_map")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    grads: Tensor
+    pulled_version: int
+    client_id: str
+    seq: int
+    shard_map: ShardMap
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("version", "staleness", "duplicate")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    staleness: int
+    duplicate: bool
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class RegisterDenseRequest(_message.Message):
+    __slots__ = ("spec", "row_start", "values", "shard_map")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    spec: DenseSpec
+    row_start: int
+    values: Tensor
+    shard_map: ShardMap
+    def __init__(self, spec: _Optional[_Union[DenseSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class RegisterDenseResponse(_message.Message):
+    __slots__ = ("created", "initialized")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    initialized: bool
+    def __init__(self, created: _Optional[bool] = ..., initialized: _Optional[bool] = ...) -> None: ...
+
+class PullDenseRequest(_message.Message):
+    __slots__ = ("name", "row_start", "row_end", "wire_dtype", "shard_map")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_END_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    row_start: int
+    row_end: int
+    wire_dtype: DType
+    shard_map: ShardMap
+    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class PushDenseRequest(_message.Message):
+    __slots__ = ("name", "row_start", "grads", "pulled_version", "client_id", "seq", "shard_map")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    row_start: int
+    grads: Tensor
+    pulled_version: int
+    client_id: str
+    seq: int
+    shard_map: ShardMap
+    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class ShardInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardStats(_message.Message):
+    __slots__ = ("pulls", "pushes", "rows_pulled", "rows_pushed", "stale_rejected", "duplicates", "max_staleness", "mean_staleness", "errors")
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PULLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    STALE_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    pulls: int
+    pushes: int
+    rows_pulled: int
+    rows_pushed: int
+    stale_rejected: int
+    duplicates: int
+    max_staleness: int
+    mean_staleness: float
+    errors: int
+    def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
+
+class ShardInfoResponse(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    version: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    uptime_s: float
+    stats: ShardStats
+    durability: str
+    last_checkpoint: str
+    server_version: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("checkpoint_id",)
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint_id", "version", "bytes", "pause_s")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_S_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    version: int
+    bytes: int
+    pause_s: float
+    def __init__(self, checkpoint_id: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ..., pause_s: _Optional[float] = ...) -> None: ...
