@@ -74,7 +74,8 @@ def write(path: pathlib.Path, meta: dict[str, Any], arrays: dict[str, np.ndarray
         w.write(b"\0" * (-w.pos % _ALIGN))
         for arr in arrays.values():
             data = np.ascontiguousarray(arr)
-            w.write(memoryview(data).cast("B"))
+            if data.nbytes:
+                w.write(memoryview(data.reshape(-1)).cast("B"))
             w.write(b"\0" * (-data.nbytes % _ALIGN))
         f.write(w.h.digest())
         f.flush()

@@ -56,17 +56,16 @@ class SGD:
     def step(
         self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray, lr_scale: float
     ) -> None:
-        lr = self.lr * lr_scale
         d_p = grad
         if self.weight_decay != 0:
-            d_p = d_p + np.float32(self.weight_decay) * param
+            d_p = axpy(d_p, self.weight_decay, param)
         if self.momentum != 0:
             buf = state["momentum_buffer"]
             first = (step == 1)[:, None]
-            updated = np.float32(self.momentum) * buf + np.float32(1 - self.dampening) * d_p
+            updated = axpy(np.float32(self.momentum) * buf, 1 - self.dampening, d_p)
             buf[...] = np.where(first, d_p, updated)
-            d_p = d_p + np.float32(self.momentum) * buf if self.nesterov else buf
-        param -= np.float32(lr) * d_p
+            d_p = axpy(d_p, self.momentum, buf) if self.nesterov else buf
+        param[...] = axpy(param, -self.lr * lr_scale, d_p)
 
 
 @dataclass(frozen=True)
@@ -107,7 +106,7 @@ class Adagrad:
         self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray, lr_scale: float
     ) -> None:
         if self.weight_decay != 0:
-            grad = grad + np.float32(self.weight_decay) * param
+            grad = axpy(grad, self.weight_decay, param)
         clr = (self.lr * lr_scale) / (1 + (step.astype(np.float64) - 1) * self.lr_decay)
         acc = state["sum"]
         acc += grad * grad
@@ -149,7 +148,7 @@ class Adam:
     ) -> None:
         beta1, beta2 = self.betas
         if self.weight_decay != 0:
-            grad = grad + np.float32(self.weight_decay) * param
+            grad = axpy(grad, self.weight_decay, param)
         m, v = state["exp_avg"], state["exp_avg_sq"]
         m += np.float32(1 - beta1) * (grad - m)
         v *= np.float32(beta2)
@@ -162,6 +161,18 @@ class Adam:
 
 
 Optimizer = Union[SGD, Adagrad, Adam]
+
+
+def axpy(x: np.ndarray, a: float, y: np.ndarray) -> np.ndarray:
+    """float32 ``x + a * y`` rounded once, as torch's fused ``x.add(y, alpha=a)`` computes it.
+
+    The product of two float32 values is exact in float64, so one float64
+    multiply-add and a final rounding to float32 reproduce the fused result.
+    """
+    out = y.astype(np.float64)
+    out *= float(np.float32(a))
+    out += x
+    return out.astype(np.float32)
 
 
 def _check(cond: bool, message: str) -> None:

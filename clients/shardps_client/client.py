@@ -124,6 +124,11 @@ class Client:
         self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         self._stubs = [pb_grpc.ShardStub(ch) for ch in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(4, 4 * self.num_shards), thread_name_prefix="shardps-client")
+        # One lane per shard keeps this client's pushes to a shard in the order they were made
+        # (optimizers such as Adam are not commutative); lanes of different shards run in parallel.
+        self._push_lanes = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardps-push-{i}") for i in range(self.num_shards)
+        ]
         self._seq = [itertools.count(1) for _ in self.addresses]
         self._seq_lock = threading.Lock()
         self._tables: dict[str, TableSpec] = {}
@@ -321,7 +326,8 @@ class Client:
     ) -> None:
         """Send gradients of ``ids`` (grads: ids.shape + (dim,)); duplicate ids are summed.
 
-        Asynchronous: returns once the push is sent; ``flush()`` waits for it and
+        Asynchronous: returns once the push is queued; a client's pushes reach
+        each shard in the order they were made. ``flush()`` waits for them and
         raises any error a shard reported. ``versions`` (from
         ``pull_with_version``) lets shards compute staleness; ``wait=True``
         blocks until applied.
@@ -359,10 +365,11 @@ class Client:
         for call in calls:
             self._inflight.acquire()
             try:
-                f = self._pool.submit(self._call, *call)
+                f = self._push_lanes[call[0]].submit(self._call, *call)
             except BaseException:
                 self._inflight.release()
                 raise
+            f.waited = wait  # type: ignore[attr-defined]  # errors of waited pushes go to the caller, not flush()
             with self._pending_lock:
                 self._pending.setdefault(key, set()).add(f)
             f.add_done_callback(lambda f, key=key: self._push_done(key, f))
@@ -375,7 +382,7 @@ class Client:
         self._inflight.release()
         with self._pending_lock:
             self._pending.get(key, set()).discard(f)
-            if f.exception() is not None:
+            if f.exception() is not None and not f.waited:  # type: ignore[attr-defined]
                 self._errors.append(f.exception())  # type: ignore[arg-type]
 
     def _wait_pending(self, key: Optional[str] = None) -> None:
@@ -438,6 +445,9 @@ class Client:
                 spec=msg, row_start=start, values=codec.encode(rows2d[start:end]), shard_map=self._map(s)
             )
             calls.append((s, "RegisterDense", req))
+        # Every shard learns the spec (so any can describe it), also those owning no rows.
+        for s in sorted(set(range(self.num_shards)) - {c[0] for c in calls}):
+            calls.append((s, "RegisterDense", pb.RegisterDenseRequest(spec=msg, shard_map=self._map(s))))
         results = self._fan_out(calls)
         self._dense[name] = spec
         return any(r.created for r in results)
@@ -527,6 +537,8 @@ class Client:
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
+            for lane in self._push_lanes:
+                lane.shutdown(wait=True)
             for ch in self._channels:
                 ch.close()
 

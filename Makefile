@@ -1,0 +1,33 @@
+# The handful of commands a contributor needs. Every target sets up .venv first
+# (pinned CPU torch before anything else: an unpinned torch pulls CUDA wheels).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+TORCH ?= torch==2.13.0
+
+.PHONY: setup test lint codegen clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/python -m pip install -q ruff mypy
+	$(BIN)/ruff check shardps clients tests benchmarks protos
+	$(BIN)/mypy shardps clients/shardps_client
+
+codegen: $(STAMP)
+	$(BIN)/python protos/codegen.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

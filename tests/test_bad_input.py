@@ -1,0 +1,195 @@
+"""Every kind of bad input gets a clear error naming the problem, and changes nothing.
+
+Each case is checked at the client (which validates before sending) and, with
+a raw gRPC stub, at the shard itself (which must not trust clients).
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from shardps import codec
+from shardps.routing import shard_of_ids
+from shardps.specs import Initializer
+from shardps.v1 import shardps_pb2 as pb
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
+from shardps_client import (
+    SGD,
+    Client,
+    IdOutOfRangeError,
+    InvalidArgumentError,
+    RequestTooLargeError,
+    ShardMapError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from tests.conftest import running_cluster
+
+
+@pytest.fixture
+def setup(cluster2):
+    addresses = [s.address for s in cluster2]
+    c = Client(addresses, timeout=10, retry_timeout=1)
+    c.create_table("t", dim=4, num_embeddings=100, optimizer=SGD(lr=1.0), initializer=Initializer("uniform", seed=1))
+    c.register_dense("d", torch.ones(3, 2))
+    before = c.pull("t", torch.arange(100))
+    stubs = [pb_grpc.ShardStub(grpc.insecure_channel(a)) for a in addresses]
+    yield c, stubs, before
+    # Whatever happened, the shards still serve and nothing was half-applied.
+    torch.testing.assert_close(c.pull("t", torch.arange(100)), before, rtol=0, atol=0)
+    torch.testing.assert_close(c.pull_dense("d")[0], torch.ones(3, 2), rtol=0, atol=0)
+    assert all(i.version == 0 for i in c.shard_info())
+    c.close()
+
+
+def _owned(shard: int, n: int = 100) -> np.ndarray:
+    ids = np.arange(n)
+    return ids[shard_of_ids(ids, 2) == shard]
+
+
+def _expect(stub_call, code: grpc.StatusCode, match: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub_call()
+    assert info.value.code() == code, info.value.details()
+    assert match in info.value.details(), info.value.details()
+
+
+def _push_req(ids, grads, table="t", shard=0):
+    return pb.PushRequest(table=table, ids=codec.encode(np.asarray(ids, np.int64)), grads=codec.encode(grads),
+                          shard_map=pb.ShardMap(shard_index=shard, num_shards=2))
+
+
+def test_unknown_table(setup):
+    c, stubs, _ = setup
+    with pytest.raises(TableNotFoundError, match="unknown table or dense tensor 'nope' on shard 0"):
+        c.pull("nope", torch.tensor([1]))
+    _expect(lambda: stubs[0].Push(_push_req(_owned(0)[:1], np.ones((1, 4), np.float32), table="nope")),
+            grpc.StatusCode.NOT_FOUND, "unknown table 'nope'")
+    with pytest.raises(InvalidArgumentError, match="'d' is a dense tensor, not a table"):
+        c.pull("d", torch.tensor([0]))
+
+
+def test_wrong_dim_and_shape(setup):
+    c, stubs, _ = setup
+    with pytest.raises(InvalidArgumentError, match=r"grads must have shape \[2, 4\] \(ids.shape \+ \(dim,\)\), got \[2, 5\]"):
+        c.push("t", torch.tensor([1, 2]), torch.ones(2, 5))
+    ids = _owned(0)[:2]
+    _expect(lambda: stubs[0].Push(_push_req(ids, np.ones((2, 5), np.float32))),
+            grpc.StatusCode.INVALID_ARGUMENT, "grads must have shape [2, 4]")
+    _expect(lambda: stubs[0].Push(_push_req(ids, np.ones((3, 4), np.float32))),
+            grpc.StatusCode.INVALID_ARGUMENT, "grads must have shape [2, 4]")
+    with pytest.raises(InvalidArgumentError, match=r"grad must have shape \[3, 2\], got \[2, 3\]"):
+        c.push_dense("d", torch.ones(2, 3))
+
+
+def test_wrong_dtypes(setup):
+    c, stubs, _ = setup
+    with pytest.raises(InvalidArgumentError, match="ids must be an integer tensor"):
+        c.pull("t", torch.tensor([1.0, 2.0]))
+    with pytest.raises(InvalidArgumentError, match="grads must be a floating-point tensor"):
+        c.push("t", torch.tensor([1]), torch.ones(1, 4, dtype=torch.int32))
+    ids = _owned(0)[:1]
+    bad_ids = pb.PullRequest(table="t", ids=codec.encode(ids.astype(np.float32)), shard_map=pb.ShardMap(shard_index=0, num_shards=2))
+    _expect(lambda: stubs[0].Pull(bad_ids), grpc.StatusCode.INVALID_ARGUMENT, "ids must be int64, got float32")
+    req = _push_req(ids, np.ones((1, 4), np.float32))
+    req.grads.CopyFrom(codec.encode(np.ones((1, 4), np.int64)))
+    _expect(lambda: stubs[0].Push(req), grpc.StatusCode.INVALID_ARGUMENT, "grads must be float32, float16 or bfloat16")
+    req.grads.CopyFrom(pb.Tensor(dtype=pb.FLOAT32, shape=[1, 4], data=b"\0" * 15))
+    _expect(lambda: stubs[0].Push(req), grpc.StatusCode.INVALID_ARGUMENT, "15 bytes do not match shape [1, 4]")
+
+
+def test_ids_out_of_range_or_negative(setup):
+    c, stubs, _ = setup
+    with pytest.raises(IdOutOfRangeError, match=r"id 100 out of range \[0, 100\)"):
+        c.pull("t", torch.tensor([5, 100]))
+    with pytest.raises(IdOutOfRangeError, match=r"id -1 out of range"):
+        c.push("t", torch.tensor([-1]), torch.ones(1, 4))
+    neg = np.array([-3])
+    owner = int(shard_of_ids(neg, 2)[0])
+    _expect(lambda: stubs[owner].Push(_push_req(neg, np.ones((1, 4), np.float32), shard=owner)),
+            grpc.StatusCode.OUT_OF_RANGE, "id -3 out of range [0, 100)")
+
+
+def test_nan_and_inf_gradients_rejected(setup):
+    c, stubs, _ = setup
+    for bad in (float("nan"), float("inf")):
+        g = torch.ones(2, 4)
+        g[1, 2] = bad
+        with pytest.raises(InvalidArgumentError, match="gradient contains NaN or Inf"):
+            c.push("t", torch.tensor([1, 2]), g)
+        with pytest.raises(InvalidArgumentError, match="gradient contains NaN or Inf"):
+            c.push_dense("d", torch.full((3, 2), bad))
+        g_np = np.ones((2, 4), np.float32)
+        g_np[0, 0] = bad
+        _expect(lambda g_np=g_np: stubs[0].Push(_push_req(_owned(0)[:2], g_np)),
+                grpc.StatusCode.INVALID_ARGUMENT, "gradient contains NaN or Inf")
+
+
+def test_empty_requests(setup):
+    c, stubs, _ = setup
+    with pytest.raises(InvalidArgumentError, match="request has no ids"):
+        c.pull("t", torch.tensor([], dtype=torch.int64))
+    with pytest.raises(InvalidArgumentError, match="request has no ids"):
+        c.push("t", torch.tensor([], dtype=torch.int64), torch.ones(0, 4))
+    _expect(lambda: stubs[0].Push(_push_req(np.zeros(0), np.zeros((0, 4), np.float32))),
+            grpc.StatusCode.INVALID_ARGUMENT, "request has no ids")
+
+
+def test_oversized_requests(setup, cluster2):
+    c, stubs, _ = setup
+    big = _owned(0, 1_000_000)[:200_000]  # 1.6 MB of ids, 3.2 MB of grads: 4.8 MB > 4 MiB
+    _expect(lambda: stubs[0].Push(_push_req(big, np.ones((big.size, 4), np.float32))),
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+    c.create_table("wide", dim=256, initializer=Initializer("zeros"))
+    ids = torch.arange(20_000)  # 20 MB of rows, about 10 MB per shard
+    # A client whose split size exceeds the shards' 4 MiB limit gets an error naming the shard.
+    with Client([s.address for s in cluster2], max_message_bytes=16 << 20) as greedy:
+        with pytest.raises(RequestTooLargeError, match=f"shard at ({cluster2[0].address}|{cluster2[1].address})"):
+            greedy.pull("wide", ids)
+    # The default client splits the same request below the limit and it goes through.
+    assert c.pull("wide", ids).shape == (20_000, 256)
+
+
+def test_conflicting_table_spec(setup):
+    c, _, _ = setup
+    with pytest.raises(TableExistsError, match="table 't' exists with a different spec"):
+        c.create_table("t", dim=4, num_embeddings=100, optimizer=SGD(lr=0.5))
+    with pytest.raises(TableExistsError, match="dense tensor 'd' exists with a different spec"):
+        c.register_dense("d", torch.ones(3, 3))
+    with pytest.raises(InvalidArgumentError, match="invalid table name"):
+        c.create_table("bad name!", dim=4)
+    with pytest.raises(InvalidArgumentError, match="dim must be in"):
+        c.create_table("z", dim=0)
+
+
+def test_mismatched_shard_map(setup, cluster2):
+    c, stubs, _ = setup
+    a = [s.address for s in cluster2]
+    with pytest.raises(ShardMapError, match=r"position 0 \(.*\) is shard 1 of 2"):
+        Client([a[1], a[0]])
+    with pytest.raises(ShardMapError, match="client was given 1 addresses"):
+        Client([a[0]])
+    with pytest.raises(ShardMapError, match="client was given 3 addresses"):
+        Client([a[0], a[1], a[1]])
+    # A request carrying another shard map, and ids owned by the other shard.
+    req = _push_req(_owned(0)[:1], np.ones((1, 4), np.float32), shard=0)
+    req.shard_map.num_shards = 3
+    _expect(lambda: stubs[0].Push(req), grpc.StatusCode.FAILED_PRECONDITION, "expected shard map: index 0, 2 shards")
+    _expect(lambda: stubs[1].Push(_push_req(_owned(0)[:1], np.ones((1, 4), np.float32), shard=1)),
+            grpc.StatusCode.FAILED_PRECONDITION, "is not owned by this shard")
+
+
+def test_dead_shard_is_named():
+    from shardps_client import ShardUnavailableError
+
+    with running_cluster(2) as servers:
+        c = Client([s.address for s in servers], timeout=2, retry_timeout=0.5)
+        c.create_table("t", dim=2, num_embeddings=10)
+        dead = servers[1].address
+        servers[1].stop(checkpoint=False)
+        with pytest.raises(ShardUnavailableError, match=f"shard at {dead}"):
+            c.pull("t", torch.arange(10))
+        c.close()

@@ -1,0 +1,72 @@
+"""Shards started as separate processes through the CLI, stopped with signals."""
+
+from __future__ import annotations
+
+import torch
+
+from shardps.specs import Initializer
+from shardps_client import Adam, Client
+from tests.procs import start_shard
+
+
+def test_cli_cluster_trains_and_survives_sigterm_restart(tmp_path):
+    data = tmp_path / "data"
+    shards = [start_shard(i, 2, tmp_path, str(data / f"shard-{i}")) for i in range(2)]
+    try:
+        ids = torch.arange(0, 1000, 3)
+        with Client([s.address for s in shards]) as c:
+            c.create_table("emb", dim=8, num_embeddings=1000, optimizer=Adam(lr=0.05), initializer=Initializer(seed=7))
+            c.register_dense("w", torch.ones(4, 4), optimizer=Adam(lr=0.05))
+            for step in range(3):
+                c.push("emb", ids, torch.full((ids.numel(), 8), float(step + 1)))
+                c.push_dense("w", torch.full((4, 4), float(step)))
+            c.flush()
+            rows, dense = c.pull("emb", ids), c.pull_dense("w")[0]
+            versions = [i.version for i in c.shard_info()]
+        # SIGTERM: graceful stop with a final checkpoint, exit code 0.
+        assert [s.terminate() for s in shards] == [0, 0]
+        assert all("checkpoint shutdown" in s.log() for s in shards)
+        shards = [start_shard(i, 2, tmp_path, str(data / f"shard-{i}")) for i in range(2)]
+        with Client([s.address for s in shards]) as c:
+            torch.testing.assert_close(c.pull("emb", ids), rows, rtol=0, atol=0)
+            torch.testing.assert_close(c.pull_dense("w")[0], dense, rtol=0, atol=0)
+            assert [i.version for i in c.shard_info()] == versions
+            # Optimizer state survived: the next Adam step equals torch's 4th step from the same history.
+            ref = torch.nn.Parameter(torch.ones(4, 4))
+            opt = torch.optim.Adam([ref], lr=0.05)
+            for step in range(4):
+                ref.grad = torch.full((4, 4), float(step))
+                opt.step()
+            c.push_dense("w", torch.full((4, 4), 3.0), wait=True)
+            torch.testing.assert_close(c.pull_dense("w")[0], ref.detach(), rtol=2e-6, atol=2e-6)
+    finally:
+        for s in shards:
+            if s.proc.poll() is None:
+                s.kill()
+
+
+def test_cli_flags_from_environment(tmp_path):
+    shard = start_shard(
+        0, 1, tmp_path, extra=[], env={"SHARDPS_NUM_SHARDS": "1", "SHARDPS_WORKERS": "2"},
+    )
+    try:
+        with Client([shard.address]) as c:
+            assert c.shard_info()[0].num_shards == 1
+    finally:
+        assert shard.terminate() == 0
+
+
+def test_cli_rejects_bad_configuration(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "shardps", "serve", "--shard-index", "3", "--num-shards", "2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode != 0 and "shard index 3 is not in [0, 2)" in out.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "shardps", "serve", "--num-shards", "2"],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode != 0 and "--shard-index and --num-shards are required" in out.stderr
