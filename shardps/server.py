@@ -56,7 +56,12 @@ class ShardServer:
         limit = server_config.max_message_mb * 1024 * 1024
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=server_config.workers, thread_name_prefix="shardps"),
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                # Never share a port: a second shard on the same port must fail, not split traffic.
+                ("grpc.so_reuseport", 0),
+            ],
         )
         pb_grpc.add_ShardServicer_to_server(ShardServicer(self.shard), self._server)
         self._health = health.HealthServicer()

@@ -50,19 +50,32 @@ class Initializer:
             raise InvalidArgument("initializer seed must fit in 64 unsigned bits")
 
     def rows(self, ids: np.ndarray, dim: int) -> np.ndarray:
-        """Initial rows for ``ids`` (float32, shape [len(ids), dim]), deterministic per (seed, id)."""
+        """Initial rows for ``ids`` (float32, shape [len(ids), dim]), deterministic per (seed, id).
+
+        Each 64-bit hash of (seed, id, column pair) yields two 24-bit uniforms:
+        two uniform values, or two normal values by Box-Muller.
+        """
         n = len(ids)
         if self.kind == "zeros" or n == 0:
             return np.zeros((n, dim), dtype=np.float32)
-        counters = ids.astype(np.uint64)[:, None] * np.uint64(dim) + np.arange(dim, dtype=np.uint64)
+        pairs = (dim + 1) // 2
+        counters = ids.astype(np.uint64)[:, None] * np.uint64(pairs) + np.arange(pairs, dtype=np.uint64)
         with np.errstate(over="ignore"):
             bits = mix64(counters, np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03) + np.uint64(1))
-        hi = (bits >> np.uint64(40)).astype(np.float64) * (1.0 / (1 << 24))  # [0, 1)
+        scale = np.float32(1.0 / (1 << 24))
+        u1 = (bits >> np.uint64(40)).astype(np.float32) * scale  # [0, 1)
+        u2 = ((bits & np.uint64(0xFFFFFF)).astype(np.float32) + np.float32(0.5)) * scale  # (0, 1)
+        out = np.empty((n, 2 * pairs), dtype=np.float32)
         if self.kind == "uniform":
-            return ((hi * 2.0 - 1.0) * self.a).astype(np.float32)
-        lo = ((bits & np.uint64(0xFFFFFF)).astype(np.float64) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
-        z = np.sqrt(-2.0 * np.log(lo)) * np.cos(2.0 * np.pi * hi)  # Box-Muller
-        return (self.mean + self.std * z).astype(np.float32)
+            a = np.float32(self.a)
+            out[:, 0::2] = (u1 * 2 - 1) * a
+            out[:, 1::2] = (u2 * 2 - 1) * a
+        else:
+            r = np.sqrt(np.float32(-2.0) * np.log(u2)) * np.float32(self.std)
+            theta = np.float32(2 * np.pi) * u1
+            out[:, 0::2] = r * np.cos(theta) + np.float32(self.mean)
+            out[:, 1::2] = r * np.sin(theta) + np.float32(self.mean)
+        return out[:, :dim] if dim % 2 else out
 
 
 @dataclass(frozen=True)

@@ -130,12 +130,6 @@ class Table:
             slots[missing] = new_slots[inverse]
         return slots
 
-    def pull(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids`` (validated) as a new float32 array [len(ids), dim]."""
-        with self.lock:
-            slots = self._slots(ids, create=True)
-            return np.take(self.rows, slots, axis=0)
-
     def apply(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float) -> int:
         """Apply one optimizer step to the rows of ``ids`` (duplicates summed). Caller holds ``lock``."""
         uniq, grads = coalesce(ids, grads)
