@@ -57,7 +57,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardps", description="Sharded embedding-table parameter server.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    p = sub.add_parser("reshard", help="turn the data of N shards into M shards (offline)")
+    p.add_argument("--from", dest="src", required=True, help="cluster data dir holding shard-0 .. shard-(N-1)")
+    p.add_argument("--to", dest="dst", required=True, help="new cluster data dir (shard-0 .. shard-(M-1) are written)")
+    p.add_argument("--shards", type=int, required=True, help="new number of shards M")
+    p.add_argument("--log-level", default="INFO")
     return parser
+
+
+def run_reshard(args: argparse.Namespace) -> int:
+    import json
+    import pathlib
+
+    from shardps.reshard import reshard
+    from shardps.shard import ShardMapMismatch
+
+    try:
+        summary = reshard(pathlib.Path(args.src), pathlib.Path(args.dst), args.shards)
+    except (ValueError, ShardMapMismatch) as e:
+        raise SystemExit(f"shardps reshard: {e}")
+    print(json.dumps(summary, indent=2))
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -74,7 +94,12 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"shardps serve: {e}")
-    return serve(shard_config, server_config, ready_file=args.ready_file)
+    from shardps.shard import ShardMapMismatch
+
+    try:
+        return serve(shard_config, server_config, ready_file=args.ready_file)
+    except ShardMapMismatch as e:
+        raise SystemExit(f"shardps serve: {e}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -83,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO) if hasattr(args, "log_level") else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"serve": run_serve}
+    handlers = {"serve": run_serve, "reshard": run_reshard}
     return handlers[args.command](args)
 
 

@@ -72,12 +72,17 @@ class ShardServer:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._ckpt_thread: Optional[threading.Thread] = None
+        self._started = False
 
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
     def start(self) -> "ShardServer":
+        """Start serving (idempotent); returns self."""
+        if self._started:
+            return self
+        self._started = True
         self._server.start()
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -105,6 +110,7 @@ class ShardServer:
             self._ckpt_thread.join()
         if checkpoint and self.shard.data_dir is not None and self.shard.config.durability != "none":
             self.shard.checkpoint("shutdown")
+        self.shard.close()
         self._stopped.set()
         log.info("shard %d stopped", self.shard.index)
 

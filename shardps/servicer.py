@@ -155,5 +155,13 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
-        cid, version, size, pause = self.shard.checkpoint(request.checkpoint_id)
+        phase = request.phase
+        if phase == pb.CheckpointRequest.PREPARE:
+            self.shard.prepare_checkpoint(request.hold_s)
+            return pb.CheckpointResponse(checkpoint_id=request.checkpoint_id, version=self.shard.version)
+        if phase == pb.CheckpointRequest.ABORT:
+            self.shard.abort_checkpoint()
+            return pb.CheckpointResponse(checkpoint_id=request.checkpoint_id, version=self.shard.version)
+        prepared = phase == pb.CheckpointRequest.COMMIT
+        cid, version, size, pause = self.shard.checkpoint(request.checkpoint_id, prepared=prepared)
         return pb.CheckpointResponse(checkpoint_id=cid, version=version, bytes=size, pause_s=pause)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import struct
 import pathlib
 import threading
 import time
@@ -19,7 +20,9 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from shardps import checkpoint as ckpt
-from shardps.errors import AlreadyExists, InvalidArgument, NotFound, OutOfRange, StaleUpdate, WrongShard
+from shardps import codec
+from shardps import wal as wal_mod
+from shardps.errors import AlreadyExists, InvalidArgument, NotFound, OutOfRange, StaleUpdate, Unavailable, WrongShard
 from shardps.routing import dense_rows_owned, shard_of_ids
 from shardps.specs import (
     DenseSpec,
@@ -34,7 +37,8 @@ from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-DURABILITY_LEVELS = ("none", "checkpoint")
+DURABILITY_LEVELS = ("none", "checkpoint", "log")
+_U64 = struct.Struct("<Q")
 
 
 class ShardMapMismatch(Exception):
@@ -48,9 +52,14 @@ class ShardConfig:
     Args:
         shard_index: this shard's index in [0, num_shards).
         num_shards: number of shards in the cluster.
-        data_dir: directory for checkpoints (None: in memory only).
-        durability: "checkpoint" (restore the last checkpoint) or "none" (no files).
+        data_dir: directory for checkpoints and the write-ahead log (None: in memory only).
+        durability: "checkpoint" (a crash loses the updates since the last
+            checkpoint), "log" (every acknowledged push is fsynced to a
+            write-ahead log first; a crash loses nothing acknowledged) or
+            "none" (no files).
         keep_checkpoints: checkpoints kept on disk (the newest and previous ones).
+        checkpoint_hold_s: longest time a prepared two-phase checkpoint holds
+            pushes back before the shard gives up on it and resumes.
     """
 
     shard_index: int = 0
@@ -58,6 +67,7 @@ class ShardConfig:
     data_dir: Optional[str] = None
     durability: str = "checkpoint"
     keep_checkpoints: int = 2
+    checkpoint_hold_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
@@ -155,7 +165,9 @@ class Shard:
         self.config = config
         self.index = config.shard_index
         self.num_shards = config.num_shards
-        self._lock = threading.RLock()  # guards the table dict and the version
+        # Lock order: _lock (table dict) -> Table.lock -> _vlock (version) -> WAL.
+        self._lock = threading.RLock()
+        self._vlock = threading.Lock()
         self._tables: dict[str, Table] = {}
         self.version = 0
         self.stats = Stats()
@@ -165,9 +177,23 @@ class Shard:
         self._ckpt_seqno = 0
         self.last_checkpoint = ""
         self.data_dir = pathlib.Path(config.data_dir) if config.data_dir else None
+        self._wal: Optional[wal_mod.WriteAheadLog] = None
+        self._prev_wal_segment = 0  # WAL segments from here on are kept (the previous checkpoint needs them)
+        self._gate = threading.Event()  # closed while a two-phase checkpoint is prepared
+        self._gate.set()
+        self._gate_timer: Optional[threading.Timer] = None
         if self.data_dir is not None and config.durability != "none":
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._restore()
+            if config.durability == "log":
+                existing = wal_mod.segments(self.data_dir)
+                self._wal = wal_mod.WriteAheadLog(self.data_dir, (existing[-1] + 1) if existing else 1)
+
+    def close(self) -> None:
+        """Release files (the write-ahead log); the shard must not be used afterwards."""
+        if self._wal is not None:
+            self._wal.close()
+            self._wal = None
 
     # ---- lookups and checks ----------------------------------------------------------
 
@@ -207,12 +233,27 @@ class Shard:
                 return False
             expected = 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
             self._tables[spec.name] = Table(spec, self._owns_ids, expected)
-            log.info("shard %d: created table %s", self.index, spec.name)
-            return True
+            ticket = self._log(wal_mod.CREATE_TABLE, table_spec_to_pb(spec).SerializeToString())
+        log.info("shard %d: created table %s", self.index, spec.name)
+        self._wait_durable(ticket)
+        return True
+
+    def _log(self, kind: int, *parts: bytes) -> int:
+        """Append a record to the write-ahead log (if any); returns the ticket to wait on."""
+        if self._wal is None:
+            return 0
+        return self._wal.append(kind, b"".join(parts))
+
+    def _wait_durable(self, ticket: int) -> None:
+        if ticket and self._wal is not None:
+            self._wal.wait(ticket)
 
     def drop(self, name: str) -> bool:
         with self._lock:
-            return self._tables.pop(name, None) is not None
+            dropped = self._tables.pop(name, None) is not None
+            ticket = self._log(wal_mod.DROP, name.encode()) if dropped else 0
+        self._wait_durable(ticket)
+        return dropped
 
     def describe(self, name: str) -> pb.TableInfo:
         with self._lock:
@@ -257,6 +298,18 @@ class Shard:
         t.check_grads(ids, grads)
         return self._push(t, ids, grads, pulled_version, client_id, seq)
 
+    def _push_record(self, t: Table, ids: np.ndarray, grads: np.ndarray, client_id: str, seq: int) -> tuple[int, bytes]:
+        """The WAL record of a push (built before taking the table lock)."""
+        if self._wal is None:
+            return 0, b""
+        if t.is_dense:
+            req = pb.PushDenseRequest(name=t.spec.name, row_start=int(ids[0]), grads=codec.encode(grads),
+                                      client_id=client_id, seq=seq)
+            return wal_mod.PUSH_DENSE, req.SerializeToString()
+        req2 = pb.PushRequest(table=t.spec.name, ids=codec.encode(ids), grads=codec.encode(grads),
+                              client_id=client_id, seq=seq)
+        return wal_mod.PUSH, req2.SerializeToString()
+
     def _push(
         self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], client_id: str, seq: int
     ) -> PushResult:
@@ -264,25 +317,34 @@ class Shard:
             with self.stats.lock:
                 self.stats.duplicates += 1
             return PushResult(self.version, 0, True)
+        kind, record = self._push_record(t, ids, grads, client_id, seq)
         try:
-            with t.lock:
-                staleness = max(0, self.version - pulled_version) if pulled_version is not None else 0
-                policy = t.spec.staleness
-                if policy.max_staleness is not None and staleness > policy.max_staleness:
-                    with self.stats.lock:
-                        self.stats.stale_rejected += 1
-                    raise StaleUpdate(
-                        f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
-                        f"{policy.max_staleness}; pull again and recompute"
-                    )
-                rows = t.apply(ids, grads, policy.lr_scale(staleness))
-                with self._lock:
-                    self.version += 1
-                    version = self.version
+            while True:
+                with t.lock:
+                    if self._gate.is_set():
+                        staleness = max(0, self.version - pulled_version) if pulled_version is not None else 0
+                        policy = t.spec.staleness
+                        if policy.max_staleness is not None and staleness > policy.max_staleness:
+                            with self.stats.lock:
+                                self.stats.stale_rejected += 1
+                            raise StaleUpdate(
+                                f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
+                                f"{policy.max_staleness}; pull again and recompute"
+                            )
+                        rows = t.apply(ids, grads, policy.lr_scale(staleness))
+                        with self._vlock:
+                            self.version += 1
+                            version = self.version
+                        ticket = self._log(kind, _U64.pack(staleness), record) if kind else 0
+                        break
+                # A two-phase checkpoint is prepared: wait for it (bounded) outside the lock.
+                if not self._gate.wait(self.config.checkpoint_hold_s + 5):
+                    raise Unavailable(f"shard {self.index}: pushes held back by a checkpoint for too long")
         except BaseException:
             if client_id:
                 self.seen.abort(client_id, seq)
             raise
+        self._wait_durable(ticket)
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_pushed += rows
@@ -312,6 +374,8 @@ class Shard:
                 t = Table(spec, owns, int(owned.sum()))
                 self._tables[spec.name] = t
         if values is None or values.size == 0:
+            if created:
+                self._wait_durable(self._log(wal_mod.REGISTER_DENSE, pb.RegisterDenseRequest(spec=dense_spec_to_pb(spec)).SerializeToString()))
             return created, False
         if values.ndim != 2 or values.shape[1] != t.dim:
             raise InvalidArgument(f"{spec.name}: values must have shape [rows, {t.dim}], got {list(values.shape)}")
@@ -319,7 +383,14 @@ class Shard:
         t.check_ids(ids)
         if not np.isfinite(values).all():
             raise InvalidArgument(f"{spec.name}: initial values contain NaN or Inf")
-        return created, t.assign(ids, values)
+        with self._lock:  # log order = application order for first-writer-wins
+            initialized = t.assign(ids, values)
+            ticket = 0
+            if initialized or created:
+                req = pb.RegisterDenseRequest(spec=dense_spec_to_pb(spec), row_start=row_start, values=codec.encode(values))
+                ticket = self._log(wal_mod.REGISTER_DENSE, req.SerializeToString())
+        self._wait_durable(ticket)
+        return created, initialized
 
     def _dense_rows(self, t: Table, row_start: int, row_end: int) -> np.ndarray:
         if not 0 <= row_start < row_end <= t.spec.rows:
@@ -352,27 +423,83 @@ class Shard:
         return pb.ShardInfoResponse(
             shard_index=self.index, num_shards=self.num_shards, version=version,
             tables=[self._info(t) for t in tables], uptime_s=time.monotonic() - self.started,
-            stats=self.stats.as_pb(), durability=self.config.durability if self.data_dir else "none",
+            stats=self.stats.as_pb(),
+            durability=self.config.durability if self.data_dir else "none",
             last_checkpoint=self.last_checkpoint,
         )
 
-    # ---- checkpoints -----------------------------------------------------------------
+    # ---- checkpoints ----------------------------------------------------------------
 
-    def checkpoint(self, checkpoint_id: str = "") -> tuple[str, int, int, float]:
-        """Write a consistent snapshot to the data dir: (id, version, bytes, pause seconds)."""
+    def prepare_checkpoint(self, hold_s: Optional[float] = None) -> None:
+        """Phase 1 of a cluster-wide checkpoint: hold new pushes back, let running ones finish.
+
+        The hold ends with ``checkpoint`` (phase 2), ``abort_checkpoint``, or by
+        itself after ``hold_s`` (default ``config.checkpoint_hold_s``) so a
+        coordinator that died cannot stall training.
+        """
+        self._require_data_dir()
+        hold = self.config.checkpoint_hold_s if not hold_s else min(hold_s, self.config.checkpoint_hold_s)
+        with self._ckpt_lock:
+            self._open_gate()
+            self._gate.clear()
+            with self._lock:
+                tables = list(self._tables.values())
+            for t in tables:  # pushes that passed the gate before it closed finish first
+                with t.lock:
+                    pass
+            self._gate_timer = threading.Timer(hold, self._expire_gate)
+            self._gate_timer.daemon = True
+            self._gate_timer.start()
+
+    def _expire_gate(self) -> None:
+        log.warning("shard %d: prepared checkpoint was neither committed nor aborted; resuming pushes", self.index)
+        self._gate.set()
+
+    def _open_gate(self) -> None:
+        if self._gate_timer is not None:
+            self._gate_timer.cancel()
+            self._gate_timer = None
+        self._gate.set()
+
+    def abort_checkpoint(self) -> None:
+        with self._ckpt_lock:
+            self._open_gate()
+
+    def _require_data_dir(self) -> pathlib.Path:
         if self.data_dir is None or self.config.durability == "none":
             raise InvalidArgument(f"shard {self.index} has no data dir: start it with --data-dir to checkpoint")
+        return self.data_dir
+
+    def checkpoint(self, checkpoint_id: str = "", prepared: bool = False) -> tuple[str, int, int, float]:
+        """Write a consistent snapshot to the data dir: (id, version, bytes, pause seconds).
+
+        With ``prepared`` this is phase 2 of a cluster-wide checkpoint: pushes
+        have been held since ``prepare_checkpoint`` and resume once the state
+        is copied in memory, before the file is written.
+        """
+        data_dir = self._require_data_dir()
         checkpoint_id = checkpoint_id or uuid.uuid4().hex[:12]
         if not all(c.isalnum() or c in "-_" for c in checkpoint_id) or len(checkpoint_id) > 64:
             raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}: use up to 64 of [A-Za-z0-9_-]")
         with self._ckpt_lock:
-            meta, arrays, pause = self._snapshot()
+            if prepared and self._gate.is_set():
+                raise Unavailable(f"shard {self.index}: checkpoint {checkpoint_id} was not prepared or its hold expired")
+            try:
+                meta, arrays, pause = self._snapshot()
+            finally:
+                if prepared:
+                    self._open_gate()
             meta["checkpoint_id"] = checkpoint_id
             self._ckpt_seqno += 1
             meta["seqno"] = self._ckpt_seqno
-            path = self.data_dir / ckpt.file_name(self._ckpt_seqno, checkpoint_id)
+            path = data_dir / ckpt.file_name(self._ckpt_seqno, checkpoint_id)
             size = ckpt.write(path, meta, arrays)
-            ckpt.prune(self.data_dir, self.config.keep_checkpoints)
+            ckpt.prune(data_dir, self.config.keep_checkpoints)
+            # WAL segments are kept back to the previous checkpoint, the fallback if this one breaks.
+            for seg in wal_mod.segments(data_dir):
+                if seg < self._prev_wal_segment:
+                    wal_mod.segment_path(data_dir, seg).unlink(missing_ok=True)
+            self._prev_wal_segment = meta["wal_segment"]
             self.last_checkpoint = checkpoint_id
         log.info("shard %d: checkpoint %s at version %d (%d bytes, pause %.3fs)",
                  self.index, checkpoint_id, meta["version"], size, pause)
@@ -380,15 +507,21 @@ class Shard:
 
     def _snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
         """Copy every table at one consistent version: pushes wait while the arrays are copied."""
+        assert self.data_dir is not None
         with ExitStack() as stack:
             stack.enter_context(self._lock)
             tables = sorted(self._tables.items())
             t0 = time.perf_counter()
             for _, t in tables:
                 stack.enter_context(t.lock)
+            if self._wal is not None:
+                wal_segment = self._wal.rotate()
+            else:
+                existing = wal_mod.segments(self.data_dir)
+                wal_segment = existing[-1] + 1 if existing else 0
             meta: dict[str, Any] = {
                 "shard_index": self.index, "num_shards": self.num_shards, "version": self.version,
-                "seen": self.seen.to_json(), "tables": [],
+                "seen": self.seen.to_json(), "tables": [], "wal_segment": wal_segment,
             }
             arrays: dict[str, np.ndarray] = {}
             for i, (name, t) in enumerate(tables):
@@ -402,7 +535,9 @@ class Shard:
         return meta, arrays, pause
 
     def _restore(self) -> None:
+        """Load the newest valid checkpoint, then replay the write-ahead log written after it."""
         assert self.data_dir is not None
+        first_segment = 0
         for loaded in ckpt.load_newest(self.data_dir):
             meta = loaded.meta
             if (meta["shard_index"], meta["num_shards"]) != (self.index, self.num_shards):
@@ -414,9 +549,49 @@ class Shard:
             self.load_state(meta, loaded.arrays)
             self._ckpt_seqno = int(meta["seqno"])
             self.last_checkpoint = meta["checkpoint_id"]
+            first_segment = self._prev_wal_segment = int(meta.get("wal_segment", 0))
             log.info("shard %d: restored checkpoint %s (version %d, %d tables)",
                      self.index, loaded.path.name, self.version, len(self._tables))
-            return
+            break
+        replayed = 0
+        for kind, payload in wal_mod.replay(self.data_dir, first_segment):
+            self._apply_record(kind, payload)
+            replayed += 1
+        if replayed:
+            log.info("shard %d: replayed %d write-ahead log records (version %d)", self.index, replayed, self.version)
+
+    def _apply_record(self, kind: int, payload: bytes) -> None:
+        """Re-apply one write-ahead log record during restore."""
+        if kind == wal_mod.CREATE_TABLE:
+            self.create_table(table_spec_from_pb(pb.TableSpec.FromString(payload)))
+        elif kind == wal_mod.REGISTER_DENSE:
+            req = pb.RegisterDenseRequest.FromString(payload)
+            values = codec.decode(req.values, "values") if req.HasField("values") else None
+            self.register_dense(dense_spec_from_pb(req.spec), req.row_start, values)
+        elif kind == wal_mod.DROP:
+            self.drop(payload.decode())
+        elif kind in (wal_mod.PUSH, wal_mod.PUSH_DENSE):
+            (staleness,) = _U64.unpack_from(payload)
+            t: Table
+            if kind == wal_mod.PUSH:
+                push = pb.PushRequest.FromString(payload[8:])
+                t = self._table(push.table, dense=False)
+                ids, grads = codec.decode(push.ids, "ids"), codec.decode(push.grads, "grads")
+                client_id, seq = push.client_id, push.seq
+            else:
+                dpush = pb.PushDenseRequest.FromString(payload[8:])
+                t = self._table(dpush.name, dense=True)
+                grads = codec.decode(dpush.grads, "grads")
+                ids = np.arange(dpush.row_start, dpush.row_start + grads.shape[0], dtype=np.int64)
+                client_id, seq = dpush.client_id, dpush.seq
+            if client_id:
+                self.seen.begin(client_id, seq)
+            with t.lock:
+                t.apply(ids, grads, t.spec.staleness.lr_scale(staleness))
+                with self._vlock:
+                    self.version += 1
+        else:
+            raise ValueError(f"unknown write-ahead log record kind {kind}")
 
     def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""

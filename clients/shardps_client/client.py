@@ -519,11 +519,29 @@ class Client:
 
     # ---- cluster operations ----------------------------------------------------------
 
-    def checkpoint(self, checkpoint_id: Optional[str] = None) -> str:
-        """Flush, then checkpoint every shard under one id; returns the id."""
+    def checkpoint(self, checkpoint_id: Optional[str] = None, hold_s: float = 30.0) -> str:
+        """Checkpoint every shard at one consistent point; returns the checkpoint id.
+
+        Flushes this client's pushes, then runs a two-phase checkpoint: every
+        shard holds new pushes back (PREPARE), then every shard copies its state
+        and resumes (COMMIT) before writing its file. If any shard fails to
+        prepare, the others are released (ABORT) and the error is raised.
+        """
         self.flush()
         cid = checkpoint_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        self._fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid)) for s in range(self.num_shards)])
+        shards = range(self.num_shards)
+        phase = pb.CheckpointRequest.Phase
+        try:
+            self._fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid, phase=phase.PREPARE, hold_s=hold_s))
+                           for s in shards])
+        except ShardpsError:
+            for s in shards:
+                try:
+                    self._call(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid, phase=phase.ABORT), retry=False)
+                except ShardpsError as e:
+                    log.warning("abort of checkpoint %s on %s failed: %s", cid, self.addresses[s], e)
+            raise
+        self._fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid, phase=phase.COMMIT)) for s in shards])
         return cid
 
     def close(self) -> None:

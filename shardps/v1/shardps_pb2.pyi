@@ -361,10 +361,24 @@ class ShardInfoResponse(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("checkpoint_id",)
+    __slots__ = ("checkpoint_id", "phase", "hold_s")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SNAPSHOT: _ClassVar[CheckpointRequest.Phase]
+        PREPARE: _ClassVar[CheckpointRequest.Phase]
+        COMMIT: _ClassVar[CheckpointRequest.Phase]
+        ABORT: _ClassVar[CheckpointRequest.Phase]
+    SNAPSHOT: CheckpointRequest.Phase
+    PREPARE: CheckpointRequest.Phase
+    COMMIT: CheckpointRequest.Phase
+    ABORT: CheckpointRequest.Phase
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: str
-    def __init__(self, checkpoint_id: _Optional[str] = ...) -> None: ...
+    phase: CheckpointRequest.Phase
+    hold_s: float
+    def __init__(self, checkpoint_id: _Optional[str] = ..., phase: _Optional[_Union[CheckpointRequest.Phase, str]] = ..., hold_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ("checkpoint_id", "version", "bytes", "pause_s")

@@ -1,0 +1,278 @@
+"""Checkpoints, the write-ahead log, restarts, resharding and exactly-once pushes."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from shardps import codec
+from shardps.reshard import reshard
+from shardps.routing import shard_of_ids
+from shardps.server import ServerConfig, ShardServer
+from shardps.shard import Shard, ShardConfig, ShardMapMismatch
+from shardps.specs import Initializer
+from shardps.v1 import shardps_pb2 as pb
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
+from shardps_client import SGD, Adagrad, Adam, Client
+from tests.conftest import running_cluster
+from tests.procs import start_shard
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _counter_table(c: Client, name: str = "cnt", rows: int = 64) -> None:
+    c.create_table(name, dim=4, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+
+
+def test_kill9_returns_to_last_checkpoint(tmp_path):
+    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--durability", "checkpoint"])
+    try:
+        with Client([shard.address]) as c:
+            _counter_table(c)
+            for _ in range(3):
+                c.push("cnt", torch.arange(64), torch.ones(64, 4))
+            cid = c.checkpoint()
+            for _ in range(2):  # acknowledged, but after the checkpoint
+                c.push("cnt", torch.arange(64), torch.ones(64, 4), wait=True)
+        shard.kill()
+        shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"))
+        with Client([shard.address]) as c:
+            torch.testing.assert_close(c.pull("cnt", torch.arange(64)), torch.full((64, 4), -3.0))
+            info = c.shard_info()[0]
+            assert info.last_checkpoint == cid and info.version == 3
+    finally:
+        shard.kill()
+
+
+def test_kill9_with_log_loses_no_acknowledged_push(tmp_path):
+    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--durability", "log"])
+    acked = 0
+    stop = threading.Event()
+
+    def pusher() -> None:
+        nonlocal acked
+        with Client([shard.address], retry_timeout=0.5, timeout=5) as c:
+            try:
+                while not stop.is_set():
+                    c.push("cnt", torch.arange(64), torch.ones(64, 4), wait=True)
+                    acked += 1
+            except Exception:
+                pass  # the shard died under us
+
+    with Client([shard.address]) as c:
+        _counter_table(c)
+        c.checkpoint()  # the log then holds the pushes after this checkpoint
+    t = threading.Thread(target=pusher)
+    t.start()
+    deadline = time.monotonic() + 20
+    while acked < 30 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    shard.kill()  # kill -9 in the middle of a push stream
+    stop.set()
+    t.join(30)
+    assert acked >= 30
+    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--durability", "log"])
+    try:
+        with Client([shard.address]) as c:
+            value = -c.pull("cnt", torch.tensor([0]))[0, 0].item()
+            # Every acknowledged push survived; at most the one in flight may have too.
+            assert acked <= value <= acked + 1
+            assert "replayed" in shard.log()
+    finally:
+        shard.kill()
+
+
+def test_log_replay_rebuilds_optimizer_state_and_dense_tensors(tmp_path):
+    config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="log")
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        c.create_table("e", dim=3, num_embeddings=50, optimizer=Adagrad(lr=0.1))
+        c.register_dense("w", torch.ones(2, 3), optimizer=Adam(lr=0.1))
+        for step in range(4):
+            c.push("e", torch.tensor([1, 2, 2]), torch.full((3, 3), float(step)))
+            c.push_dense("w", torch.full((2, 3), float(step + 1)))
+        c.flush()
+        rows, dense = c.pull("e", torch.arange(50)), c.pull_dense("w")[0]
+        server.stop(checkpoint=False)  # no checkpoint at all: everything comes from the log
+    assert not list(tmp_path.glob("*.ckpt"))
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        torch.testing.assert_close(c.pull("e", torch.arange(50)), rows, rtol=0, atol=0)
+        torch.testing.assert_close(c.pull_dense("w")[0], dense, rtol=0, atol=0)
+        assert c.shard_info()[0].version == 8
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
+    config = ShardConfig(0, 1, data_dir=str(tmp_path))
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        _counter_table(c)
+        c.push("cnt", torch.arange(64), torch.ones(64, 4))
+        c.checkpoint("first")
+        c.push("cnt", torch.arange(64), torch.ones(64, 4))
+        c.checkpoint("second")
+        server.stop(checkpoint=False)
+    files = sorted(tmp_path.glob("*.ckpt"))
+    assert [f.name.split("-", 2)[2] for f in files] == ["first.ckpt", "second.ckpt"]
+    newest = files[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # flip one bit in the middle
+    newest.write_bytes(bytes(data))
+    shard = Shard(config)
+    assert shard.last_checkpoint == "first" and shard.version == 1
+    assert "checksum mismatch" in caplog.text
+    rows, _ = shard.pull("cnt", np.arange(64))
+    assert (rows == -1.0).all()
+    # A truncated newest file is detected the same way.
+    newest.write_bytes(newest.read_bytes()[:100])
+    assert Shard(config).last_checkpoint == "first"
+
+
+def test_checkpoint_of_another_shard_map_is_refused(tmp_path):
+    Shard(ShardConfig(0, 2, data_dir=str(tmp_path))).checkpoint("x")
+    with pytest.raises(ShardMapMismatch, match="belongs to shard 0 of 2, but this shard is 0 of 3"):
+        Shard(ShardConfig(0, 3, data_dir=str(tmp_path)))
+    out = subprocess.run(
+        [sys.executable, "-m", "shardps", "serve", "--shard-index", "1", "--num-shards", "2", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode != 0 and "belongs to shard 0 of 2, but this shard is 1 of 2" in out.stderr
+
+
+@pytest.mark.parametrize("old_n,new_n", [(2, 3), (3, 2)])
+def test_reshard_keeps_every_row_and_optimizer_state(tmp_path, old_n, new_n):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    ids = torch.arange(0, 3000, 7)
+    with running_cluster(old_n, data_dir=str(src)) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("emb", dim=5, num_embeddings=3000, optimizer=Adam(lr=0.05))
+        c.create_table("free", dim=2, optimizer=Adagrad(lr=0.1))
+        c.register_dense("mlp", torch.randn(100, 30), optimizer=Adam(lr=0.01), chunk_bytes=2048)
+        for step in range(3):
+            c.push("emb", ids[step::2], torch.randn(len(ids[step::2]), 5))
+            c.push("free", torch.tensor([-5, 10**12]), torch.randn(2, 2))
+            c.push_dense("mlp", torch.randn(100, 30))
+        c.checkpoint("before")
+    summary = reshard(src, dst, new_n)
+    assert summary["tables"]["emb"]["rows"] == len(ids) and len(summary["tables"]["emb"]["per_shard"]) == new_n
+    # The same next step on the old cluster and on the resharded one must agree: rows and optimizer state moved.
+    results = []
+    for root, n in ((src, old_n), (dst, new_n)):
+        with running_cluster(n, data_dir=str(root)) as servers, Client([s.address for s in servers]) as c:
+            before = c.pull("emb", ids), c.pull("free", torch.tensor([-5, 10**12])), c.pull_dense("mlp")[0]
+            c.push("emb", ids, torch.ones(len(ids), 5))
+            c.push("free", torch.tensor([-5, 10**12]), torch.ones(2, 2))
+            c.push_dense("mlp", torch.ones(100, 30))
+            after = c.pull("emb", ids), c.pull("free", torch.tensor([-5, 10**12])), c.pull_dense("mlp")[0]
+            rows_total = sum(t.num_rows for info in c.shard_info() for t in info.tables if t.spec.name == "emb")
+            results.append((before, after, rows_total))
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert results[0][2] == results[1][2] == len(ids)
+
+
+def test_reshard_cli_refuses_nonempty_target(tmp_path):
+    Shard(ShardConfig(0, 1, data_dir=str(tmp_path / "src" / "shard-0"))).checkpoint("x")
+    (tmp_path / "dst" / "shard-0").mkdir(parents=True)
+    (tmp_path / "dst" / "shard-0" / "junk").write_text("x")
+    out = subprocess.run(
+        [sys.executable, "-m", "shardps", "reshard", "--from", str(tmp_path / "src"), "--to", str(tmp_path / "dst"), "--shards", "2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode != 0 and "is not empty" in out.stderr
+
+
+def test_duplicated_push_is_applied_once(tmp_path):
+    config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="log")
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        _counter_table(c)
+        stub = pb_grpc.ShardStub(grpc.insecure_channel(server.address))
+        req = pb.PushRequest(table="cnt", ids=codec.encode(np.arange(64)), grads=codec.encode(np.ones((64, 4), np.float32)),
+                             client_id="trainer-7", seq=1, shard_map=pb.ShardMap(shard_index=0, num_shards=1))
+        first, second = stub.Push(req), stub.Push(req)  # a retry after a lost acknowledgement
+        assert not first.duplicate and second.duplicate
+        torch.testing.assert_close(c.pull("cnt", torch.arange(64)), torch.full((64, 4), -1.0))
+        server.stop(checkpoint=False)
+    with ShardServer(config).start() as server:  # remembered across a restart, via the log
+        stub = pb_grpc.ShardStub(grpc.insecure_channel(server.address))
+        assert stub.Push(req).duplicate
+        req.seq = 2
+        assert not stub.Push(req).duplicate
+        assert server.shard.version == 2
+
+
+def test_two_phase_checkpoint_holds_pushes_until_commit(tmp_path):
+    with running_cluster(2, data_dir=str(tmp_path)) as servers, Client([s.address for s in servers]) as c:
+        _counter_table(c)
+        shard = servers[0].shard
+        shard.prepare_checkpoint(hold_s=10)
+        done = threading.Event()
+        ids = torch.tensor([i for i in range(64) if shard_of_ids(np.array([i]), 2)[0] == 0])
+        t = threading.Thread(target=lambda: (c.push("cnt", ids, torch.ones(len(ids), 4), wait=True), done.set()))
+        t.start()
+        assert not done.wait(0.5)  # held back while prepared
+        shard.checkpoint("cut", prepared=True)
+        assert done.wait(10)
+        t.join()
+        assert shard.version == 1
+        # A prepared hold that is never committed expires by itself.
+        shard.prepare_checkpoint(hold_s=0.3)
+        c.push("cnt", ids, torch.ones(len(ids), 4), wait=True)
+        assert shard.version == 2
+
+
+def test_shard_killed_during_training_job_is_restarted_and_job_completes(tmp_path):
+    data = tmp_path / "data"
+    shards = [start_shard(i, 2, tmp_path, str(data / f"shard-{i}"), extra=["--durability", "log"]) for i in range(2)]
+    progress = tmp_path / "progress"
+    steps = 120
+    job = subprocess.Popen(
+        [sys.executable, "-m", "tests.trainer_job", ",".join(s.address for s in shards), str(steps), str(progress)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (progress.exists() and progress.read_text() and int(progress.read_text().split()[-1]) >= 20):
+            assert job.poll() is None, job.stdout.read() if job.stdout else ""
+            assert time.monotonic() < deadline, "job made no progress"
+            time.sleep(0.05)
+        port = shards[1].address.rsplit(":", 1)[1]
+        shards[1].kill()
+        time.sleep(0.5)  # the job now retries against a dead shard
+        shards[1] = start_shard(1, 2, tmp_path, str(data / "shard-1"), extra=["--durability", "log", "--port", port])
+        out, _ = job.communicate(timeout=120)
+        assert job.returncode == 0, out
+        assert progress.read_text() == f"done {steps}"
+        with Client([s.address for s in shards]) as c:
+            total = -c.pull("job", torch.arange(10_000)).sum().item() / 8
+        assert total == steps * 256  # every push of the job applied exactly once, none lost in the crash
+    finally:
+        job.kill()
+        for s in shards:
+            s.kill()
+
+
+def test_killed_trainer_does_not_disturb_async_training_of_others(tmp_path):
+    shard = start_shard(0, 1, tmp_path)
+    try:
+        jobs = [
+            subprocess.Popen([sys.executable, "-m", "tests.trainer_job", shard.address, str(n), str(tmp_path / f"p{i}"), str(i)],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i, n in enumerate((100_000, 60))
+        ]
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "p0").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        jobs[0].kill()
+        out, _ = jobs[1].communicate(timeout=120)
+        assert jobs[1].returncode == 0, out
+        assert (tmp_path / "p1").read_text() == "done 60"
+    finally:
+        for j in jobs:
+            j.kill()
+        shard.kill()

@@ -1,0 +1,41 @@
+"""A small training job run as its own process by the fault tests.
+
+Usage: python -m tests.trainer_job ADDR,ADDR,... STEPS PROGRESS_FILE [SEED]
+
+Pulls a batch of rows, pushes a gradient of ones (SGD, lr 1), STEPS times,
+asynchronously with a flush every 5 steps, writing the step it reached to
+PROGRESS_FILE. Exits 0 when all steps are applied.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from shardps.specs import Initializer
+from shardps_client import SGD, Client
+
+
+def main() -> int:
+    addresses, steps, progress = sys.argv[1].split(","), int(sys.argv[2]), sys.argv[3]
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    gen = torch.Generator().manual_seed(seed)
+    with Client(addresses, timeout=10, retry_timeout=60) as c:
+        c.create_table("job", dim=8, num_embeddings=10_000, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        for step in range(1, steps + 1):
+            ids = torch.randint(0, 10_000, (256,), generator=gen)
+            rows = c.pull("job", ids)
+            c.push("job", ids, torch.ones_like(rows))
+            if step % 5 == 0:
+                c.flush()
+                with open(progress, "w") as f:
+                    f.write(str(step))
+        c.flush()
+    with open(progress, "w") as f:
+        f.write(f"done {steps}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
