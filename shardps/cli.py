@@ -37,6 +37,7 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("data-dir", str, None, "directory for checkpoints; restored on start (default: memory only)"),
     ("durability", str, "checkpoint", f"one of {', '.join(DURABILITY_LEVELS)}"),
     ("checkpoint-interval", float, 0.0, "seconds between periodic checkpoints (0: only on request and SIGTERM)"),
+    ("worker-timeout", float, 10.0, "seconds of silence after which a training worker counts as gone"),
     ("workers", int, 8, "gRPC handler threads"),
     ("max-message-mb", int, 4, "largest request or reply in MiB"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
@@ -86,7 +87,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         shard_config = ShardConfig(
             shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
-            durability=args.durability,
+            durability=args.durability, worker_timeout_s=args.worker_timeout,
         )
         server_config = ServerConfig(
             host=args.host, port=args.port, workers=args.workers, max_message_mb=args.max_message_mb,

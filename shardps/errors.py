@@ -37,3 +37,7 @@ class ResourceExhausted(ShardError):
 
 class Unavailable(ShardError):
     """The shard is not ready (restoring, shutting down)."""
+
+
+class SyncStepFailed(ShardError):
+    """A synchronous step failed (its straggler policy is "fail")."""

@@ -20,10 +20,11 @@ from shardps.errors import (
     ResourceExhausted,
     ShardError,
     StaleUpdate,
+    SyncStepFailed,
     Unavailable,
     WrongShard,
 )
-from shardps.shard import Shard
+from shardps.shard import PushResult, Shard, SyncPart
 from shardps.specs import dense_spec_from_pb, table_spec_from_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
@@ -37,6 +38,7 @@ _STATUS: dict[type, grpc.StatusCode] = {
     OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
     WrongShard: grpc.StatusCode.FAILED_PRECONDITION,
     StaleUpdate: grpc.StatusCode.ABORTED,
+    SyncStepFailed: grpc.StatusCode.ABORTED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
@@ -87,6 +89,18 @@ def _opt_version(request: Any) -> Any:
     return request.pulled_version if request.HasField("pulled_version") else None
 
 
+def _sync(request: Any) -> Any:
+    if not request.HasField("sync"):
+        return None
+    p = request.sync
+    return SyncPart(step=p.step, rank=p.rank, part=p.part, parts=p.parts)
+
+
+def _push_response(r: PushResult) -> pb.PushResponse:
+    return pb.PushResponse(version=r.version, staleness=r.staleness, duplicate=r.duplicate, late=r.late,
+                           missing_ranks=r.missing_ranks)
+
+
 class ShardServicer(pb_grpc.ShardServicer):
     """The ``shardps.v1.Shard`` service over one ``Shard``."""
 
@@ -118,9 +132,9 @@ class ShardServicer(pb_grpc.ShardServicer):
         self.shard.check_shard_map(request.shard_map)
         r = self.shard.push(
             request.table, _ids(request.ids), _grads(request.grads), _opt_version(request),
-            request.client_id, request.seq,
+            request.client_id, request.seq, _sync(request),
         )
-        return pb.PushResponse(version=r.version, staleness=r.staleness, duplicate=r.duplicate)
+        return _push_response(r)
 
     @_rpc
     def RegisterDense(self, request: pb.RegisterDenseRequest, context: grpc.ServicerContext) -> pb.RegisterDenseResponse:
@@ -141,9 +155,9 @@ class ShardServicer(pb_grpc.ShardServicer):
         self.shard.check_shard_map(request.shard_map)
         r = self.shard.push_dense(
             request.name, request.row_start, _grads(request.grads), _opt_version(request),
-            request.client_id, request.seq,
+            request.client_id, request.seq, _sync(request),
         )
-        return pb.PushResponse(version=r.version, staleness=r.staleness, duplicate=r.duplicate)
+        return _push_response(r)
 
     @_rpc
     def ShardInfo(self, request: pb.ShardInfoRequest, context: grpc.ServicerContext) -> pb.ShardInfoResponse:
@@ -165,3 +179,11 @@ class ShardServicer(pb_grpc.ShardServicer):
         prepared = phase == pb.CheckpointRequest.COMMIT
         cid, version, size, pause = self.shard.checkpoint(request.checkpoint_id, prepared=prepared)
         return pb.CheckpointResponse(checkpoint_id=cid, version=version, bytes=size, pause_s=pause)
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        wait = request.wait_min_clock if request.HasField("wait_min_clock") else None
+        min_clock, live, gone = self.shard.heartbeat(
+            request.rank, request.world_size, request.clock, request.leaving, wait, request.wait_s
+        )
+        return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)

@@ -22,7 +22,18 @@ import numpy as np
 from shardps import checkpoint as ckpt
 from shardps import codec
 from shardps import wal as wal_mod
-from shardps.errors import AlreadyExists, InvalidArgument, NotFound, OutOfRange, StaleUpdate, Unavailable, WrongShard
+from shardps.aggregate import combine, stack
+from shardps.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    StaleUpdate,
+    SyncStepFailed,
+    Unavailable,
+    WrongShard,
+)
+from shardps.sync import Membership, StepBuffer, SyncTable
 from shardps.routing import dense_rows_owned, shard_of_ids
 from shardps.specs import (
     DenseSpec,
@@ -60,6 +71,8 @@ class ShardConfig:
         keep_checkpoints: checkpoints kept on disk (the newest and previous ones).
         checkpoint_hold_s: longest time a prepared two-phase checkpoint holds
             pushes back before the shard gives up on it and resumes.
+        worker_timeout_s: a worker silent (no heartbeat, no push) for this
+            long counts as gone: synchronous steps and SSP stop waiting for it.
     """
 
     shard_index: int = 0
@@ -68,6 +81,7 @@ class ShardConfig:
     durability: str = "checkpoint"
     keep_checkpoints: int = 2
     checkpoint_hold_s: float = 30.0
+    worker_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
@@ -156,6 +170,18 @@ class PushResult:
     version: int
     staleness: int
     duplicate: bool
+    late: bool = False
+    missing_ranks: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SyncPart:
+    """Where a push sits in a synchronous step (see SyncPart in the proto)."""
+
+    step: int
+    rank: int
+    part: int = 0
+    parts: int = 1
 
 
 class Shard:
@@ -172,6 +198,9 @@ class Shard:
         self.version = 0
         self.stats = Stats()
         self.seen = SeenPushes()
+        self.membership = Membership(config.worker_timeout_s)
+        self._sync_cond = threading.Condition()
+        self._sync_tables: dict[str, SyncTable] = {}
         self.started = time.monotonic()
         self._ckpt_lock = threading.Lock()
         self._ckpt_seqno = 0
@@ -291,18 +320,27 @@ class Shard:
     def push(
         self, name: str, ids: np.ndarray, grads: np.ndarray,
         pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
+        sync: Optional[SyncPart] = None,
     ) -> PushResult:
-        """Apply gradients of ``ids`` (duplicates summed) with the table's optimizer."""
-        t = self._table(name, dense=False)
-        t.check_ids(ids)
-        t.check_grads(ids, grads)
-        return self._push(t, ids, grads, pulled_version, client_id, seq)
+        """Apply gradients of ``ids`` (duplicates summed) with the table's optimizer.
 
-    def _push_record(self, t: Table, ids: np.ndarray, grads: np.ndarray, client_id: str, seq: int) -> tuple[int, bytes]:
+        For a table with a SyncPolicy, ``sync`` is required and the call
+        returns once the step it belongs to is applied (or failed).
+        """
+        t = self._table(name, dense=False)
+        if sync is None or ids.size:  # a synchronous worker may contribute nothing to a step
+            t.check_ids(ids)
+        elif ids.ndim != 1:
+            raise InvalidArgument(f"{name}: ids must be 1-D, got shape {list(ids.shape)}")
+        t.check_grads(ids, grads)
+        return self._push(t, ids, grads, pulled_version, client_id, seq, sync)
+
+    def _push_record(self, t: Table, ids: np.ndarray, grads: np.ndarray, client_id: str, seq: int,
+                     as_rows: bool = False) -> tuple[int, bytes]:
         """The WAL record of a push (built before taking the table lock)."""
         if self._wal is None:
             return 0, b""
-        if t.is_dense:
+        if t.is_dense and not as_rows:
             req = pb.PushDenseRequest(name=t.spec.name, row_start=int(ids[0]), grads=codec.encode(grads),
                                       client_id=client_id, seq=seq)
             return wal_mod.PUSH_DENSE, req.SerializeToString()
@@ -311,46 +349,123 @@ class Shard:
         return wal_mod.PUSH, req2.SerializeToString()
 
     def _push(
-        self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], client_id: str, seq: int
+        self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], client_id: str, seq: int,
+        sync: Optional[SyncPart] = None,
     ) -> PushResult:
+        policy = t.spec.sync
+        if policy is not None and sync is None:
+            raise InvalidArgument(f"{t.spec.name} is synchronous: pushes must carry a step and rank")
+        if policy is None and sync is not None:
+            raise InvalidArgument(f"{t.spec.name} is asynchronous: pushes must not carry a sync step")
         if client_id and not self.seen.begin(client_id, seq):
             with self.stats.lock:
                 self.stats.duplicates += 1
             return PushResult(self.version, 0, True)
-        kind, record = self._push_record(t, ids, grads, client_id, seq)
         try:
-            while True:
-                with t.lock:
-                    if self._gate.is_set():
-                        staleness = max(0, self.version - pulled_version) if pulled_version is not None else 0
-                        policy = t.spec.staleness
-                        if policy.max_staleness is not None and staleness > policy.max_staleness:
-                            with self.stats.lock:
-                                self.stats.stale_rejected += 1
-                            raise StaleUpdate(
-                                f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
-                                f"{policy.max_staleness}; pull again and recompute"
-                            )
-                        rows = t.apply(ids, grads, policy.lr_scale(staleness))
-                        with self._vlock:
-                            self.version += 1
-                            version = self.version
-                        ticket = self._log(kind, _U64.pack(staleness), record) if kind else 0
-                        break
-                # A two-phase checkpoint is prepared: wait for it (bounded) outside the lock.
-                if not self._gate.wait(self.config.checkpoint_hold_s + 5):
-                    raise Unavailable(f"shard {self.index}: pushes held back by a checkpoint for too long")
+            if sync is not None:
+                return self._push_sync(t, ids, grads, sync)
+            kind, record = self._push_record(t, ids, grads, client_id, seq)
+            version, staleness = self._apply_update(t, ids, grads, pulled_version, kind, record)
+        except SyncStepFailed:
+            raise  # the step is over; a retry would be late, so the seq stays consumed
         except BaseException:
             if client_id:
                 self.seen.abort(client_id, seq)
             raise
+        return PushResult(version, staleness, False)
+
+    def _apply_update(
+        self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], kind: int, record: bytes
+    ) -> tuple[int, int]:
+        """Apply one update under the table lock (waiting out a prepared checkpoint); log it; count it."""
+        while True:
+            with t.lock:
+                if self._gate.is_set():
+                    staleness = max(0, self.version - pulled_version) if pulled_version is not None else 0
+                    policy = t.spec.staleness
+                    if policy.max_staleness is not None and staleness > policy.max_staleness:
+                        with self.stats.lock:
+                            self.stats.stale_rejected += 1
+                        raise StaleUpdate(
+                            f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
+                            f"{policy.max_staleness}; pull again and recompute"
+                        )
+                    rows = t.apply(ids, grads, policy.lr_scale(staleness)) if ids.size else 0
+                    with self._vlock:
+                        self.version += 1
+                        version = self.version
+                    ticket = self._log(kind, _U64.pack(staleness), record) if kind else 0
+                    break
+            # A two-phase checkpoint is prepared: wait for it (bounded) outside the lock.
+            if not self._gate.wait(self.config.checkpoint_hold_s + 5):
+                raise Unavailable(f"shard {self.index}: pushes held back by a checkpoint for too long")
         self._wait_durable(ticket)
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_pushed += rows
             self.stats.staleness_sum += staleness
             self.stats.max_staleness = max(self.stats.max_staleness, staleness)
-        return PushResult(version, staleness, False)
+        return version, staleness
+
+    # ---- synchronous steps and membership --------------------------------------------
+
+    def _push_sync(self, t: Table, ids: np.ndarray, grads: np.ndarray, part: SyncPart) -> PushResult:
+        """Add one worker's part of a step; return once the step is applied (or failed)."""
+        policy = t.spec.sync
+        assert policy is not None
+        self.membership.touch(part.rank, policy.workers)
+        with self._sync_cond:
+            st = self._sync_tables.get(t.spec.name)
+            if st is None or st.policy != policy:
+                st = self._sync_tables[t.spec.name] = SyncTable(policy, t.dim)
+            buf = st.add(part.step, part.rank, part.part, part.parts, ids, np.asarray(grads, dtype=np.float32))
+            if buf is None:
+                return PushResult(self.version, 0, False, late=True)
+            while not buf.done:
+                self._try_finish_step(t, st, part.step, buf)
+                if not buf.done:
+                    self._sync_cond.wait(0.05)
+        if buf.error:
+            raise SyncStepFailed(buf.error)
+        return PushResult(buf.version, 0, False, missing_ranks=buf.missing)
+
+    def _try_finish_step(self, t: Table, st: SyncTable, step: int, buf: StepBuffer) -> None:
+        """Apply (or fail) a step if every worker is in, or its straggler policy says so. Holds _sync_cond."""
+        policy = st.policy
+        complete = buf.complete_ranks()
+        waiting = [r for r in range(policy.workers) if r not in complete]
+        if waiting:
+            timed_out = time.monotonic() - buf.started >= policy.timeout_s
+            all_gone = all(self.membership.is_gone(r) for r in waiting)
+            if timed_out and policy.on_timeout == "fail":
+                buf.error = (f"sync step {step} of {t.spec.name} failed: no push from ranks {waiting} "
+                             f"within {policy.timeout_s}s")
+                st.finish(step, buf)
+                self._sync_cond.notify_all()
+                return
+            proceed = all_gone or (timed_out and policy.on_timeout == "proceed")
+            if not (proceed and complete):
+                return
+            log.warning("shard %d: step %d of %s proceeds without ranks %s", self.index, step, t.spec.name, waiting)
+        union, stacked = stack(st.contributions(buf, complete), t.dim)
+        combined = combine(stacked, policy.aggregator, policy.trim_fraction)
+        kind, record = self._push_record(t, union, combined, "", 0, as_rows=True)
+        buf.version, _ = self._apply_update(t, union, combined, None, kind, record)
+        buf.missing = waiting
+        st.finish(step, buf)
+        self._sync_cond.notify_all()
+
+    def heartbeat(
+        self, rank: int, world_size: int, clock: int, leaving: bool,
+        wait_min_clock: Optional[int] = None, wait_s: float = 0.0,
+    ) -> tuple[int, list[int], list[int]]:
+        """Record a worker's liveness and clock; optionally wait for the slowest one."""
+        self.membership.heartbeat(rank, world_size, clock, leaving)
+        if wait_min_clock is not None and wait_s > 0:
+            self.membership.wait_min_clock(wait_min_clock, min(wait_s, 60.0))
+        with self._sync_cond:  # a rank that left may complete a waiting step
+            self._sync_cond.notify_all()
+        return self.membership.status()
 
     # ---- dense tensors ---------------------------------------------------------------
 
@@ -406,13 +521,14 @@ class Shard:
     def push_dense(
         self, name: str, row_start: int, grads: np.ndarray,
         pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
+        sync: Optional[SyncPart] = None,
     ) -> PushResult:
         t = self._table(name, dense=True)
         if grads.ndim != 2:
             raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
         ids = self._dense_rows(t, row_start, row_start + grads.shape[0])
         t.check_grads(ids, grads)
-        return self._push(t, ids, grads, pulled_version, client_id, seq)
+        return self._push(t, ids, grads, pulled_version, client_id, seq, sync)
 
     # ---- info ------------------------------------------------------------------------
 
@@ -575,7 +691,10 @@ class Shard:
             t: Table
             if kind == wal_mod.PUSH:
                 push = pb.PushRequest.FromString(payload[8:])
-                t = self._table(push.table, dense=False)
+                found = self._tables.get(push.table)
+                if found is None:
+                    raise NotFound(f"log record for unknown table {push.table!r}")
+                t = found
                 ids, grads = codec.decode(push.ids, "ids"), codec.decode(push.grads, "grads")
                 client_id, seq = push.client_id, push.seq
             else:
@@ -587,7 +706,8 @@ class Shard:
             if client_id:
                 self.seen.begin(client_id, seq)
             with t.lock:
-                t.apply(ids, grads, t.spec.staleness.lr_scale(staleness))
+                if ids.size:
+                    t.apply(ids, grads, t.spec.staleness.lr_scale(staleness))
                 with self._vlock:
                     self.version += 1
         else:

@@ -108,6 +108,43 @@ class Staleness:
         return 1.0
 
 
+AGGREGATORS = ("mean", "sum", "median", "trimmed_mean")
+ON_TIMEOUT = ("wait", "proceed", "fail")
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """Synchronous training: one combined update per step from ``workers`` workers.
+
+    Args:
+        workers: number of workers (world size) whose pushes make a step.
+        aggregator: "mean", "sum", "median" (coordinate-wise) or "trimmed_mean".
+        trim_fraction: fraction dropped from each side by "trimmed_mean", in [0, 0.5).
+        timeout_s: seconds a step waits for stragglers before ``on_timeout`` applies.
+        on_timeout: "wait" (keep waiting, except for workers that left or went
+            silent), "proceed" (apply with the pushes received; late pushes are
+            dropped and reported) or "fail" (the step fails, nothing is applied).
+    """
+
+    workers: int
+    aggregator: str = "mean"
+    trim_fraction: float = 0.0
+    timeout_s: float = 30.0
+    on_timeout: str = "wait"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise InvalidArgument(f"sync workers must be >= 1, got {self.workers}")
+        if self.aggregator not in AGGREGATORS:
+            raise InvalidArgument(f"sync aggregator must be one of {AGGREGATORS}, got {self.aggregator!r}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise InvalidArgument(f"sync trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if not self.timeout_s > 0:
+            raise InvalidArgument(f"sync timeout_s must be > 0, got {self.timeout_s}")
+        if self.on_timeout not in ON_TIMEOUT:
+            raise InvalidArgument(f"sync on_timeout must be one of {ON_TIMEOUT}, got {self.on_timeout!r}")
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """An embedding table.
@@ -120,6 +157,7 @@ class TableSpec:
         initializer: row initializer.
         staleness: staleness policy.
         allow_nonfinite: accept NaN/Inf gradients instead of rejecting the push.
+        sync: synchronous training policy (None: asynchronous).
     """
 
     name: str
@@ -129,6 +167,7 @@ class TableSpec:
     initializer: Initializer = field(default_factory=Initializer)
     staleness: Staleness = field(default_factory=Staleness)
     allow_nonfinite: bool = False
+    sync: Optional[SyncPolicy] = None
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -149,6 +188,7 @@ class DenseSpec:
         staleness: staleness policy.
         chunk_rows: rows per placement chunk (0: the whole tensor on one shard).
         allow_nonfinite: accept NaN/Inf gradients.
+        sync: synchronous training policy (None: asynchronous).
     """
 
     name: str
@@ -157,6 +197,7 @@ class DenseSpec:
     staleness: Staleness = field(default_factory=Staleness)
     chunk_rows: int = 0
     allow_nonfinite: bool = False
+    sync: Optional[SyncPolicy] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -254,6 +295,25 @@ def staleness_from_pb(msg: pb.StalenessPolicy) -> Staleness:
     )
 
 
+_AGG_PB = {"mean": pb.SyncPolicy.MEAN, "sum": pb.SyncPolicy.SUM, "median": pb.SyncPolicy.MEDIAN,
+           "trimmed_mean": pb.SyncPolicy.TRIMMED_MEAN}
+_TIMEOUT_PB = {"wait": pb.SyncPolicy.WAIT, "proceed": pb.SyncPolicy.PROCEED, "fail": pb.SyncPolicy.FAIL}
+
+
+def sync_to_pb(p: SyncPolicy) -> pb.SyncPolicy:
+    return pb.SyncPolicy(workers=p.workers, aggregator=_AGG_PB[p.aggregator], trim_fraction=p.trim_fraction,
+                         timeout_s=p.timeout_s, on_timeout=_TIMEOUT_PB[p.on_timeout])
+
+
+def sync_from_pb(msg: pb.SyncPolicy) -> SyncPolicy:
+    aggs = {v: k for k, v in _AGG_PB.items()}
+    timeouts = {v: k for k, v in _TIMEOUT_PB.items()}
+    if msg.aggregator not in aggs or msg.on_timeout not in timeouts:
+        raise InvalidArgument("unknown sync aggregator or on_timeout value")
+    return SyncPolicy(workers=msg.workers, aggregator=aggs[msg.aggregator], trim_fraction=msg.trim_fraction,
+                      timeout_s=msg.timeout_s, on_timeout=timeouts[msg.on_timeout])
+
+
 def table_spec_to_pb(spec: TableSpec) -> pb.TableSpec:
     msg = pb.TableSpec(
         name=spec.name, dim=spec.dim, optimizer=optimizer_to_pb(spec.optimizer),
@@ -262,6 +322,8 @@ def table_spec_to_pb(spec: TableSpec) -> pb.TableSpec:
     )
     if spec.num_embeddings is not None:
         msg.num_embeddings = spec.num_embeddings
+    if spec.sync is not None:
+        msg.sync.CopyFrom(sync_to_pb(spec.sync))
     return msg
 
 
@@ -271,18 +333,23 @@ def table_spec_from_pb(msg: pb.TableSpec) -> TableSpec:
         num_embeddings=msg.num_embeddings if msg.HasField("num_embeddings") else None,
         optimizer=optimizer_from_pb(msg.optimizer), initializer=initializer_from_pb(msg.initializer),
         staleness=staleness_from_pb(msg.staleness), allow_nonfinite=msg.allow_nonfinite,
+        sync=sync_from_pb(msg.sync) if msg.HasField("sync") else None,
     )
 
 
 def dense_spec_to_pb(spec: DenseSpec) -> pb.DenseSpec:
-    return pb.DenseSpec(
+    msg = pb.DenseSpec(
         name=spec.name, shape=list(spec.shape), optimizer=optimizer_to_pb(spec.optimizer),
         staleness=staleness_to_pb(spec.staleness), chunk_rows=spec.chunk_rows, allow_nonfinite=spec.allow_nonfinite,
     )
+    if spec.sync is not None:
+        msg.sync.CopyFrom(sync_to_pb(spec.sync))
+    return msg
 
 
 def dense_spec_from_pb(msg: pb.DenseSpec) -> DenseSpec:
     return DenseSpec(
         name=msg.name, shape=tuple(msg.shape), optimizer=optimizer_from_pb(msg.optimizer),
         staleness=staleness_from_pb(msg.staleness), chunk_rows=msg.chunk_rows, allow_nonfinite=msg.allow_nonfinite,
+        sync=sync_from_pb(msg.sync) if msg.HasField("sync") else None,
     )

@@ -1,7 +1,7 @@
 """shardps_client: the PyTorch client of the shardps parameter server."""
 
 from shardps.optim import SGD, Adagrad, Adam
-from shardps.specs import Initializer, Staleness
+from shardps.specs import Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
 from shardps_client.errors import (
     IdOutOfRangeError,
@@ -12,12 +12,13 @@ from shardps_client.errors import (
     ShardTimeoutError,
     ShardUnavailableError,
     StaleUpdateError,
+    SyncStepError,
     TableExistsError,
     TableNotFoundError,
 )
 
 __all__ = [
-    "Client", "Versions", "SGD", "Adagrad", "Adam", "Initializer", "Staleness",
+    "Client", "Versions", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
 ]

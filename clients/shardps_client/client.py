@@ -12,9 +12,11 @@ Usage::
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -34,6 +36,7 @@ from shardps.specs import (
     DenseSpec,
     Initializer,
     Staleness,
+    SyncPolicy,
     TableSpec,
     dense_spec_from_pb,
     dense_spec_to_pb,
@@ -92,6 +95,13 @@ class Client:
             pushes to that table (so one worker sees its own updates).
         check_shard_map: verify each shard's (index, count) on connect.
         client_id: identity for exactly-once pushes (default: random).
+        rank: this worker's rank (default: the RANK environment variable that
+            torchrun sets). Needed for synchronous tables and SSP.
+        world_size: number of workers (default: WORLD_SIZE).
+        ssp_bound: bounded staleness: a worker whose clock (``advance_clock``)
+            is more than this many steps ahead of the slowest live worker waits
+            before its next pull. None: no bound.
+        heartbeat_s: seconds between liveness heartbeats (sent while rank is known).
     """
 
     def __init__(
@@ -106,6 +116,10 @@ class Client:
         read_your_writes: bool = True,
         check_shard_map: bool = True,
         client_id: Optional[str] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        ssp_bound: Optional[int] = None,
+        heartbeat_s: float = 1.0,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
@@ -138,8 +152,29 @@ class Client:
         self._inflight = threading.BoundedSemaphore(max_inflight_pushes)
         self._errors: list[BaseException] = []
         self._closed = False
+        self.rank = rank if rank is not None else _env_int("RANK")
+        self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
+            raise InvalidArgumentError(f"rank {self.rank} is not in [0, world_size {self.world_size})")
+        if ssp_bound is not None and (ssp_bound < 0 or self.rank is None):
+            raise InvalidArgumentError("ssp_bound needs a rank (RANK or rank=) and must be >= 0")
+        self.ssp_bound = ssp_bound
+        self.clock = 0
+        self._min_clock = 0
+        self._sync_steps: dict[str, int] = {}
+        #: (table, step, missing ranks, late) of synchronous steps that did not include every worker.
+        self.sync_reports: collections.deque = collections.deque(maxlen=1000)
+        self._prefetched: dict[tuple[str, int], Future] = {}
+        self._stop = threading.Event()
+        self._heartbeat_thread: Optional[threading.Thread] = None
         if check_shard_map:
             self.check_shard_map()
+        if self.rank is not None:
+            self._heartbeat()
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, args=(heartbeat_s,), name="shardps-heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
 
     @classmethod
     def from_file(cls, path: str, **kwargs: Any) -> "Client":
@@ -205,6 +240,37 @@ class Client:
         with self._seq_lock:
             return next(self._seq[shard])
 
+    # ---- workers: heartbeats, SSP clocks ---------------------------------------------
+
+    def _heartbeat(self, leaving: bool = False, wait_min_clock: Optional[int] = None, wait_s: float = 0.0) -> None:
+        req = pb.HeartbeatRequest(rank=self.rank or 0, world_size=self.world_size or 0, clock=self.clock,
+                                  leaving=leaving, wait_s=wait_s)
+        if wait_min_clock is not None:
+            req.wait_min_clock = wait_min_clock
+        replies = self._fan_out([(s, "Heartbeat", req) for s in range(self.num_shards)])
+        self._min_clock = min(r.min_clock for r in replies)
+
+    def _heartbeat_loop(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                self._heartbeat()
+            except ShardpsError as e:
+                log.debug("heartbeat failed: %s", e)
+
+    def advance_clock(self) -> int:
+        """Mark the end of a training step (the SSP clock); returns the new clock."""
+        self.clock += 1
+        if self.rank is not None:
+            self._pool.submit(self._heartbeat)
+        return self.clock
+
+    def _ssp_wait(self) -> None:
+        """Bounded staleness: wait while this worker is more than ssp_bound steps ahead."""
+        if self.ssp_bound is None:
+            return
+        while self.clock - self._min_clock > self.ssp_bound and not self._closed:
+            self._heartbeat(wait_min_clock=self.clock - self.ssp_bound, wait_s=1.0)
+
     # ---- tables ----------------------------------------------------------------------
 
     def create_table(
@@ -216,6 +282,7 @@ class Client:
         initializer: Optional[Initializer] = None,
         staleness: Optional[Staleness] = None,
         allow_nonfinite: bool = False,
+        sync: Optional[SyncPolicy] = None,
     ) -> bool:
         """Create a table on every shard; True if created, False if an equal one existed.
 
@@ -228,7 +295,7 @@ class Client:
             spec = TableSpec(
                 name=name, dim=dim, num_embeddings=num_embeddings, optimizer=optimizer or SGD(),
                 initializer=initializer or Initializer(kind="normal", std=1.0, seed=name_hash(name) >> 1),
-                staleness=staleness or Staleness(), allow_nonfinite=allow_nonfinite,
+                staleness=staleness or Staleness(), allow_nonfinite=allow_nonfinite, sync=sync,
             )
         except (_ServerInvalidArgument, ValueError) as e:
             raise InvalidArgumentError(str(e)) from None
@@ -286,6 +353,7 @@ class Client:
         ids_np = _ids_to_numpy(ids)
         self._check_ids(spec, ids_np)
         wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        self._ssp_wait()
         if self.read_your_writes:
             self._wait_pending(table)
         flat = ids_np.reshape(-1)
@@ -346,19 +414,33 @@ class Client:
         wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         order, bounds = split_by_shard(uniq, self.num_shards)
         step = self._rows_per_message(spec.dim, wire)
+        sync_step = self._next_sync_step(table) if spec.sync is not None else 0
         calls = []
         for s in range(self.num_shards):
             idx = order[bounds[s] : bounds[s + 1]]
-            for start in range(0, idx.shape[0], step):
+            # A synchronous worker sends every shard its part of the step, even an empty one.
+            starts = list(range(0, idx.shape[0], step)) or ([0] if sync_step else [])
+            for k, start in enumerate(starts):
                 part = idx[start : start + step]
                 req = pb.PushRequest(
-                    table=table, ids=codec.encode(uniq[part]), grads=codec.encode(summed[part], wire),
+                    table=table, ids=codec.encode(uniq[part]),
+                    grads=codec.encode(summed[part].reshape(len(part), spec.dim), wire),
                     client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
                 )
+                if sync_step:
+                    req.sync.CopyFrom(pb.SyncPart(step=sync_step, rank=self.rank or 0, part=k, parts=len(starts)))
                 if versions is not None and s in versions.by_shard:
                     req.pulled_version = versions.by_shard[s]
                 calls.append((s, "Push", req))
         self._submit_pushes(table, calls, wait)
+
+    def _next_sync_step(self, key: str) -> int:
+        if self.rank is None:
+            raise InvalidArgumentError(
+                f"{key} is synchronous: the client needs its rank (RANK/WORLD_SIZE as set by torchrun, or Client(rank=...))"
+            )
+        self._sync_steps[key] = self._sync_steps.get(key, 0) + 1
+        return self._sync_steps[key]
 
     def _submit_pushes(self, key: str, calls: list[tuple[int, str, Any]], wait: bool) -> None:
         futures = []
@@ -382,8 +464,17 @@ class Client:
         self._inflight.release()
         with self._pending_lock:
             self._pending.get(key, set()).discard(f)
-            if f.exception() is not None and not f.waited:  # type: ignore[attr-defined]
-                self._errors.append(f.exception())  # type: ignore[arg-type]
+            if f.exception() is not None:
+                if not f.waited:  # type: ignore[attr-defined]
+                    self._errors.append(f.exception())  # type: ignore[arg-type]
+                return
+        reply = f.result()
+        if reply.late or reply.missing_ranks:
+            self.sync_reports.append((key, list(reply.missing_ranks), reply.late))
+            if reply.late:
+                log.warning("push to %s arrived after its synchronous step was applied; dropped", key)
+            else:
+                log.warning("synchronous step of %s applied without ranks %s (stragglers)", key, list(reply.missing_ranks))
 
     def _wait_pending(self, key: Optional[str] = None) -> None:
         with self._pending_lock:
@@ -417,6 +508,7 @@ class Client:
         staleness: Optional[Staleness] = None,
         chunk_bytes: int = 1 * MiB,
         allow_nonfinite: bool = False,
+        sync: Optional[SyncPolicy] = None,
     ) -> bool:
         """Register a dense tensor with its initial value; True if this call created it.
 
@@ -434,7 +526,7 @@ class Client:
         try:
             spec = DenseSpec(
                 name=name, shape=shape, optimizer=optimizer or SGD(), staleness=staleness or Staleness(),
-                chunk_rows=chunk_rows, allow_nonfinite=allow_nonfinite,
+                chunk_rows=chunk_rows, allow_nonfinite=allow_nonfinite, sync=sync,
             )
         except _ServerInvalidArgument as e:
             raise InvalidArgumentError(str(e)) from None
@@ -473,6 +565,7 @@ class Client:
         """The current value of a dense tensor (its registered shape) and the versions read at."""
         spec = self.dense_spec(name)
         wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        self._ssp_wait()
         if self.read_your_writes:
             self._wait_pending(name)
         pieces = list(self._dense_pieces(spec, wire))
@@ -506,12 +599,19 @@ class Client:
             raise InvalidArgumentError(f"{name}: gradient contains NaN or Inf; push rejected")
         g2 = g.reshape(spec.rows, spec.cols)
         wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        sync_step = self._next_sync_step(name) if spec.sync is not None else 0
+        pieces = list(self._dense_pieces(spec, wire))
+        per_shard = collections.Counter(s for s, _, _ in pieces)
+        seen: collections.Counter = collections.Counter()
         calls = []
-        for s, a, b in self._dense_pieces(spec, wire):
+        for s, a, b in pieces:
             req = pb.PushDenseRequest(
                 name=name, row_start=a, grads=codec.encode(g2[a:b], wire), client_id=self.client_id,
                 seq=self._next_seq(s), shard_map=self._map(s),
             )
+            if sync_step:
+                req.sync.CopyFrom(pb.SyncPart(step=sync_step, rank=self.rank or 0, part=seen[s], parts=per_shard[s]))
+                seen[s] += 1
             if versions is not None and s in versions.by_shard:
                 req.pulled_version = versions.by_shard[s]
             calls.append((s, "PushDense", req))
@@ -553,6 +653,13 @@ class Client:
         except ShardpsError as e:
             log.error("pending push failed at close: %s", e)
         finally:
+            self._stop.set()
+            if self._heartbeat_thread is not None:
+                self._heartbeat_thread.join()
+                try:
+                    self._heartbeat(leaving=True)
+                except ShardpsError as e:
+                    log.debug("leaving heartbeat failed: %s", e)
             self._closed = True
             self._pool.shutdown(wait=True)
             for lane in self._push_lanes:
@@ -565,6 +672,16 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _env_int(name: str) -> Optional[int]:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
 def _ids_to_numpy(ids: IdsLike) -> np.ndarray:

@@ -48,6 +48,10 @@ class StaleUpdateError(ShardpsError):
     """A push was staler than the table's max_staleness and was rejected."""
 
 
+class SyncStepError(ShardpsError):
+    """A synchronous step failed because workers were missing (straggler policy "fail")."""
+
+
 class RequestTooLargeError(ShardpsError):
     """A request or reply exceeded a message size limit."""
 
@@ -78,4 +82,6 @@ def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
     cls = _BY_CODE.get(code, ShardpsError)
+    if code == grpc.StatusCode.ABORTED and "sync step" in details:
+        cls = SyncStepError
     return cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)

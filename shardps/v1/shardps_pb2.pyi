@@ -130,8 +130,52 @@ class StalenessPolicy(_message.Message):
     max_staleness: int
     def __init__(self, scaling: _Optional[_Union[StalenessPolicy.Scaling, str]] = ..., alpha: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
+class SyncPolicy(_message.Message):
+    __slots__ = ("workers", "aggregator", "trim_fraction", "timeout_s", "on_timeout")
+    class Aggregator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MEAN: _ClassVar[SyncPolicy.Aggregator]
+        SUM: _ClassVar[SyncPolicy.Aggregator]
+        MEDIAN: _ClassVar[SyncPolicy.Aggregator]
+        TRIMMED_MEAN: _ClassVar[SyncPolicy.Aggregator]
+    MEAN: SyncPolicy.Aggregator
+    SUM: SyncPolicy.Aggregator
+    MEDIAN: SyncPolicy.Aggregator
+    TRIMMED_MEAN: SyncPolicy.Aggregator
+    class OnTimeout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        WAIT: _ClassVar[SyncPolicy.OnTimeout]
+        PROCEED: _ClassVar[SyncPolicy.OnTimeout]
+        FAIL: _ClassVar[SyncPolicy.OnTimeout]
+    WAIT: SyncPolicy.OnTimeout
+    PROCEED: SyncPolicy.OnTimeout
+    FAIL: SyncPolicy.OnTimeout
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
+    TRIM_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ON_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    workers: int
+    aggregator: SyncPolicy.Aggregator
+    trim_fraction: float
+    timeout_s: float
+    on_timeout: SyncPolicy.OnTimeout
+    def __init__(self, workers: _Optional[int] = ..., aggregator: _Optional[_Union[SyncPolicy.Aggregator, str]] = ..., trim_fraction: _Optional[float] = ..., timeout_s: _Optional[float] = ..., on_timeout: _Optional[_Union[SyncPolicy.OnTimeout, str]] = ...) -> None: ...
+
+class SyncPart(_message.Message):
+    __slots__ = ("step", "rank", "part", "parts")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    rank: int
+    part: int
+    parts: int
+    def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
+
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_embeddings", "dim", "optimizer", "initializer", "staleness", "allow_nonfinite")
+    __slots__ = ("name", "num_embeddings", "dim", "optimizer", "initializer", "staleness", "allow_nonfinite", "sync")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +183,7 @@ class TableSpec(_message.Message):
     INITIALIZER_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_embeddings: int
     dim: int
@@ -146,23 +191,26 @@ class TableSpec(_message.Message):
     initializer: InitializerSpec
     staleness: StalenessPolicy
     allow_nonfinite: bool
-    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ...) -> None: ...
+    sync: SyncPolicy
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., sync: _Optional[_Union[SyncPolicy, _Mapping]] = ...) -> None: ...
 
 class DenseSpec(_message.Message):
-    __slots__ = ("name", "shape", "optimizer", "staleness", "chunk_rows", "allow_nonfinite")
+    __slots__ = ("name", "shape", "optimizer", "staleness", "chunk_rows", "allow_nonfinite", "sync")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ROWS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     optimizer: OptimizerSpec
     staleness: StalenessPolicy
     chunk_rows: int
     allow_nonfinite: bool
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., chunk_rows: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ...) -> None: ...
+    sync: SyncPolicy
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., chunk_rows: _Optional[int] = ..., allow_nonfinite: _Optional[bool] = ..., sync: _Optional[_Union[SyncPolicy, _Mapping]] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec", "shard_map")
@@ -233,7 +281,7 @@ class PullResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads", "pulled_version", "client_id", "seq", "shard_map")
+    __slots__ = ("table", "ids", "grads", "pulled_version", "client_id", "seq", "shard_map", "sync")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +289,7 @@ class PushRequest(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     grads: Tensor
@@ -248,17 +297,48 @@ class PushRequest(_message.Message):
     client_id: str
     seq: int
     shard_map: ShardMap
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+    sync: SyncPart
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "staleness", "duplicate")
+    __slots__ = ("version", "staleness", "duplicate", "late", "missing_ranks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     duplicate: bool
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    late: bool
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ..., late: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("rank", "world_size", "clock", "leaving", "wait_min_clock", "wait_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    clock: int
+    leaving: bool
+    wait_min_clock: int
+    wait_s: float
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., clock: _Optional[int] = ..., leaving: _Optional[bool] = ..., wait_min_clock: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("min_clock", "live_ranks", "gone_ranks")
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    GONE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    min_clock: int
+    live_ranks: _containers.RepeatedScalarFieldContainer[int]
+    gone_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, min_clock: _Optional[int] = ..., live_ranks: _Optional[_Iterable[int]] = ..., gone_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterDenseRequest(_message.Message):
     __slots__ = ("spec", "row_start", "values", "shard_map")
@@ -295,7 +375,7 @@ class PullDenseRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
 
 class PushDenseRequest(_message.Message):
-    __slots__ = ("name", "row_start", "grads", "pulled_version", "client_id", "seq", "shard_map")
+    __slots__ = ("name", "row_start", "grads", "pulled_version", "client_id", "seq", "shard_map", "sync")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +383,7 @@ class PushDenseRequest(_message.Message):
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     name: str
     row_start: int
     grads: Tensor
@@ -310,7 +391,8 @@ class PushDenseRequest(_message.Message):
     client_id: str
     seq: int
     shard_map: ShardMap
-    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+    sync: SyncPart
+    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ...) -> None: ...
 
 class ShardInfoRequest(_message.Message):
     __slots__ = ()

@@ -85,6 +85,11 @@ class ShardStub:
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=shardps_dot_v1_dot_shardps__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/shardps.v1.Shard/Heartbeat',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -161,6 +166,13 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Worker liveness and SSP clocks; optionally waits for the slowest worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +225,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=shardps_dot_v1_dot_shardps__pb2.CheckpointRequest.FromString,
                     response_serializer=shardps_dot_v1_dot_shardps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +503,33 @@ class Shard:
             '/shardps.v1.Shard/Checkpoint',
             shardps_dot_v1_dot_shardps__pb2.CheckpointRequest.SerializeToString,
             shardps_dot_v1_dot_shardps__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/Heartbeat',
+            shardps_dot_v1_dot_shardps__pb2.HeartbeatRequest.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

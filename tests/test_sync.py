@@ -1,0 +1,191 @@
+"""Synchronous steps (aggregators, stragglers, leaving workers) and bounded staleness."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+from shardps.specs import Initializer
+from shardps_client import SGD, Client, SyncPolicy, SyncStepError
+from tests.conftest import running_cluster
+
+
+def _run_workers(addresses: list[str], n: int, body: Callable[[Client, int], None], **client_kwargs) -> list:
+    errors: list = []
+
+    def run(rank: int) -> None:
+        try:
+            with Client(addresses, rank=rank, world_size=n, heartbeat_s=0.2, **client_kwargs) as c:
+                body(c, rank)
+        except Exception as e:  # reported to the test below
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    return errors
+
+
+def test_two_workers_mean_equals_one_worker_on_both_batches():
+    with running_cluster(2) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.create_table("e", dim=4, num_embeddings=100, optimizer=SGD(lr=0.5), initializer=Initializer("normal", seed=1),
+                           sync=SyncPolicy(workers=2, aggregator="mean"))
+            c.register_dense("w", torch.ones(3, 4), optimizer=SGD(lr=0.5), sync=SyncPolicy(workers=2))
+            w0 = c.pull("e", torch.arange(100))
+        gen = torch.Generator().manual_seed(0)
+        batches = [[torch.randint(0, 100, (16,), generator=gen) for _ in range(2)] for _ in range(4)]
+
+        def body(c: Client, rank: int) -> None:
+            for step in range(4):
+                ids = batches[step][rank]
+                rows = c.pull("e", ids).requires_grad_()
+                w = c.pull_dense("w")[0].requires_grad_()
+                loss = ((rows @ w.T).tanh() ** 2).mean()  # per-worker mean loss
+                loss.backward()
+                c.push("e", ids, rows.grad)
+                c.push_dense("w", w.grad)
+                c.flush()
+
+        assert not _run_workers(addresses, 2, body)
+        # Reference: one worker, both batches together, torch.optim.SGD.
+        emb = torch.nn.Parameter(w0.clone())
+        w = torch.nn.Parameter(torch.ones(3, 4))
+        opt = torch.optim.SGD([emb, w], lr=0.5)
+        for step in range(4):
+            ids = torch.cat(batches[step])
+            opt.zero_grad()
+            ((emb[ids] @ w.T).tanh() ** 2).mean().backward()
+            opt.step()
+        with Client(addresses) as c:
+            torch.testing.assert_close(c.pull("e", torch.arange(100)), emb.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c.pull_dense("w")[0], w.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_median_ignores_one_wild_worker():
+    with running_cluster(2) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.register_dense("m", torch.zeros(8), optimizer=SGD(lr=1.0), sync=SyncPolicy(workers=3, aggregator="median"))
+
+        def body(c: Client, rank: int) -> None:
+            for _ in range(5):
+                honest = torch.full((8,), 1.0 + 0.1 * rank)
+                c.push_dense("m", honest if rank < 2 else torch.full((8,), 1e6), wait=True)
+
+        assert not _run_workers(addresses, 3, body)
+        with Client(addresses) as c:
+            # median of {1.0, 1.1, 1e6} = 1.1 per step: the wild worker moved nothing.
+            torch.testing.assert_close(c.pull_dense("m")[0], torch.full((8,), -5.5))
+
+
+def test_trimmed_mean_drops_extremes():
+    with running_cluster(1) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.register_dense("t", torch.zeros(2), optimizer=SGD(lr=1.0),
+                             sync=SyncPolicy(workers=4, aggregator="trimmed_mean", trim_fraction=0.25))
+        values = [-100.0, 1.0, 3.0, 100.0]
+        assert not _run_workers(addresses, 4, lambda c, r: c.push_dense("t", torch.full((2,), values[r]), wait=True))
+        with Client(addresses) as c:
+            torch.testing.assert_close(c.pull_dense("t")[0], torch.full((2,), -2.0))
+
+
+def test_straggler_proceed_reports_late_worker():
+    with running_cluster(1) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.register_dense("p", torch.zeros(2), optimizer=SGD(lr=1.0),
+                             sync=SyncPolicy(workers=2, timeout_s=0.5, on_timeout="proceed"))
+        reports = {}
+
+        def body(c: Client, rank: int) -> None:
+            if rank == 1:
+                time.sleep(1.5)  # misses step 1
+            c.push_dense("p", torch.full((2,), 1.0 + rank), wait=True)
+            reports[rank] = list(c.sync_reports)
+
+        assert not _run_workers(addresses, 2, body)
+        assert reports[0] == [("p", [1], False)]  # step applied without rank 1
+        assert reports[1] == [("p", [], True)]  # rank 1's push came late and was dropped
+        with Client(addresses) as c:
+            torch.testing.assert_close(c.pull_dense("p")[0], torch.full((2,), -1.0))
+
+
+def test_straggler_fail_policy_fails_the_step():
+    with running_cluster(1) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.register_dense("f", torch.zeros(2), optimizer=SGD(lr=1.0),
+                             sync=SyncPolicy(workers=2, timeout_s=0.3, on_timeout="fail"))
+        with Client(addresses, rank=0, world_size=2) as c:
+            with pytest.raises(SyncStepError, match=r"sync step 1 of f failed: no push from ranks \[1\]"):
+                c.push_dense("f", torch.ones(2), wait=True)
+            torch.testing.assert_close(c.pull_dense("f")[0], torch.zeros(2))
+
+
+def test_worker_that_leaves_does_not_hang_the_others():
+    with running_cluster(2) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.create_table("l", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           sync=SyncPolicy(workers=2, timeout_s=60, on_timeout="wait"))
+
+        def body(c: Client, rank: int) -> None:
+            steps = 2 if rank == 1 else 5  # rank 1 leaves (closes its client) after 2 steps
+            for _ in range(steps):
+                c.push("l", torch.arange(10), torch.ones(10, 2), wait=True)
+
+        t0 = time.monotonic()
+        assert not _run_workers(addresses, 2, body)
+        assert time.monotonic() - t0 < 30  # far below the 60 s straggler timeout
+        with Client(addresses) as c:
+            torch.testing.assert_close(c.pull("l", torch.arange(10)), torch.full((10, 2), -5.0))
+
+
+def test_silent_worker_counts_as_gone(tmp_path):
+    from shardps.server import ServerConfig, ShardServer
+    from shardps.shard import ShardConfig
+
+    with ShardServer(ShardConfig(0, 1, worker_timeout_s=1.0), ServerConfig()).start() as server:
+        with Client([server.address]) as c:
+            c.register_dense("s", torch.zeros(2), optimizer=SGD(lr=1.0), sync=SyncPolicy(workers=2, timeout_s=60))
+        with Client([server.address], rank=0, world_size=2) as c:
+            t0 = time.monotonic()
+            c.push_dense("s", torch.ones(2), wait=True)  # rank 1 never shows up
+            assert time.monotonic() - t0 < 10
+            assert list(c.sync_reports) == [("s", [1], False)]
+
+
+def test_ssp_never_lets_a_worker_run_more_than_k_ahead():
+    k = 2
+    with running_cluster(2) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.create_table("ssp", dim=2, num_embeddings=10, optimizer=SGD(lr=0.1))
+        clocks = [0, 0]
+        lock = threading.Lock()
+        worst = [0]
+
+        def body(c: Client, rank: int) -> None:
+            for _ in range(12):
+                rows = c.pull("ssp", torch.arange(10))
+                with lock:  # at every pull, compare with the other worker's completed steps
+                    worst[0] = max(worst[0], c.clock - clocks[1 - rank])
+                if rank == 1:
+                    time.sleep(0.1)  # the slow worker
+                c.push("ssp", torch.arange(10), torch.ones_like(rows))
+                with lock:
+                    clocks[rank] += 1
+                c.advance_clock()
+
+        assert not _run_workers(addresses, 2, body, ssp_bound=k)
+        assert 1 <= worst[0] <= k  # the fast worker did run ahead, but never by more than k
