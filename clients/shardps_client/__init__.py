@@ -3,6 +3,9 @@
 from shardps.optim import SGD, Adagrad, Adam
 from shardps.specs import Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
+from shardps_client.data import Prefetcher
+from shardps_client.nn import RemoteEmbedding, RemoteEmbeddingBag
+from shardps_client.optim import ShardedOptimizer
 from shardps_client.errors import (
     IdOutOfRangeError,
     InvalidArgumentError,
@@ -18,7 +21,7 @@ from shardps_client.errors import (
 )
 
 __all__ = [
-    "Client", "Versions", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "SyncPolicy", "SyncStepError",
+    "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
 ]

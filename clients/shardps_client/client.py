@@ -164,7 +164,7 @@ class Client:
         self._sync_steps: dict[str, int] = {}
         #: (table, step, missing ranks, late) of synchronous steps that did not include every worker.
         self.sync_reports: collections.deque = collections.deque(maxlen=1000)
-        self._prefetched: dict[tuple[str, int], Future] = {}
+        self._prefetched: dict[tuple[str, int, int], tuple[np.ndarray, Future]] = {}
         self._stop = threading.Event()
         self._heartbeat_thread: Optional[threading.Thread] = None
         if check_shard_map:
@@ -358,11 +358,42 @@ class Client:
             self._wait_pending(table)
         flat = ids_np.reshape(-1)
         uniq, inverse = np.unique(flat, return_inverse=True)
-        rows, versions = self._pull_unique(spec, uniq, wire)
+        rows, versions = self._take_prefetched(table, uniq, wire) or self._pull_unique(spec, uniq, wire)
         out = torch.from_numpy(rows[inverse.reshape(-1)].reshape(ids_np.shape + (spec.dim,)))
         if device is not None:
             out = out.to(device, non_blocking=True)
         return out, versions
+
+    def prefetch(self, table: str, ids: IdsLike, wire_dtype: Optional[str] = None) -> Future:
+        """Start pulling the rows of ``ids`` in the background.
+
+        A later ``pull`` / ``pull_with_version`` (or a ``RemoteEmbedding``
+        forward) of the same table and the same set of unique ids takes the
+        prefetched rows instead of pulling again. Prefetches do not wait for
+        this client's pending pushes.
+        """
+        spec = self.table_spec(table)
+        ids_np = _ids_to_numpy(ids)
+        self._check_ids(spec, ids_np)
+        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        uniq = np.unique(ids_np.reshape(-1))
+        future = self._pool.submit(self._pull_unique, spec, uniq, wire)
+        with self._pending_lock:
+            self._prefetched[(table, hash(uniq.tobytes()), wire)] = (uniq, future)
+            while len(self._prefetched) > 64:
+                self._prefetched.pop(next(iter(self._prefetched)))
+        return future
+
+    def _take_prefetched(self, table: str, uniq: np.ndarray, wire: int) -> Optional[tuple[np.ndarray, Versions]]:
+        with self._pending_lock:
+            entry = self._prefetched.pop((table, hash(uniq.tobytes()), wire), None)
+        if entry is None or not np.array_equal(entry[0], uniq):
+            return None
+        try:
+            return entry[1].result()
+        except ShardpsError as e:
+            log.warning("prefetch of %s failed (%s); pulling again", table, e)
+            return None
 
     def _pull_unique(self, spec: TableSpec, uniq: np.ndarray, wire: int) -> tuple[np.ndarray, Versions]:
         order, bounds = split_by_shard(uniq, self.num_shards)
@@ -563,24 +594,36 @@ class Client:
         self, name: str, device: Any = None, wire_dtype: Optional[str] = None
     ) -> tuple[torch.Tensor, Versions]:
         """The current value of a dense tensor (its registered shape) and the versions read at."""
-        spec = self.dense_spec(name)
+        value, versions = self.pull_dense_many([name], wire_dtype)[name]
+        return (value.to(device) if device is not None else value), versions
+
+    def pull_dense_many(
+        self, names: Sequence[str], wire_dtype: Optional[str] = None
+    ) -> dict[str, tuple[torch.Tensor, Versions]]:
+        """Several dense tensors in one parallel fan-out: ``{name: (value, versions)}``."""
         wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         self._ssp_wait()
+        specs = {name: self.dense_spec(name) for name in names}
         if self.read_your_writes:
-            self._wait_pending(name)
-        pieces = list(self._dense_pieces(spec, wire))
-        calls = [
-            (s, "PullDense", pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire, shard_map=self._map(s)))
-            for s, a, b in pieces
-        ]
-        replies = self._fan_out(calls)
-        out = np.empty((spec.rows, spec.cols), dtype=np.float32)
-        versions: dict[int, int] = {}
-        for (s, a, b), reply in zip(pieces, replies):
-            out[a:b] = codec.decode(reply.rows, "rows")
-            versions[s] = min(reply.version, versions.get(s, reply.version))
-        t = torch.from_numpy(out.reshape(spec.shape))
-        return (t.to(device) if device is not None else t), Versions(versions)
+            for name in names:
+                self._wait_pending(name)
+        calls, where = [], []
+        for name, spec in specs.items():
+            for s, a, b in self._dense_pieces(spec, wire):
+                req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire, shard_map=self._map(s))
+                calls.append((s, "PullDense", req))
+                where.append((name, s, a, b))
+        replies = self._fan_out(calls) if calls else []
+        outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
+        versions: dict[str, dict[int, int]] = {name: {} for name in specs}
+        for (name, s, a, b), reply in zip(where, replies):
+            outs[name][a:b] = codec.decode(reply.rows, "rows")
+            v = versions[name]
+            v[s] = min(reply.version, v.get(s, reply.version))
+        return {
+            name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
+            for name, spec in specs.items()
+        }
 
     def push_dense(
         self,

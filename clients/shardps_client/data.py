@@ -1,0 +1,44 @@
+"""Prefetching rows of the next batch while the current one computes."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from shardps_client.client import Client
+
+IdsFn = Callable[[Any], Mapping[str, torch.Tensor]]
+
+
+class Prefetcher:
+    """Wrap a DataLoader (any iterable) so the rows of batch i+1 are pulled while batch i trains.
+
+    Args:
+        loader: yields batches.
+        client: a connected ``Client``.
+        ids_fn: maps a batch to ``{table: ids}``: the ids the model will look up.
+        depth: batches pulled ahead (1 hides one step of pull latency).
+
+    ``RemoteEmbedding`` modules then find their rows already pulled: the client
+    hands out a prefetched pull when the same table and unique ids are asked for.
+    Prefetched rows were read before the previous step's pushes, so they are one
+    step staler (the shards see that staleness through the versions).
+    """
+
+    def __init__(self, loader: Iterable, client: Client, ids_fn: IdsFn, depth: int = 1) -> None:
+        self.loader = loader
+        self.client = client
+        self.ids_fn = ids_fn
+        self.depth = max(1, depth)
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.loader)
+        queue: list[Any] = []
+        for batch in it:
+            for table, ids in self.ids_fn(batch).items():
+                self.client.prefetch(table, ids)
+            queue.append(batch)
+            if len(queue) > self.depth:
+                yield queue.pop(0)
+        yield from queue

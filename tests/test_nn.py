@@ -1,0 +1,249 @@
+"""RemoteEmbedding / RemoteEmbeddingBag / ShardedOptimizer against torch's own modules and optimizers."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardps.specs import Initializer
+from shardps_client import (
+    SGD,
+    Adagrad,
+    Adam,
+    Client,
+    Prefetcher,
+    RemoteEmbedding,
+    RemoteEmbeddingBag,
+    ShardedOptimizer,
+    SyncPolicy,
+)
+from tests.conftest import running_cluster
+
+ROWS, DIM = 40, 6
+
+
+@pytest.fixture
+def table(client2):
+    client2.create_table("t", dim=DIM, num_embeddings=ROWS, optimizer=SGD(lr=1.0), initializer=Initializer(seed=5))
+    return client2
+
+
+def _reference(c: Client, cls, **kwargs):
+    ref = cls(ROWS, DIM, **kwargs)
+    with torch.no_grad():
+        ref.weight.copy_(c.pull("t", torch.arange(ROWS)))
+    return ref
+
+
+def _pushed_grad(c: Client, before: torch.Tensor) -> torch.Tensor:
+    c.flush()
+    return before - c.pull("t", torch.arange(ROWS))  # SGD lr=1: the change is the gradient
+
+
+EMB_INPUTS = [
+    dict(input=torch.tensor([3, 7, 3, 39, 0])),
+    dict(input=torch.tensor([[1, 2, 2], [5, 5, 5]])),
+    dict(input=torch.tensor([[1, 2, 2], [5, 0, 5]]), padding_idx=5),
+    dict(input=torch.tensor([4, 39, 39]), padding_idx=-1),
+]
+
+
+@pytest.mark.parametrize("case", EMB_INPUTS, ids=range(len(EMB_INPUTS)))
+def test_remote_embedding_matches_nn_embedding(table, case):
+    c = table
+    kwargs = {k: v for k, v in case.items() if k != "input"}
+    ref = _reference(c, nn.Embedding, **kwargs)
+    mod = RemoteEmbedding(c, "t", **kwargs)
+    before = c.pull("t", torch.arange(ROWS))
+    upstream = torch.randn(case["input"].shape + (DIM,))
+    out = mod(case["input"])
+    expected = ref(case["input"])
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    (out * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(_pushed_grad(c, before), ref.weight.grad, rtol=1e-6, atol=1e-6)
+
+
+BAG_CASES = [
+    dict(mode="sum", input=torch.tensor([[1, 2, 3], [4, 4, 9]])),
+    dict(mode="mean", input=torch.tensor([[1, 2, 3], [4, 4, 9]])),
+    dict(mode="max", input=torch.tensor([[1, 2, 3], [4, 4, 9]])),
+    dict(mode="sum", input=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), offsets=torch.tensor([0, 4])),
+    dict(mode="mean", input=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), offsets=torch.tensor([0, 2, 2, 5])),  # an empty bag
+    dict(mode="max", input=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), offsets=torch.tensor([0, 3, 8]), include_last_offset=True),
+    dict(mode="sum", input=torch.tensor([1, 2, 4, 5, 4]), offsets=torch.tensor([0, 2]),
+         per_sample_weights=torch.tensor([0.5, -1.0, 2.0, 0.1, 3.0])),
+    dict(mode="mean", input=torch.tensor([[1, 2, 7], [7, 7, 9]]), padding_idx=7),
+    dict(mode="sum", input=torch.tensor([1, 7, 4, 7]), offsets=torch.tensor([0, 1]), padding_idx=7),
+]
+
+
+@pytest.mark.parametrize("case", BAG_CASES, ids=range(len(BAG_CASES)))
+def test_remote_embedding_bag_matches_nn_embedding_bag(table, case):
+    c = table
+    ctor = {k: case[k] for k in ("mode", "padding_idx", "include_last_offset") if k in case}
+    call = {k: case[k] for k in ("offsets", "per_sample_weights") if k in case}
+    ref = _reference(c, nn.EmbeddingBag, **ctor)
+    mod = RemoteEmbeddingBag(c, "t", **ctor)
+    before = c.pull("t", torch.arange(ROWS))
+    out = mod(case["input"], **call)
+    expected = ref(case["input"], **call)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    upstream = torch.randn(expected.shape)
+    (out * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(_pushed_grad(c, before), ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_forward_pushes_nothing(table):
+    c = table
+    with torch.no_grad():
+        RemoteEmbedding(c, "t")(torch.tensor([1, 2]))
+    c.flush()
+    assert all(i.stats.pushes == 0 for i in c.shard_info())
+
+
+class TinyModel(nn.Module):
+    def __init__(self, emb: nn.Module) -> None:
+        super().__init__()
+        self.emb = emb
+        self.fc1 = nn.Linear(DIM, 16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.emb(ids).mean(1))))
+
+
+OPTIMIZERS = [
+    (SGD(lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), dict(rtol=0, atol=0)),
+    (Adagrad(lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1), dict(rtol=1e-5, atol=1e-6)),
+    (Adam(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01), dict(rtol=1e-5, atol=1e-6)),
+]
+
+
+@pytest.mark.parametrize("opt,make_ref,tol", OPTIMIZERS, ids=["sgd", "adagrad", "adam"])
+def test_one_sync_worker_equals_local_torch_training(opt, make_ref, tol):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    # Every batch touches every row, so lazy sparse updates equal torch's dense ones.
+    batches = [(torch.cat([torch.arange(ROWS), torch.randint(0, ROWS, (8,), generator=gen)]).view(8, 6),
+                torch.randint(0, 3, (8,), generator=gen)) for _ in range(6)]
+    with running_cluster(2) as servers, Client([s.address for s in servers], rank=0, world_size=1) as c:
+        sync = SyncPolicy(workers=1)
+        c.create_table("t", dim=DIM, num_embeddings=ROWS, optimizer=opt, initializer=Initializer(seed=9), sync=sync)
+        local = TinyModel(nn.Embedding(ROWS, DIM))
+        with torch.no_grad():
+            local.emb.weight.copy_(c.pull("t", torch.arange(ROWS)))
+        remote = TinyModel(RemoteEmbedding(c, "t"))
+        remote.load_state_dict({k: v for k, v in local.state_dict().items() if not k.startswith("emb.")}, strict=False)
+        sharded = ShardedOptimizer(c, remote, optimizer=opt, prefix="tiny.", sync=sync)
+        ref_opt = make_ref(local.parameters())
+        for ids, y in batches:
+            sharded.zero_grad()
+            F.cross_entropy(remote(ids), y).backward()
+            sharded.step()
+            ref_opt.zero_grad()
+            F.cross_entropy(local(ids), y).backward()
+            ref_opt.step()
+        sharded.zero_grad()
+        torch.testing.assert_close(c.pull("t", torch.arange(ROWS)), local.emb.weight.detach(), **tol)
+        for name, p in local.named_parameters():
+            if not name.startswith("emb."):
+                torch.testing.assert_close(dict(remote.named_parameters())[name], p.detach(), **tol)
+
+
+def test_two_sync_workers_with_modules_equal_one_worker_on_both_batches():
+    gen = torch.Generator().manual_seed(3)
+    batches = [[(torch.randint(0, ROWS, (4, 5), generator=gen), torch.randint(0, 3, (4,), generator=gen))
+                for _ in range(2)] for _ in range(4)]
+    torch.manual_seed(0)
+    init_model = TinyModel(nn.Embedding(ROWS, DIM))
+    with running_cluster(2) as servers:
+        addresses = [s.address for s in servers]
+        sync = SyncPolicy(workers=2, aggregator="mean")
+        with Client(addresses) as c:
+            c.create_table("t", dim=DIM, num_embeddings=ROWS, optimizer=SGD(lr=0.5), initializer=Initializer(seed=2), sync=sync)
+            with torch.no_grad():
+                init_model.emb.weight.copy_(c.pull("t", torch.arange(ROWS)))
+        errors = []
+
+        def worker(rank: int) -> None:
+            try:
+                with Client(addresses, rank=rank, world_size=2) as c:
+                    model = TinyModel(RemoteEmbedding(c, "t"))
+                    model.load_state_dict({k: v for k, v in init_model.state_dict().items() if not k.startswith("emb.")},
+                                          strict=False)
+                    opt = ShardedOptimizer(c, model, optimizer=SGD(lr=0.5), prefix="m.", sync=sync)
+                    for step in range(4):
+                        ids, y = batches[step][rank]
+                        opt.zero_grad()
+                        F.cross_entropy(model(ids), y).backward()
+                        opt.step()
+                    opt.flush()
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors
+        opt = torch.optim.SGD(init_model.parameters(), lr=0.5)
+        for step in range(4):
+            ids = torch.cat([batches[step][r][0] for r in range(2)])
+            y = torch.cat([batches[step][r][1] for r in range(2)])
+            opt.zero_grad()
+            F.cross_entropy(init_model(ids), y).backward()
+            opt.step()
+        with Client(addresses) as c:
+            torch.testing.assert_close(c.pull("t", torch.arange(ROWS)), init_model.emb.weight.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c.pull_dense("m.fc2.weight")[0], init_model.fc2.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_prefetcher_hides_pulls_and_gives_the_same_rows(table):
+    c = table
+    batches = [torch.randint(0, ROWS, (16,), generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    mod = RemoteEmbedding(c, "t")
+    pulls_before = sum(i.stats.pulls for i in c.shard_info())
+    seen = []
+    for ids in Prefetcher(batches, c, lambda b: {"t": b}):
+        with torch.no_grad():
+            out = mod(ids)
+        seen.append(ids)
+        torch.testing.assert_close(out, c.pull("t", ids))  # same rows (no pushes in between)
+    assert [s.tolist() for s in seen] == [b.tolist() for b in batches]
+    pulls = sum(i.stats.pulls for i in c.shard_info()) - pulls_before
+    # Forward took prefetched rows: only the prefetches and the explicit check pulls reached the (2) shards.
+    assert pulls == 2 * 2 * len(batches)
+
+
+def test_rank_and_world_size_from_torchrun_environment(client2, monkeypatch, cluster2):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with Client([s.address for s in cluster2]) as c:
+        assert (c.rank, c.world_size) == (1, 3)
+        _, live, _ = cluster2[0].shard.membership.status()
+        assert live == [0, 1, 2]  # rank 1 heard from; ranks 0 and 2 not yet gone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rows_and_gradients_match_cpu(table):
+    c = table
+    ids = torch.tensor([[1, 2, 2], [5, 7, 9]])
+    cpu_bag = RemoteEmbeddingBag(c, "t", mode="mean")
+    gpu_bag = RemoteEmbeddingBag(c, "t", mode="mean", device="cuda")
+    before = c.pull("t", torch.arange(ROWS))
+    out_gpu = gpu_bag(ids.cuda())
+    assert out_gpu.device.type == "cuda"
+    torch.testing.assert_close(out_gpu.cpu(), cpu_bag(ids), rtol=1e-6, atol=1e-6)
+    upstream = torch.randn(out_gpu.shape)
+    (out_gpu * upstream.cuda()).sum().backward()
+    ref = _reference(c, nn.EmbeddingBag, mode="mean")
+    (ref(ids) * upstream).sum().backward()
+    torch.testing.assert_close(_pushed_grad(c, before), ref.weight.grad, rtol=1e-5, atol=1e-6)
