@@ -58,12 +58,115 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardps", description="Sharded embedding-table parameter server.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(sub)
+    p = sub.add_parser("cluster", help="run N shards as local processes (the embedded default)")
+    p.add_argument("--shards", type=int, default=int(os.environ.get("SHARDPS_SHARDS", "2")), help="number of shards [env SHARDPS_SHARDS]")
+    p.add_argument("--base-port", type=int, default=0, help="shard i listens on base-port + i (0: free ports)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--data-dir", default=None, help="cluster data dir; shard i uses DATA_DIR/shard-i")
+    p.add_argument("--cluster-file", default="shardps-cluster.json", help="where to write the cluster file")
+    p.add_argument("--durability", default="checkpoint", choices=DURABILITY_LEVELS)
+    p.add_argument("--checkpoint-interval", type=float, default=0.0, help="seconds between periodic checkpoints")
+    p.add_argument("--no-restart", action="store_true", help="exit when a shard dies instead of restarting it")
+    p.add_argument("--log-level", default="INFO")
+    for name, help_ in (("health", "check shards' gRPC health (exit code 0 if all serve)"),
+                        ("stats", "per-shard version, tables, counters and rates")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("addresses", nargs="*", help="shard addresses host:port")
+        p.add_argument("--cluster-file", help="read addresses from a cluster file")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds per shard")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument("--log-level", default="WARNING")
+        if name == "stats":
+            p.add_argument("--interval", type=float, default=1.0,
+                           help="seconds between two samples for current rates (0: averages since start)")
     p = sub.add_parser("reshard", help="turn the data of N shards into M shards (offline)")
     p.add_argument("--from", dest="src", required=True, help="cluster data dir holding shard-0 .. shard-(N-1)")
     p.add_argument("--to", dest="dst", required=True, help="new cluster data dir (shard-0 .. shard-(M-1) are written)")
     p.add_argument("--shards", type=int, required=True, help="new number of shards M")
     p.add_argument("--log-level", default="INFO")
     return parser
+
+
+def _addresses(args: argparse.Namespace) -> list[str]:
+    import json
+
+    addresses = list(args.addresses)
+    if args.cluster_file:
+        with open(args.cluster_file) as f:
+            addresses += json.load(f)["addresses"]
+    if not addresses:
+        raise SystemExit(f"shardps {args.command}: give shard addresses or --cluster-file")
+    return addresses
+
+
+def run_health(args: argparse.Namespace) -> int:
+    import json
+
+    from shardps.launcher import check_health
+
+    statuses = {a: check_health(a, args.timeout) for a in _addresses(args)}
+    if args.json:
+        print(json.dumps(statuses))
+    else:
+        for a, st in statuses.items():
+            print(f"{a}\t{st}")
+    return 0 if all(st == "SERVING" for st in statuses.values()) else 1
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from shardps.stats import collect, render
+
+    try:
+        rows = collect(_addresses(args), args.timeout, args.interval)
+    except RuntimeError as e:
+        raise SystemExit(f"shardps stats: {e}")
+    print(json.dumps(rows, indent=2) if args.json else render(rows))
+    return 0
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from shardps.launcher import LocalCluster
+
+    serve_args = ["--durability", args.durability, "--checkpoint-interval", str(args.checkpoint_interval)]
+    cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
+                           serve_args=serve_args)
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start()
+    except (RuntimeError, TimeoutError) as e:
+        raise SystemExit(f"shardps cluster: {e}")
+    cluster.write_cluster_file(args.cluster_file)
+    print(f"shardps cluster: {args.shards} shards healthy (logs in {cluster.log_dir})", flush=True)
+    for i, a in enumerate(cluster.addresses):
+        print(f"  shard {i}: {a}", flush=True)
+    print(f"cluster file: {args.cluster_file}   (Client.from_file({args.cluster_file!r}))", flush=True)
+    code = 0
+    try:
+        while not stop["now"]:
+            time.sleep(0.5)
+            for index, rc in cluster.dead():
+                print(f"shardps cluster: shard {index} ({cluster.procs[index].address}) died with exit code {rc}",
+                      file=sys.stderr, flush=True)
+                if args.no_restart:
+                    stop["now"], code = True, 1
+                    break
+                cluster.restart(index)
+                print(f"shardps cluster: shard {index} restarted on {cluster.procs[index].address}", file=sys.stderr, flush=True)
+    finally:
+        codes = cluster.stop()
+        print(f"shardps cluster: stopped (exit codes {codes})", flush=True)
+    return code
 
 
 def run_reshard(args: argparse.Namespace) -> int:
@@ -109,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO) if hasattr(args, "log_level") else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"serve": run_serve, "reshard": run_reshard}
+    handlers = {"serve": run_serve, "reshard": run_reshard, "cluster": run_cluster, "health": run_health, "stats": run_stats}
     return handlers[args.command](args)
 
 

@@ -264,6 +264,23 @@ class Client:
             self._pool.submit(self._heartbeat)
         return self.clock
 
+    def barrier(self, timeout: float = 600.0) -> None:
+        """Wait until every live worker's clock has reached this worker's clock.
+
+        Workers that left (closed their client) or went silent are not waited
+        for. Raises ShardTimeoutError after ``timeout`` seconds.
+        """
+        if self.rank is None:
+            raise InvalidArgumentError("barrier needs a rank (RANK/WORLD_SIZE or Client(rank=...))")
+        deadline = time.monotonic() + timeout
+        self._heartbeat()
+        while self._min_clock < self.clock:
+            if time.monotonic() > deadline:
+                from shardps_client.errors import ShardTimeoutError
+
+                raise ShardTimeoutError(f"barrier: workers still below clock {self.clock} after {timeout}s")
+            self._heartbeat(wait_min_clock=self.clock, wait_s=1.0)
+
     def _ssp_wait(self) -> None:
         """Bounded staleness: wait while this worker is more than ssp_bound steps ahead."""
         if self.ssp_bound is None:

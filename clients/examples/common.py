@@ -1,0 +1,128 @@
+"""Shared plumbing of the example trainers: cluster, workers, progress.
+
+- ``cluster(args)``: the cluster to train against: ``--cluster-file`` or
+  ``--addresses`` if given, else a local cluster of ``--shards`` processes
+  started for the run (the embedded default) and stopped at the end.
+- ``run_workers(args, main)``: runs ``main(rank, world_size)`` once per worker.
+  Under torchrun (RANK and WORLD_SIZE set) this process is one worker; otherwise
+  ``--workers N`` re-runs this script N times with RANK/WORLD_SIZE set, exactly
+  as torchrun would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Iterator, Optional
+
+from shardps.launcher import LocalCluster
+
+
+def add_cluster_args(p: argparse.ArgumentParser, workers: int = 2) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--cluster-file", help="train against the shards listed in this file (shardps cluster writes it)")
+    g.add_argument("--addresses", help="comma-separated shard addresses, in index order")
+    g.add_argument("--shards", type=int, default=2, help="shards of the local cluster started when no cluster is given")
+    g.add_argument("--workers", type=int, default=workers, help="worker processes (ignored under torchrun)")
+    g.add_argument("--mode", choices=("async", "ssp", "sync"), default="async", help="training mode")
+    g.add_argument("--ssp-bound", type=int, default=2, help="k of bounded staleness (--mode ssp)")
+
+
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace) -> Iterator[list[str]]:
+    """Addresses of the cluster to use; starts (and stops) a local one if none was given."""
+    if args.cluster_file:
+        import json
+
+        with open(args.cluster_file) as f:
+            yield json.load(f)["addresses"]
+    elif args.addresses:
+        yield args.addresses.split(",")
+    else:
+        with LocalCluster(args.shards) as local:
+            print(f"started a local cluster of {args.shards} shards: {', '.join(local.addresses)}", flush=True)
+            yield local.addresses
+
+
+def run_workers(args: argparse.Namespace, addresses: list[str], script: str, extra_env: Optional[dict] = None) -> int:
+    """Start --workers copies of ``script`` with RANK/WORLD_SIZE and the cluster's addresses; wait for all."""
+    env_base = {**os.environ, **(extra_env or {}), "SHARDPS_ADDRESSES": ",".join(addresses),
+                "WORLD_SIZE": str(args.workers), "MASTER_ADDR": "127.0.0.1"}
+    argv = [a for a in sys.argv[1:]]
+    procs = [
+        subprocess.Popen([sys.executable, script, *argv], env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(args.workers)
+    ]
+    codes = [p.wait() for p in procs]
+    return max(codes, key=abs)
+
+
+def worker_identity() -> Optional[tuple[int, int]]:
+    """(rank, world_size) when running as a worker (under torchrun or run_workers)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def worker_addresses(args: argparse.Namespace) -> list[str]:
+    if os.environ.get("SHARDPS_ADDRESSES"):
+        return os.environ["SHARDPS_ADDRESSES"].split(",")
+    if args.cluster_file:
+        import json
+
+        with open(args.cluster_file) as f:
+            return json.load(f)["addresses"]
+    if args.addresses:
+        return args.addresses.split(",")
+    raise SystemExit("a worker started by torchrun needs --cluster-file or --addresses")
+
+
+def launch(args: argparse.Namespace, script: str, worker: Callable[[list[str], int, int], int],
+           coordinator: Optional[Callable[[list[str]], None]] = None) -> int:
+    """Entry point of an example: be a worker, or set up a cluster and start workers.
+
+    ``coordinator(addresses)`` runs once before the workers start (creating
+    tables, say), in the launching process.
+    """
+    ident = worker_identity()
+    if ident is not None:
+        return worker(worker_addresses(args), *ident)
+    with cluster(args) as addresses:
+        if coordinator is not None:
+            coordinator(addresses)
+        if args.workers <= 1:
+            return worker(addresses, 0, 1)
+        return run_workers(args, addresses, script)
+
+
+class Progress:
+    """A one-line progress bar with throughput, redrawn at most every 0.2 s."""
+
+    def __init__(self, total: int, label: str, unit: str = "samples", enabled: bool = True) -> None:
+        self.total, self.label, self.unit, self.enabled = total, label, unit, enabled
+        self.start = self.last = time.perf_counter()
+        self.done_items = 0
+        self.tty = sys.stdout.isatty()
+
+    def update(self, step: int, items: int, **metrics: float) -> None:
+        self.done_items += items
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last < (0.2 if self.tty else 5.0) and step < self.total):
+            return
+        self.last = now
+        frac = step / max(1, self.total)
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        rate = self.done_items / max(now - self.start, 1e-9)
+        extra = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        line = f"{self.label} [{bar}] {step}/{self.total}  {rate:,.0f} {self.unit}/s  {extra}"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+        if self.tty and step >= self.total:
+            print(flush=True)
+
+    @property
+    def rate(self) -> float:
+        return self.done_items / max(time.perf_counter() - self.start, 1e-9)

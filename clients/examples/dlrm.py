@@ -1,0 +1,255 @@
+"""Example 2: a DLRM-style click-through model trained through the shards.
+
+8 sparse features, each an embedding table of --rows ids (1,000,000 by
+default), plus 13 dense features through a bottom MLP, pairwise dot-product
+interactions and a top MLP. The click log is synthetic with a planted ground
+truth (each id has a true effect), so the best achievable AUC is known. The
+same model trained locally with torch.optim runs afterwards for comparison.
+
+    python clients/examples/dlrm.py                       # local cluster, 2 async workers
+    python clients/examples/dlrm.py --mode sync --prefetch
+    torchrun --nproc-per-node 2 clients/examples/dlrm.py --cluster-file shardps-cluster.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Progress, add_cluster_args, cluster, run_workers, worker_addresses, worker_identity  # noqa: E402
+
+from shardps.specs import Initializer  # noqa: E402
+from shardps_client import (  # noqa: E402
+    Adagrad,
+    Adam,
+    Client,
+    Prefetcher,
+    RemoteEmbedding,
+    ShardedOptimizer,
+    SyncPolicy,
+)
+
+NUM_SPARSE, NUM_DENSE = 8, 13
+
+
+# ---- synthetic click log with a planted ground truth ------------------------------------
+
+
+def true_effects(feature: int, ids: np.ndarray, seed: int) -> np.ndarray:
+    """The planted effect of each id of a feature: a fixed N(0, 1) draw per (feature, id)."""
+    return Initializer("normal", std=1.0, seed=1000 * seed + feature).rows(ids, 1)[:, 0]
+
+
+def click_log(n: int, rows: int, seed: int, stream: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sparse ids [n, 8], dense [n, 13], labels [n], true click probabilities [n]) for one data stream."""
+    rng = np.random.default_rng([seed, stream])
+    ranks = rng.zipf(1.15, size=(n, NUM_SPARSE)).astype(np.int64) % rows
+    # Spread popular ids over the table (a fixed permutation-like scramble per feature).
+    ids = (ranks * 2_654_435_761 + np.arange(NUM_SPARSE) * 40_503) % rows
+    dense = rng.standard_normal((n, NUM_DENSE)).astype(np.float32)
+    v = np.random.default_rng([seed, 99]).standard_normal(NUM_DENSE).astype(np.float32) * 0.3
+    logit = -1.0 + dense @ v + 0.5 * dense[:, 0] * dense[:, 1]
+    for f in range(NUM_SPARSE):
+        logit += 0.6 * true_effects(f, ids[:, f], seed)
+    p = 1.0 / (1.0 + np.exp(-logit))
+    labels = (rng.random(n) < p).astype(np.float32)
+    return ids, dense, labels, p.astype(np.float32)
+
+
+def auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve (Mann-Whitney U, ties averaged)."""
+    order = np.argsort(scores, kind="mergesort")
+    s = scores[order]
+    _, first, counts = np.unique(s, return_index=True, return_counts=True)
+    avg_rank = first + (counts + 1) / 2.0
+    ranks = np.repeat(avg_rank, counts)
+    pos = labels[order] > 0.5
+    n_pos, n_neg = pos.sum(), (~pos).sum()
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1))
+
+
+def batches(ids: np.ndarray, dense: np.ndarray, labels: np.ndarray, batch: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    for i in range(0, len(labels), batch):
+        yield (torch.from_numpy(ids[i : i + batch]), torch.from_numpy(dense[i : i + batch]),
+               torch.from_numpy(labels[i : i + batch]))
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+
+def mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+class DLRM(nn.Module):
+    """Bottom MLP over dense features, embeddings of sparse ones, dot interactions, top MLP."""
+
+    def __init__(self, embeddings: list[nn.Module], dim: int) -> None:
+        super().__init__()
+        self.emb = nn.ModuleList(embeddings)
+        self.bottom = mlp([NUM_DENSE, 64, dim])
+        n = NUM_SPARSE + 1
+        self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)
+        self.top = mlp([dim + n * (n - 1) // 2, 64, 1])
+
+    def forward(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        t = torch.stack([x] + [emb(sparse[:, f]) for f, emb in enumerate(self.emb)], dim=1)
+        z = torch.bmm(t, t.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([x, z], dim=1)).squeeze(1)
+
+
+def table_name(f: int) -> str:
+    return f"dlrm.C{f}"
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+
+def create_tables(args: argparse.Namespace, client: Client, world: int) -> Optional[SyncPolicy]:
+    sync = SyncPolicy(workers=world, timeout_s=60, on_timeout="proceed") if args.mode == "sync" else None
+    for f in range(NUM_SPARSE):
+        client.create_table(table_name(f) + f".{args.mode}", dim=args.dim, num_embeddings=args.rows,
+                            optimizer=Adagrad(lr=args.sparse_lr),
+                            initializer=Initializer("normal", std=0.05, seed=f), sync=sync)
+    return sync
+
+
+def evaluate(model: nn.Module, ids: np.ndarray, dense: np.ndarray, labels: np.ndarray) -> float:
+    model.eval()
+    scores = []
+    with torch.no_grad():
+        for s, d, _ in batches(ids, dense, labels, 8192):
+            scores.append(torch.sigmoid(model(s, d)).numpy())
+    model.train()
+    return auc(np.concatenate(scores), labels)
+
+
+def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int) -> int:
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(world, 1)))
+    ids, dense, labels, _ = click_log(args.train // world, args.rows, args.seed, stream=1 + rank)
+    ssp = args.ssp_bound if args.mode == "ssp" else None
+    with Client(addresses, rank=rank, world_size=world, ssp_bound=ssp) as client:
+        sync = create_tables(args, client, world)
+        embs = [RemoteEmbedding(client, table_name(f) + f".{args.mode}") for f in range(NUM_SPARSE)]
+        model = DLRM(embs, args.dim)
+        opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.", sync=sync)
+        data = batches(ids, dense, labels, args.batch_size)
+        if args.prefetch:
+            data = Prefetcher(data, client, lambda b: {table_name(f) + f".{args.mode}": b[0][:, f] for f in range(NUM_SPARSE)})
+        steps = (len(labels) + args.batch_size - 1) // args.batch_size
+        progress = Progress(steps, f"shardps rank {rank}", enabled=rank == 0)
+        t0 = time.perf_counter()
+        for step, (s, d, y) in enumerate(data, 1):
+            opt.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(model(s, d), y)
+            loss.backward()
+            opt.step()
+            progress.update(step, len(y), loss=loss.item())
+        opt.flush()
+        elapsed = time.perf_counter() - t0
+        client.barrier()
+        result = {"rank": rank, "samples": len(labels), "seconds": elapsed, "samples_per_s": len(labels) / elapsed}
+        if rank == 0:
+            opt.pull()
+            test_ids, test_dense, test_labels, _ = click_log(args.test, args.rows, args.seed, stream=0)
+            result["auc"] = evaluate(model, test_ids, test_dense, test_labels)
+            print(f"shardps: test AUC {result['auc']:.4f} after {elapsed:.1f}s", flush=True)
+        if os.environ.get("SHARDPS_RESULTS_DIR"):
+            with open(os.path.join(os.environ["SHARDPS_RESULTS_DIR"], f"rank{rank}.json"), "w") as f:
+                json.dump(result, f)
+    return 0
+
+
+def train_local(args: argparse.Namespace) -> dict:
+    """The same model and data, one process, torch.optim (the baseline)."""
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(os.cpu_count() or 1)
+    embs = [nn.Embedding(args.rows, args.dim, sparse=True) for _ in range(NUM_SPARSE)]
+    for e in embs:
+        nn.init.normal_(e.weight, std=0.05)
+    model = DLRM(embs, args.dim)
+    sparse_opt = torch.optim.Adagrad([e.weight for e in embs], lr=args.sparse_lr)
+    dense_opt = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("emb.")], lr=args.dense_lr)
+    parts = [click_log(args.train // args.workers, args.rows, args.seed, stream=1 + r) for r in range(args.workers)]
+    ids, dense, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    steps = (len(labels) + args.batch_size - 1) // args.batch_size
+    progress = Progress(steps, "local torch.optim")
+    t0 = time.perf_counter()
+    for step, (s, d, y) in enumerate(batches(ids, dense, labels, args.batch_size), 1):
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(s, d), y)
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+        progress.update(step, len(y), loss=loss.item())
+    elapsed = time.perf_counter() - t0
+    test_ids, test_dense, test_labels, _ = click_log(args.test, args.rows, args.seed, stream=0)
+    return {"auc": evaluate(model, test_ids, test_dense, test_labels), "samples_per_s": len(labels) / elapsed}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cluster_args(p, workers=2)
+    p.add_argument("--rows", type=int, default=1_000_000, help="ids per sparse feature (rows per table)")
+    p.add_argument("--dim", type=int, default=16, help="embedding width")
+    p.add_argument("--train", type=int, default=400_000, help="training samples (split over workers)")
+    p.add_argument("--test", type=int, default=100_000, help="test samples")
+    p.add_argument("--batch-size", type=int, default=1024, help="samples per step per worker")
+    p.add_argument("--sparse-lr", type=float, default=0.05, help="Adagrad learning rate of the embeddings")
+    p.add_argument("--dense-lr", type=float, default=2e-3, help="Adam learning rate of the MLPs")
+    p.add_argument("--prefetch", action="store_true", help="pull the next batch's rows while the current one trains")
+    p.add_argument("--no-local", action="store_true", help="skip the local torch.optim baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    ident = worker_identity()
+    if ident is not None:  # one worker (under torchrun or started below)
+        return worker(args, worker_addresses(args), *ident)
+    print(f"DLRM: {NUM_SPARSE} sparse features x {args.rows:,} rows (dim {args.dim}) + {NUM_DENSE} dense; "
+          f"{args.train:,} training samples, {args.workers} worker(s), mode {args.mode}"
+          f"{', prefetch' if args.prefetch else ''}", flush=True)
+    results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
+    os.environ["SHARDPS_RESULTS_DIR"] = results_dir
+    with cluster(args) as addresses:
+        code = run_workers(args, addresses, os.path.abspath(__file__))
+    if code != 0:
+        return code
+    ranks = [json.load(open(os.path.join(results_dir, f"rank{r}.json"))) for r in range(args.workers)]
+    test_ids, test_dense, test_labels, test_p = click_log(args.test, args.rows, args.seed, stream=0)
+    results = {
+        "best_auc": auc(test_p, test_labels),
+        "shardps": {"auc": ranks[0]["auc"], "samples_per_s": sum(r["samples_per_s"] for r in ranks)},
+    }
+    if not args.no_local:
+        results["local"] = train_local(args)
+    print(f"\n{'':<34}{'test AUC':>9}{'samples/s':>12}")
+    print(f"{'best achievable (planted truth)':<34}{results['best_auc']:>9.4f}{'-':>12}")
+    label = f"shardps ({args.workers} workers, {args.mode})"
+    print(f"{label:<34}{results['shardps']['auc']:>9.4f}{results['shardps']['samples_per_s']:>12,.0f}")
+    if "local" in results:
+        print(f"{'local torch.optim (1 process)':<34}{results['local']['auc']:>9.4f}{results['local']['samples_per_s']:>12,.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

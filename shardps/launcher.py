@@ -1,0 +1,179 @@
+"""Run a cluster of shard processes on this machine: the embedded default.
+
+``LocalCluster`` starts N processes with exactly the command the Compose file
+runs (``python -m shardps serve ...``), waits until each answers the gRPC
+health check, writes a cluster file that ``Client.from_file`` reads, restarts
+(or reports) shards that die, and stops them with SIGTERM so each writes its
+final checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def check_health(address: str, timeout: float = 2.0, service: str = "") -> str:
+    """The health status name of a shard ("SERVING", "NOT_SERVING", ...), or "UNREACHABLE"."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            return "UNREACHABLE" if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+@dataclass
+class _Proc:
+    index: int
+    popen: subprocess.Popen
+    ready_file: pathlib.Path
+    log_path: pathlib.Path
+    address: str = ""
+    restarts: int = 0
+
+
+@dataclass
+class LocalCluster:
+    """N shard processes on one host.
+
+    Args:
+        num_shards: number of shards.
+        base_port: shard i listens on base_port + i; 0 lets each pick a free port
+            (kept across restarts).
+        data_dir: cluster data dir; shard i uses data_dir/shard-i (None: memory only).
+        host: address to bind.
+        serve_args: extra ``shardps serve`` flags for every shard (e.g. durability).
+        log_dir: where shard logs go (default: a temporary directory).
+    """
+
+    num_shards: int
+    base_port: int = 0
+    data_dir: Optional[str] = None
+    host: str = "127.0.0.1"
+    serve_args: Sequence[str] = ()
+    log_dir: Optional[str] = None
+    procs: list[_Proc] = field(default_factory=list)
+
+    def command(self, index: int, port: int, ready_file: str) -> list[str]:
+        """The command that runs shard ``index`` (the same flags the Compose file passes)."""
+        cmd = [sys.executable, "-m", "shardps", "serve", "--host", self.host, "--port", str(port),
+               "--shard-index", str(index), "--num-shards", str(self.num_shards), "--ready-file", ready_file]
+        if self.data_dir:
+            cmd += ["--data-dir", str(pathlib.Path(self.data_dir) / f"shard-{index}")]
+        return cmd + list(self.serve_args)
+
+    def _spawn(self, index: int, port: int) -> _Proc:
+        logs = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="shardps-logs-"))
+        self.log_dir = str(logs)
+        logs.mkdir(parents=True, exist_ok=True)
+        ready = logs / f"shard-{index}.ready"
+        ready.unlink(missing_ok=True)
+        log_path = logs / f"shard-{index}.log"
+        with open(log_path, "a") as out:
+            popen = subprocess.Popen(self.command(index, port, str(ready)), stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return _Proc(index, popen, ready, log_path)
+
+    def _await_ready(self, proc: _Proc, deadline: float) -> None:
+        ready = proc.ready_file
+        while not (ready.exists() and ready.read_text()):
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"shard {proc.index} exited with code {proc.popen.returncode}; "
+                                   f"last log lines:\n{_tail(proc.log_path)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shard {proc.index} did not start in time; log: {proc.log_path}")
+            time.sleep(0.05)
+        proc.address = ready.read_text()
+        while check_health(proc.address) != "SERVING":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"shard {proc.index} at {proc.address} never became healthy")
+            time.sleep(0.05)
+
+    def start(self, timeout: float = 60.0) -> "LocalCluster":
+        """Start every shard and wait until all are healthy."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.procs = [self._spawn(i, self.base_port + i if self.base_port else 0) for i in range(self.num_shards)]
+            for p in self.procs:
+                self._await_ready(p, deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def addresses(self) -> list[str]:
+        return [p.address for p in self.procs]
+
+    def write_cluster_file(self, path: str) -> None:
+        """Write the JSON file ``Client.from_file`` reads."""
+        data = {"addresses": self.addresses, "num_shards": self.num_shards, "data_dir": self.data_dir}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+
+    def dead(self) -> list[tuple[int, int]]:
+        """(index, exit code) of shards that are not running."""
+        return [(p.index, p.popen.returncode) for p in self.procs if p.popen.poll() is not None]
+
+    def restart(self, index: int, timeout: float = 60.0) -> None:
+        """Start shard ``index`` again on its address and data dir."""
+        old = self.procs[index]
+        if old.popen.poll() is None:
+            old.popen.kill()
+            old.popen.wait()
+        port = int(old.address.rsplit(":", 1)[1])
+        new = self._spawn(index, port)
+        new.restarts = old.restarts + 1
+        self.procs[index] = new
+        self._await_ready(new, time.monotonic() + timeout)
+
+    def kill(self, index: int) -> None:
+        """kill -9 one shard (for fault drills)."""
+        self.procs[index].popen.kill()
+        self.procs[index].popen.wait()
+
+    def stop(self, timeout: float = 30.0) -> list[int]:
+        """SIGTERM every shard (each checkpoints and exits), then kill stragglers; returns exit codes."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        codes = []
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                codes.append(p.popen.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                log.error("shard %d did not stop in %.0fs; killing it", p.index, timeout)
+                p.popen.kill()
+                codes.append(p.popen.wait())
+        return codes
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start() if not self.procs else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tail(path: pathlib.Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

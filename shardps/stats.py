@@ -1,0 +1,88 @@
+"""``shardps stats``: per-shard version, tables, counters and rates, as a table or JSON."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+
+from shardps.optim import optimizer_to_dict
+from shardps.specs import dense_spec_from_pb, table_spec_from_pb
+from shardps.v1 import shardps_pb2 as pb
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
+
+
+def _info(address: str, timeout: float) -> pb.ShardInfoResponse:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return pb_grpc.ShardStub(ch).ShardInfo(pb.ShardInfoRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"shard at {address}: {e.code().name} {e.details()}") from None
+
+
+def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0) -> list[dict[str, Any]]:
+    """One dict per shard; rates over ``interval`` seconds (0: averages since the shard started)."""
+    first = [_info(a, timeout) for a in addresses]
+    t0 = time.monotonic()
+    if interval > 0:
+        time.sleep(interval)
+        second = [_info(a, timeout) for a in addresses]
+        elapsed = time.monotonic() - t0
+    else:
+        second = first
+    out = []
+    for a, before, info in zip(addresses, first, second):
+        span = elapsed if interval > 0 else max(info.uptime_s, 1e-9)
+        base = before.stats if interval > 0 else pb.ShardStats()
+        st = info.stats
+        tables = []
+        for t in info.tables:
+            spec = dense_spec_from_pb(t.dense) if t.HasField("dense") else table_spec_from_pb(t.spec)
+            tables.append({
+                "name": spec.name, "kind": "dense" if t.HasField("dense") else "table",
+                "rows": t.num_rows, "bytes": t.bytes, "bytes_per_row": round(t.bytes_per_row, 1),
+                "payload_bytes": t.payload_bytes, "optimizer": optimizer_to_dict(spec.optimizer)["type"],
+                "mode": "sync" if spec.sync is not None else "async",
+            })
+        out.append({
+            "address": a, "shard_index": info.shard_index, "num_shards": info.num_shards, "version": info.version,
+            "uptime_s": round(info.uptime_s, 1), "durability": info.durability, "last_checkpoint": info.last_checkpoint,
+            "pulls": st.pulls, "pushes": st.pushes, "rows_pulled": st.rows_pulled, "rows_pushed": st.rows_pushed,
+            "pull_rate": (st.pulls - base.pulls) / span, "push_rate": (st.pushes - base.pushes) / span,
+            "rows_pulled_rate": (st.rows_pulled - base.rows_pulled) / span,
+            "rows_pushed_rate": (st.rows_pushed - base.rows_pushed) / span,
+            "max_staleness": st.max_staleness, "mean_staleness": round(st.mean_staleness, 3),
+            "stale_rejected": st.stale_rejected, "duplicates": st.duplicates, "errors": st.errors,
+            "tables": tables, "server_version": info.server_version,
+        })
+    return out
+
+
+def _si(x: float) -> str:
+    for unit in ("", "k", "M", "G", "T"):
+        if abs(x) < 1000:
+            return f"{x:.1f}{unit}" if unit or x != int(x) else f"{int(x)}"
+        x /= 1000
+    return f"{x:.1f}P"
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """A readable table: one line per shard, then its tables."""
+    head = f"{'shard':>5} {'address':<21} {'version':>9} {'pulls/s':>9} {'pushes/s':>9} {'rows in/s':>10} {'rows out/s':>10} {'stale max/mean':>15} {'uptime':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['shard_index']:>5} {r['address']:<21} {r['version']:>9} {_si(r['pull_rate']):>9} {_si(r['push_rate']):>9} "
+            f"{_si(r['rows_pushed_rate']):>10} {_si(r['rows_pulled_rate']):>10} "
+            f"{str(r['max_staleness']) + '/' + str(r['mean_staleness']):>15} {r['uptime_s']:>7.0f}s"
+        )
+        for t in r["tables"]:
+            lines.append(
+                f"{'':>5}   {t['kind']} {t['name']:<24} rows {_si(t['rows']):>7}  bytes {_si(t['bytes']):>7}B "
+                f"({t['bytes_per_row']} B/row)  {t['optimizer']} {t['mode']}"
+            )
+    total_rows = sum(t["rows"] for r in rows for t in r["tables"])
+    total_bytes = sum(t["bytes"] for r in rows for t in r["tables"])
+    lines.append(f"total: {len(rows)} shards, {_si(total_rows)} rows, {_si(total_bytes)}B")
+    return "\n".join(lines)
