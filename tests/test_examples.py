@@ -1,0 +1,59 @@
+"""The example trainers run end to end, as a user runs them, and learn."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from shardps.launcher import LocalCluster
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "clients" / "examples"
+
+
+def _run(args: list[str], timeout: int = 240) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_digits_convnet_reaches_95_percent_with_two_workers(mode):
+    pytest.importorskip("sklearn")
+    out = _run([str(EXAMPLES / "digits_convnet.py"), "--workers", "2", "--mode", mode, "--epochs", "6",
+                "--min-accuracy", "0.95"])
+    assert f"({mode}, 2 workers" in out
+
+
+def test_dlrm_async_two_workers_converges(tmp_path):
+    result = tmp_path / "dlrm.json"
+    _run([str(EXAMPLES / "dlrm.py"), "--workers", "2", "--rows", "200000", "--train", "120000", "--test", "30000",
+          "--json", str(result)])
+    r = json.loads(result.read_text())
+    best, ours, local = r["best_auc"], r["shardps"]["auc"], r["local"]["auc"]
+    assert ours > 0.72 and ours > best - 0.1, r  # learned most of the planted signal
+    assert abs(ours - local) < 0.03, r  # and as much as local torch.optim training did
+
+
+def test_lstm_language_model_learns():
+    out = _run([str(EXAMPLES / "lstm_lm.py"), "--workers", "2", "--steps", "60", "--max-perplexity", "15"])
+    assert "held-out perplexity" in out
+
+
+def test_examples_run_under_torchrun(tmp_path):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun not on PATH")
+    with LocalCluster(2) as cluster:
+        cluster.write_cluster_file(str(tmp_path / "c.json"))
+        out = subprocess.run(
+            ["torchrun", "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "lstm_lm.py"),
+             "--cluster-file", str(tmp_path / "c.json"), "--steps", "20", "--mode", "sync"],
+            cwd=ROOT, capture_output=True, text=True, timeout=240,
+        )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "20 steps x 2 workers" in out.stdout
