@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup test lint codegen clean
+.PHONY: setup demo test lint codegen bench clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# The main job: a local 2-shard cluster and 2 trainer processes on the DLRM example.
+demo: $(STAMP)
+	$(BIN)/python clients/examples/dlrm.py $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -11,21 +11,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from shardps.server import ServerConfig, serve
 from shardps.shard import DURABILITY_LEVELS, ShardConfig
-
-
-def _env_default(flag: str, default: object, cast: Callable[[str], object] = str) -> object:
-    """Default of ``--flag`` from SHARDPS_FLAG, else ``default``."""
-    raw = os.environ.get("SHARDPS_" + flag.upper().replace("-", "_"))
-    if raw is None or raw == "":
-        return default
-    try:
-        return cast(raw)
-    except ValueError:
-        raise SystemExit(f"shardps: environment variable SHARDPS_{flag.upper().replace('-', '_')}={raw!r} is not valid")
 
 
 # (flag, type, default, help) of `shardps serve`; the single list the README's table mirrors.
@@ -46,12 +35,40 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
 ]
 
 
+def env_name(flag: str) -> str:
+    return "SHARDPS_" + flag.upper().replace("-", "_")
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run one shard server")
     for flag, cast, default, help_ in SERVE_FLAGS:
-        env = "SHARDPS_" + flag.upper().replace("-", "_")
-        p.add_argument(f"--{flag}", type=cast, default=_env_default(flag, default, cast), help=f"{help_} [env {env}]")
+        # default=None: resolve_env fills unset flags from the environment, then the built-in default.
+        p.add_argument(f"--{flag}", type=cast, default=None, help=f"{help_} [env {env_name(flag)}; default {default}]")
     return p
+
+
+def resolve_env(args: argparse.Namespace, environ: Mapping[str, str]) -> argparse.Namespace:
+    """Fill every serve flag not given on the command line from SHARDPS_* variables, else its default."""
+    if args.command != "serve":
+        return args
+    for flag, cast, default, _ in SERVE_FLAGS:
+        dest = flag.replace("-", "_")
+        if getattr(args, dest) is not None:
+            continue
+        raw = environ.get(env_name(flag), "")
+        if raw == "":
+            setattr(args, dest, default)
+            continue
+        try:
+            setattr(args, dest, cast(raw))
+        except ValueError:
+            raise SystemExit(f"shardps serve: environment variable {env_name(flag)}={raw!r} is not a valid {cast.__name__}")
+    return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
+    """Parse the command line, then the environment (read once, here)."""
+    return resolve_env(build_parser().parse_args(argv), os.environ if environ is None else environ)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +179,7 @@ def run_cluster(args: argparse.Namespace) -> int:
                     stop["now"], code = True, 1
                     break
                 cluster.restart(index)
+                cluster.write_cluster_file(args.cluster_file)
                 print(f"shardps cluster: shard {index} restarted on {cluster.procs[index].address}", file=sys.stderr, flush=True)
     finally:
         codes = cluster.stop()
@@ -207,7 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO) if hasattr(args, "log_level") else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -122,7 +122,8 @@ class LocalCluster:
 
     def write_cluster_file(self, path: str) -> None:
         """Write the JSON file ``Client.from_file`` reads."""
-        data = {"addresses": self.addresses, "num_shards": self.num_shards, "data_dir": self.data_dir}
+        data = {"addresses": self.addresses, "num_shards": self.num_shards, "data_dir": self.data_dir,
+                "pids": [p.popen.pid for p in self.procs], "logs": self.log_dir}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2)

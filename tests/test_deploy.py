@@ -1,0 +1,176 @@
+"""The Dockerfiles and the Compose file, checked against the real CLI, and the cluster
+Compose describes started with the local launcher and trained against (no Docker engine here)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardps.cli import build_parser, parse_args
+from shardps.launcher import check_health
+from shardps.server import ServerConfig
+from shardps.shard import ShardConfig
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def _shards(compose: dict) -> dict[str, dict]:
+    return {name: svc for name, svc in compose["services"].items() if name.startswith("shard-")}
+
+
+def _dockerfile(name: str) -> list[str]:
+    return [line.strip() for line in (DOCKER / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_server_image_is_slim_nonroot_and_signals_reach_the_server():
+    lines = _dockerfile("Dockerfile.server")
+    assert lines[0].startswith("FROM python:3.11-slim")
+    assert not any("torch" in line for line in lines if line.startswith("RUN"))
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    assert 'VOLUME ["/data"]' in lines
+    assert 'ENTRYPOINT ["shardps", "serve"]' in lines  # exec form: the server is PID 1 and gets SIGTERM
+    trainer = _dockerfile("Dockerfile.trainer")
+    assert any("torch==2.13.0" in line and "whl/cpu" in line for line in trainer)
+    assert [line.split()[1] for line in trainer if line.startswith("USER ")][-1] != "root"
+
+
+def test_shard_services_form_one_cluster(compose):
+    shards = _shards(compose)
+    n = len(shards)
+    assert n == 4 and sorted(shards) == [f"shard-{i}" for i in range(n)]
+    counts, indexes, volumes = set(), [], set()
+    for name, svc in shards.items():
+        env = svc["environment"]
+        indexes.append(int(env["SHARDPS_SHARD_INDEX"]))
+        assert name == f"shard-{env['SHARDPS_SHARD_INDEX']}"
+        counts.add(int(env["SHARDPS_NUM_SHARDS"]))
+        assert svc["restart"] in ("always", "unless-stopped", "on-failure")
+        assert svc["healthcheck"]["test"][:2] == ["CMD", "shardps"]
+        (vol,) = svc["volumes"]
+        source, target = vol.split(":")
+        assert target == "/data" and source in compose["volumes"]
+        volumes.add(source)
+    assert sorted(indexes) == list(range(n)) and counts == {n} and len(volumes) == n
+
+
+def test_every_service_command_parses_with_the_real_cli(compose):
+    parser = build_parser()
+    entry = [line for line in _dockerfile("Dockerfile.server") if line.startswith("ENTRYPOINT")][0]
+    assert entry == 'ENTRYPOINT ["shardps", "serve"]'
+    image_env = {"SHARDPS_HOST": "0.0.0.0", "SHARDPS_PORT": "7000", "SHARDPS_DATA_DIR": "/data"}
+    for name, svc in _shards(compose).items():
+        # The container runs the ENTRYPOINT with no flags: everything comes from the environment.
+        args = parse_args(["serve"], {**image_env, **svc["environment"]})
+        assert (args.host, args.port, args.data_dir) == ("0.0.0.0", 7000, "/data")
+        ShardConfig(shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
+                    durability=args.durability)
+        ServerConfig(host=args.host, port=args.port, checkpoint_interval_s=args.checkpoint_interval)
+        health = svc["healthcheck"]["test"][2:]
+        assert parser.parse_args(health).command == "health"
+    trainer = compose["services"]["trainer"]
+    cmd = trainer["command"]
+    assert cmd[0] == "clients/examples/dlrm.py"
+    addresses = cmd[cmd.index("--addresses") + 1].split(",")
+    assert addresses == [f"shard-{i}:7000" for i in range(len(_shards(compose)))]
+    assert set(trainer["depends_on"]) == set(_shards(compose))
+    assert all(d["condition"] == "service_healthy" for d in trainer["depends_on"].values())
+
+
+def test_generator_reproduces_the_committed_file_and_scales():
+    sys.path.insert(0, str(DOCKER))
+    try:
+        import make_compose
+    finally:
+        sys.path.pop(0)
+    assert make_compose.make(4) == (DOCKER / "compose.yaml").read_text()
+    eight = yaml.safe_load(make_compose.make(8))
+    shards = _shards(eight)
+    assert sorted(int(s["environment"]["SHARDPS_SHARD_INDEX"]) for s in shards.values()) == list(range(8))
+    assert {s["environment"]["SHARDPS_NUM_SHARDS"] for s in shards.values()} == {"8"}
+    assert len(eight["volumes"]) == 8 and len(eight["services"]["trainer"]["depends_on"]) == 8
+
+
+def test_cluster_described_by_compose_trains(compose, tmp_path):
+    """Start each shard service's command with its environment (host/port/data moved to this
+    machine's loopback and a temp dir), wait for its healthcheck, then run the trainer's command."""
+    procs = []
+    try:
+        for name, svc in sorted(_shards(compose).items()):
+            ready = tmp_path / f"{name}.ready"
+            env = {**os.environ, **svc["environment"], "SHARDPS_HOST": "127.0.0.1", "SHARDPS_PORT": "0",
+                   "SHARDPS_DATA_DIR": str(tmp_path / name), "SHARDPS_READY_FILE": str(ready)}
+            log = open(tmp_path / f"{name}.log", "w")
+            procs.append((subprocess.Popen([sys.executable, "-m", "shardps", "serve"], env=env, stdout=log,
+                                           stderr=subprocess.STDOUT), ready))
+        addresses = []
+        deadline = time.monotonic() + 60
+        for proc, ready in procs:
+            while not (ready.exists() and ready.read_text()):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            addresses.append(ready.read_text())
+        for a in addresses:
+            while check_health(a) != "SERVING":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        health = subprocess.run([sys.executable, "-m", "shardps", "health", *addresses], capture_output=True, text=True,
+                                timeout=60)
+        assert health.returncode == 0, health.stdout
+        cmd = list(compose["services"]["trainer"]["command"])
+        cmd[cmd.index("--addresses") + 1] = ",".join(addresses)
+        out = subprocess.run([sys.executable, *cmd, "--rows", "50000", "--train", "40000", "--test", "10000", "--no-local"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "shardps (2 workers, async)" in out.stdout
+        stats = subprocess.run([sys.executable, "-m", "shardps", "stats", *addresses, "--interval", "0", "--json"],
+                               capture_output=True, text=True, timeout=60)
+        import json
+
+        rows = json.loads(stats.stdout)
+        assert [r["shard_index"] for r in rows] == [0, 1, 2, 3] and all(r["durability"] == "log" for r in rows)
+        assert all(r["pushes"] > 0 for r in rows)
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            assert proc.wait(30) == 0  # SIGTERM: graceful stop and final checkpoint
+
+
+def test_cluster_command_reports_and_restarts_a_dead_shard(tmp_path):
+    cluster_file = tmp_path / "cluster.json"
+    proc = subprocess.Popen([sys.executable, "-m", "shardps", "cluster", "--shards", "2", "--cluster-file",
+                             str(cluster_file), "--data-dir", str(tmp_path / "data")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not cluster_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        import json
+
+        info = json.loads(cluster_file.read_text())
+        addresses = info["addresses"]
+        assert all(check_health(a) == "SERVING" for a in addresses)
+        os.kill(info["pids"][1], 9)  # kill -9 shard 1
+        while check_health(addresses[1]) != "SERVING":  # restarted on the same address
+            assert time.monotonic() < deadline + 30
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert "shard 1" in out and "died with exit code -9" in out and "restarted" in out
+    assert proc.returncode == 0
