@@ -17,6 +17,7 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shardps.malloc_tuning import tune_malloc
 from shardps.servicer import ShardServicer
 from shardps.shard import Shard, ShardConfig
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
@@ -51,6 +52,7 @@ class ShardServer:
     """A running shard: gRPC server, health service and background checkpoints."""
 
     def __init__(self, shard_config: ShardConfig, server_config: ServerConfig = ServerConfig()) -> None:
+        tune_malloc()
         self.shard = Shard(shard_config)
         self.config = server_config
         limit = server_config.max_message_mb * 1024 * 1024

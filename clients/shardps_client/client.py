@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from shardps import codec
+from shardps.malloc_tuning import tune_malloc
 from shardps.optim import SGD, Optimizer
 from shardps.routing import dense_row_ranges, name_hash, split_by_shard
 from shardps.specs import (
@@ -125,6 +126,7 @@ class Client:
             raise InvalidArgumentError("Client needs at least one shard address")
         if wire_dtype not in _WIRE:
             raise InvalidArgumentError(f"wire_dtype must be one of {sorted(_WIRE)}, got {wire_dtype!r}")
+        tune_malloc()  # message-sized buffers stay in the heap (see shardps.malloc_tuning)
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.timeout = timeout
