@@ -8,7 +8,7 @@ from shardps.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
 # numpy has no bfloat16: it travels as uint16 holding the upper half of a float32.
-_NP_OF = {
+NP_DTYPES = _NP_OF = {
     pb.FLOAT32: np.dtype("<f4"),
     pb.FLOAT16: np.dtype("<f2"),
     pb.BFLOAT16: np.dtype("<u2"),
@@ -52,20 +52,26 @@ def decode(t: pb.Tensor, what: str, as_float32: bool = True) -> np.ndarray:
 
     Float payloads are widened to float32 when ``as_float32``; errors name ``what``.
     """
-    np_dtype = _NP_OF.get(t.dtype)
+    return decode_raw(t.dtype, list(t.shape), t.data, what, as_float32)
+
+
+def decode_raw(dtype: int, shape: list, data: "bytes | memoryview", what: str, as_float32: bool = True) -> np.ndarray:
+    """Decode (dtype, shape, raw bytes) to numpy, a view of ``data`` where possible."""
+    np_dtype = _NP_OF.get(dtype)
     if np_dtype is None:
-        raise InvalidArgument(f"{what}: unsupported or missing dtype {t.dtype}")
-    shape = tuple(int(s) for s in t.shape)
-    if any(s < 0 for s in shape):
-        raise InvalidArgument(f"{what}: negative dimension in shape {shape}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if count * np_dtype.itemsize != len(t.data):
+        raise InvalidArgument(f"{what}: unsupported or missing dtype {dtype}")
+    shape_t = tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape_t):
+        raise InvalidArgument(f"{what}: negative dimension in shape {list(shape_t)}")
+    count = int(np.prod(shape_t, dtype=np.int64)) if shape_t else 1
+    nbytes = len(data) if not isinstance(data, memoryview) else data.nbytes
+    if count * np_dtype.itemsize != nbytes:
         raise InvalidArgument(
-            f"{what}: {len(t.data)} bytes do not match shape {list(shape)} of {DTYPE_NAMES[t.dtype]}"
+            f"{what}: {nbytes} bytes do not match shape {list(shape_t)} of {DTYPE_NAMES[dtype]}"
         )
-    arr = np.frombuffer(t.data, dtype=np_dtype).reshape(shape)
-    if as_float32 and t.dtype == pb.BFLOAT16:
+    arr = np.frombuffer(data, dtype=np_dtype).reshape(shape_t)
+    if as_float32 and dtype == pb.BFLOAT16:
         return bfloat16_bits_to_float32(arr)
-    if as_float32 and t.dtype == pb.FLOAT16:
+    if as_float32 and dtype == pb.FLOAT16:
         return arr.astype(np.float32)
     return arr

@@ -18,9 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.malloc_tuning import tune_malloc
-from shardps.servicer import ShardServicer
+from shardps.servicer import ShardServicer, add_to_server
 from shardps.shard import Shard, ShardConfig
-from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class ShardServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_ShardServicer_to_server(ShardServicer(self.shard), self._server)
+        add_to_server(ShardServicer(self.shard), self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{server_config.host}:{server_config.port}")

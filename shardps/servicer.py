@@ -11,7 +11,7 @@ from typing import Any, Callable, TypeVar
 
 import grpc
 
-from shardps import codec
+from shardps import codec, wire
 from shardps.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -85,14 +85,9 @@ def _wire(dtype: int) -> int:
     return dtype
 
 
-def _opt_version(request: Any) -> Any:
-    return request.pulled_version if request.HasField("pulled_version") else None
-
-
-def _sync(request: Any) -> Any:
-    if not request.HasField("sync"):
+def _sync(p: Any) -> Any:
+    if p is None:
         return None
-    p = request.sync
     return SyncPart(step=p.step, rank=p.rank, part=p.part, parts=p.parts)
 
 
@@ -121,19 +116,18 @@ class ShardServicer(pb_grpc.ShardServicer):
         return pb.DropTableResponse(dropped=self.shard.drop(request.name))
 
     @_rpc
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
         self.shard.check_shard_map(request.shard_map)
-        wire = _wire(request.wire_dtype)
+        wire_dtype = _wire(request.wire_dtype)
         rows, version = self.shard.pull(request.table, _ids(request.ids))
-        return pb.PullResponse(rows=codec.encode(rows, wire), version=version)
+        return wire.encode_pull_response(rows, wire_dtype, version)
 
     @_rpc
-    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
-        self.shard.check_shard_map(request.shard_map)
-        r = self.shard.push(
-            request.table, _ids(request.ids), _grads(request.grads), _opt_version(request),
-            request.client_id, request.seq, _sync(request),
-        )
+    def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
+        d = wire.decode_push(request, dense=False)
+        self.shard.check_shard_map(d.shard_map)
+        assert d.ids is not None and d.grads is not None
+        r = self.shard.push(d.name, d.ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync), raw=request)
         return _push_response(r)
 
     @_rpc
@@ -144,19 +138,19 @@ class ShardServicer(pb_grpc.ShardServicer):
         return pb.RegisterDenseResponse(created=created, initialized=initialized)
 
     @_rpc
-    def PullDense(self, request: pb.PullDenseRequest, context: grpc.ServicerContext) -> pb.PullResponse:
+    def PullDense(self, request: pb.PullDenseRequest, context: grpc.ServicerContext) -> bytes:
         self.shard.check_shard_map(request.shard_map)
-        wire = _wire(request.wire_dtype)
+        wire_dtype = _wire(request.wire_dtype)
         rows, version = self.shard.pull_dense(request.name, request.row_start, request.row_end)
-        return pb.PullResponse(rows=codec.encode(rows, wire), version=version)
+        return wire.encode_pull_response(rows, wire_dtype, version)
 
     @_rpc
-    def PushDense(self, request: pb.PushDenseRequest, context: grpc.ServicerContext) -> pb.PushResponse:
-        self.shard.check_shard_map(request.shard_map)
-        r = self.shard.push_dense(
-            request.name, request.row_start, _grads(request.grads), _opt_version(request),
-            request.client_id, request.seq, _sync(request),
-        )
+    def PushDense(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
+        d = wire.decode_push(request, dense=True)
+        self.shard.check_shard_map(d.shard_map)
+        assert d.grads is not None
+        r = self.shard.push_dense(d.name, d.row_start, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync),
+                                  raw=request)
         return _push_response(r)
 
     @_rpc
@@ -187,3 +181,29 @@ class ShardServicer(pb_grpc.ShardServicer):
             request.rank, request.world_size, request.clock, request.leaving, wait, request.wait_s
         )
         return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+# The bulk methods skip protobuf objects for their array payloads (see shardps.wire):
+# (request deserializer, response serializer) replacing the generated ones.
+_FAST = {
+    "Pull": (pb.PullRequest.FromString, _identity),
+    "PullDense": (pb.PullDenseRequest.FromString, _identity),
+    "Push": (_identity, pb.PushResponse.SerializeToString),
+    "PushDense": (_identity, pb.PushResponse.SerializeToString),
+}
+
+
+def add_to_server(servicer: ShardServicer, server: grpc.Server) -> None:
+    """Register the Shard service: generated (de)serializers, except wire-level ones for bulk methods."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
+        default = (getattr(pb, method.input_type.name).FromString, getattr(pb, method.output_type.name).SerializeToString)
+        deserialize, serialize = _FAST.get(method.name, default)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=serialize
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("shardps.v1.Shard", handlers),))

@@ -320,9 +320,12 @@ class Shard:
     def push(
         self, name: str, ids: np.ndarray, grads: np.ndarray,
         pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
-        sync: Optional[SyncPart] = None,
+        sync: Optional[SyncPart] = None, raw: Optional[bytes] = None,
     ) -> PushResult:
         """Apply gradients of ``ids`` (duplicates summed) with the table's optimizer.
+
+        ``raw`` is the serialized PushRequest when the caller has it: it becomes
+        the write-ahead log record as is.
 
         For a table with a SyncPolicy, ``sync`` is required and the call
         returns once the step it belongs to is applied (or failed).
@@ -333,7 +336,7 @@ class Shard:
         elif ids.ndim != 1:
             raise InvalidArgument(f"{name}: ids must be 1-D, got shape {list(ids.shape)}")
         t.check_grads(ids, grads)
-        return self._push(t, ids, grads, pulled_version, client_id, seq, sync)
+        return self._push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
 
     def _push_record(self, t: Table, ids: np.ndarray, grads: np.ndarray, client_id: str, seq: int,
                      as_rows: bool = False) -> tuple[int, bytes]:
@@ -350,7 +353,7 @@ class Shard:
 
     def _push(
         self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], client_id: str, seq: int,
-        sync: Optional[SyncPart] = None,
+        sync: Optional[SyncPart] = None, raw: Optional[bytes] = None,
     ) -> PushResult:
         policy = t.spec.sync
         if policy is not None and sync is None:
@@ -364,7 +367,10 @@ class Shard:
         try:
             if sync is not None:
                 return self._push_sync(t, ids, grads, sync)
-            kind, record = self._push_record(t, ids, grads, client_id, seq)
+            if raw is not None and self._wal is not None:
+                kind, record = (wal_mod.PUSH_DENSE if t.is_dense else wal_mod.PUSH), raw
+            else:
+                kind, record = self._push_record(t, ids, grads, client_id, seq)
             version, staleness = self._apply_update(t, ids, grads, pulled_version, kind, record)
         except SyncStepFailed:
             raise  # the step is over; a retry would be late, so the seq stays consumed
@@ -521,14 +527,14 @@ class Shard:
     def push_dense(
         self, name: str, row_start: int, grads: np.ndarray,
         pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
-        sync: Optional[SyncPart] = None,
+        sync: Optional[SyncPart] = None, raw: Optional[bytes] = None,
     ) -> PushResult:
         t = self._table(name, dense=True)
         if grads.ndim != 2:
             raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
         ids = self._dense_rows(t, row_start, row_start + grads.shape[0])
         t.check_grads(ids, grads)
-        return self._push(t, ids, grads, pulled_version, client_id, seq, sync)
+        return self._push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
 
     # ---- info ------------------------------------------------------------------------
 

@@ -184,7 +184,9 @@ class Table:
 
 
 def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique ids (sorted) and their summed gradients; cheap when ids are already unique."""
+    """Unique ids (sorted) and their summed gradients; nearly free when ids are already sorted and unique."""
+    if ids.shape[0] < 2 or bool(np.all(ids[1:] > ids[:-1])):
+        return ids, grads.astype(np.float32, copy=False)
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
     first = np.empty(sorted_ids.shape[0], dtype=bool)

@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 import torch
 
-from shardps import codec
+from shardps import codec, wire
 from shardps.malloc_tuning import tune_malloc
 from shardps.optim import SGD, Optimizer
 from shardps.routing import dense_row_ranges, name_hash, split_by_shard
@@ -138,7 +138,7 @@ class Client:
         limit = max(self.max_message_bytes + 64 * 1024, 4 * MiB)
         options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
         self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
-        self._stubs = [pb_grpc.ShardStub(ch) for ch in self._channels]
+        self._stubs = [_Stub(ch) for ch in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(4, 4 * self.num_shards), thread_name_prefix="shardps-client")
         # One lane per shard keeps this client's pushes to a shard in the order they were made
         # (optimizers such as Adam are not commutative); lanes of different shards run in parallel.
@@ -376,9 +376,14 @@ class Client:
         if self.read_your_writes:
             self._wait_pending(table)
         flat = ids_np.reshape(-1)
-        uniq, inverse = np.unique(flat, return_inverse=True)
+        if flat.shape[0] < 2 or bool(np.all(flat[1:] > flat[:-1])):  # already sorted and unique
+            uniq, inverse = flat, None
+        else:
+            uniq, inverse = np.unique(flat, return_inverse=True)
         rows, versions = self._take_prefetched(table, uniq, wire) or self._pull_unique(spec, uniq, wire)
-        out = torch.from_numpy(rows[inverse.reshape(-1)].reshape(ids_np.shape + (spec.dim,)))
+        if inverse is not None:
+            rows = rows[inverse.reshape(-1)]
+        out = torch.from_numpy(rows.reshape(ids_np.shape + (spec.dim,)))
         if device is not None:
             out = out.to(device, non_blocking=True)
         return out, versions
@@ -428,9 +433,9 @@ class Client:
         replies = self._fan_out(calls)
         rows = np.empty((uniq.shape[0], spec.dim), dtype=np.float32)
         versions: dict[int, int] = {}
-        for (s, _, _), part, reply in zip(calls, slices, replies):
-            rows[part] = codec.decode(reply.rows, "rows")
-            versions[s] = min(reply.version, versions.get(s, reply.version))
+        for (s, _, _), part, (block, version) in zip(calls, slices, replies):
+            rows[part] = block
+            versions[s] = min(version, versions.get(s, version))
         return rows, Versions(versions)
 
     def push(
@@ -461,9 +466,9 @@ class Client:
         if not spec.allow_nonfinite and not np.isfinite(g).all():
             raise InvalidArgumentError(f"{table}: gradient contains NaN or Inf; push rejected")
         uniq, summed = coalesce(ids_np.reshape(-1), g.reshape(-1, spec.dim))
-        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        wire_dtype_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         order, bounds = split_by_shard(uniq, self.num_shards)
-        step = self._rows_per_message(spec.dim, wire)
+        step = self._rows_per_message(spec.dim, wire_dtype_code)
         sync_step = self._next_sync_step(table) if spec.sync is not None else 0
         calls = []
         for s in range(self.num_shards):
@@ -472,15 +477,12 @@ class Client:
             starts = list(range(0, idx.shape[0], step)) or ([0] if sync_step else [])
             for k, start in enumerate(starts):
                 part = idx[start : start + step]
-                req = pb.PushRequest(
-                    table=table, ids=codec.encode(uniq[part]),
-                    grads=codec.encode(summed[part].reshape(len(part), spec.dim), wire),
+                req = wire.encode_push(
+                    table, summed[part].reshape(len(part), spec.dim), wire_dtype_code, ids=uniq[part],
+                    pulled_version=versions.by_shard.get(s) if versions is not None else None,
                     client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
+                    sync=pb.SyncPart(step=sync_step, rank=self.rank or 0, part=k, parts=len(starts)) if sync_step else None,
                 )
-                if sync_step:
-                    req.sync.CopyFrom(pb.SyncPart(step=sync_step, rank=self.rank or 0, part=k, parts=len(starts)))
-                if versions is not None and s in versions.by_shard:
-                    req.pulled_version = versions.by_shard[s]
                 calls.append((s, "Push", req))
         self._submit_pushes(table, calls, wait)
 
@@ -635,10 +637,10 @@ class Client:
         replies = self._fan_out(calls) if calls else []
         outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
         versions: dict[str, dict[int, int]] = {name: {} for name in specs}
-        for (name, s, a, b), reply in zip(where, replies):
-            outs[name][a:b] = codec.decode(reply.rows, "rows")
+        for (name, s, a, b), (block, version) in zip(where, replies):
+            outs[name][a:b] = block
             v = versions[name]
-            v[s] = min(reply.version, v.get(s, reply.version))
+            v[s] = min(version, v.get(s, version))
         return {
             name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
             for name, spec in specs.items()
@@ -660,22 +662,20 @@ class Client:
         if not spec.allow_nonfinite and not np.isfinite(g).all():
             raise InvalidArgumentError(f"{name}: gradient contains NaN or Inf; push rejected")
         g2 = g.reshape(spec.rows, spec.cols)
-        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        wire_dtype_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         sync_step = self._next_sync_step(name) if spec.sync is not None else 0
-        pieces = list(self._dense_pieces(spec, wire))
+        pieces = list(self._dense_pieces(spec, wire_dtype_code))
         per_shard = collections.Counter(s for s, _, _ in pieces)
         seen: collections.Counter = collections.Counter()
         calls = []
         for s, a, b in pieces:
-            req = pb.PushDenseRequest(
-                name=name, row_start=a, grads=codec.encode(g2[a:b], wire), client_id=self.client_id,
-                seq=self._next_seq(s), shard_map=self._map(s),
+            req = wire.encode_push(
+                name, g2[a:b], wire_dtype_code, row_start=a,
+                pulled_version=versions.by_shard.get(s) if versions is not None else None,
+                client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
+                sync=pb.SyncPart(step=sync_step, rank=self.rank or 0, part=seen[s], parts=per_shard[s]) if sync_step else None,
             )
-            if sync_step:
-                req.sync.CopyFrom(pb.SyncPart(step=sync_step, rank=self.rank or 0, part=seen[s], parts=per_shard[s]))
-                seen[s] += 1
-            if versions is not None and s in versions.by_shard:
-                req.pulled_version = versions.by_shard[s]
+            seen[s] += 1
             calls.append((s, "PushDense", req))
         self._submit_pushes(name, calls, wait)
 
@@ -734,6 +734,25 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _Stub:
+    """The generated stub, with wire-level (de)serializers for the bulk methods (see shardps.wire)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        generated = pb_grpc.ShardStub(channel)
+        for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
+            setattr(self, method.name, getattr(generated, method.name))
+        for name, request in (("Pull", pb.PullRequest), ("PullDense", pb.PullDenseRequest)):
+            setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=request.SerializeToString,
+                                                    response_deserializer=wire.decode_pull_response))
+        for name in ("Push", "PushDense"):
+            setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=_identity,
+                                                    response_deserializer=pb.PushResponse.FromString))
 
 
 def _env_int(name: str) -> Optional[int]:

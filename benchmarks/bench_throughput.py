@@ -1,0 +1,374 @@
+"""Throughput of pulls and pushes: shardps against the alternatives, in one run.
+
+The standard workload: a 1,000,000 x 64 float32 table; each step draws 8,192
+ids from a Zipf distribution (a=1.1, ~4,400 unique), pulls their rows and
+pushes one gradient row per unique id (SGD). Metric: rows per second (a unique
+row pulled and pushed counts one), after warm-up, with the batches generated
+before timing. Baselines (same run, same machine): a torch.distributed.rpc
+parameter server, a Ray actor parameter server (if Ray is installed), and the
+same gather/scatter in one process (no transport).
+
+    python benchmarks/bench_throughput.py                 # full grid (a few minutes on 2 cores)
+    python benchmarks/bench_throughput.py --quick         # smoke run
+Writes benchmarks/results/throughput.json and throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import baselines  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    Progress,
+    cpu_seconds,
+    free_port,
+    percentile_ms,
+    plot,
+    table,
+    unique_batches,
+    write_outputs,
+)
+
+DIM = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    backend: str  # shardps | torch_rpc | ray | in_process
+    shards: int = 2
+    trainers: int = 1
+    batch: int = 8192
+    zipf: Optional[float] = 1.1  # None: uniform
+    rows: int = 1_000_000
+    wire: str = "float32"
+    group: str = "standard"
+
+    @property
+    def label(self) -> str:
+        dist = "uniform" if self.zipf is None else f"zipf{self.zipf}"
+        return (f"{self.backend} s={self.shards} t={self.trainers} b={self.batch} {dist} "
+                f"rows={self.rows:,} {self.wire}")
+
+
+# ---- the trainer loop (runs in each trainer process) ----------------------------------------
+
+
+def measure(pull, push, flush, batches: list[np.ndarray], budget_s: float, server_pids: list[int]) -> dict[str, Any]:
+    """rows/s for pull+push, pull only, push only; then p50/p99 of single sync calls.
+
+    Server CPU seconds are read from /proc around the pull+push phase.
+    """
+    tensors = [torch.from_numpy(b) for b in batches]
+    grads = [torch.full((len(b), DIM), 0.001) for b in batches]
+    out: dict[str, Any] = {}
+    for phase in ("both", "pull", "push"):
+        for i in range(3):  # warm-up
+            if phase != "push":
+                pull(tensors[i])
+            if phase != "pull":
+                push(tensors[i], grads[i])
+        flush()
+        cpu0 = sum(cpu_seconds(p) for p in server_pids) if server_pids else 0.0
+        rows, i, t0 = 0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < budget_s:
+            k = i % len(tensors)
+            if phase != "push":
+                pull(tensors[k])
+            if phase != "pull":
+                push(tensors[k], grads[k])
+            rows += len(tensors[k])
+            i += 1
+        flush()
+        out[f"{phase}_rows_per_s"] = rows / (time.perf_counter() - t0)
+        out[f"{phase}_rows"] = rows
+        if phase == "both" and server_pids:
+            out["server_cpu_s"] = sum(cpu_seconds(p) for p in server_pids) - cpu0
+    pulls, pushes = [], []
+    for i in range(min(40, len(tensors))):
+        t = time.perf_counter()
+        pull(tensors[i])
+        pulls.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        push(tensors[i], grads[i])
+        flush()
+        pushes.append(time.perf_counter() - t)
+    out.update(pull_p50_ms=percentile_ms(pulls, 50), pull_p99_ms=percentile_ms(pulls, 99),
+               push_p50_ms=percentile_ms(pushes, 50), push_p99_ms=percentile_ms(pushes, 99))
+    return out
+
+
+def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: int, budget_s: float, queue) -> None:
+    try:
+        from shardps_client import Client
+
+        torch.set_num_threads(1)
+        batches = unique_batches(100 + rank, 24, cfg.batch, cfg.rows, cfg.zipf)
+        with Client(addresses, wire_dtype=cfg.wire, read_your_writes=False) as c:
+            spec = c.table_spec("bench")
+            assert spec.dim == DIM
+            result = measure(lambda ids: c.pull("bench", ids), lambda ids, g: c.push("bench", ids, g), c.flush,
+                             batches, budget_s, pids if rank == 0 else [])
+        queue.put((rank, result))
+    except Exception:
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+def rpc_trainer(cfg: Config, port: int, rank: int, budget_s: float, queue) -> None:
+    try:
+        from torch.distributed import rpc
+
+        torch.set_num_threads(1)
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8)
+        rpc.init_rpc(f"trainer{rank}", rank=cfg.shards + rank, world_size=cfg.shards + cfg.trainers,
+                     rpc_backend_options=opts)
+        client = baselines.RpcClient(cfg.shards)
+        pending: list = []
+
+        def push(ids, g):
+            pending.extend(client.push(ids, g))
+
+        def flush():
+            for f in pending:
+                f.wait()
+            pending.clear()
+
+        batches = unique_batches(100 + rank, 24, cfg.batch, cfg.rows, cfg.zipf)
+        pids = [rpc.rpc_sync(f"ps{s}", baselines.rpc_pid) for s in range(cfg.shards)] if rank == 0 else []
+        result = measure(lambda ids: client.pull(ids, DIM), push, flush, batches, budget_s, pids)
+        rpc.shutdown()
+        queue.put((rank, result))
+    except Exception:
+        queue.put((rank, {"error": traceback.format_exc()}))
+
+
+# ---- running one configuration ---------------------------------------------------------------
+
+
+def _collect(queue, n: int, procs: list, timeout: float) -> list[dict]:
+    results = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < n and time.monotonic() < deadline:
+        try:
+            rank, r = queue.get(timeout=1.0)
+            results[rank] = r
+        except Exception:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return [results.get(r, {"error": "no result (timeout)"}) for r in range(n)]
+
+
+def run_shardps(cfg: Config, budget_s: float) -> dict[str, Any]:
+    from shardps.launcher import LocalCluster
+    from shardps.specs import Initializer
+    from shardps_client import SGD, Client
+
+    ctx = mp.get_context("spawn")
+    with LocalCluster(cfg.shards) as cluster:
+        with Client(cluster.addresses) as c:
+            c.create_table("bench", dim=DIM, num_embeddings=cfg.rows, optimizer=SGD(lr=0.01),
+                           initializer=Initializer("zeros"))
+        pids = [p.popen.pid for p in cluster.procs]
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=shardps_trainer, args=(cfg, cluster.addresses, pids, r, budget_s, queue))
+                 for r in range(cfg.trainers)]
+        for p in procs:
+            p.start()
+        results = _collect(queue, cfg.trainers, procs, 120 + 6 * budget_s)
+    return _merge(results)
+
+
+def run_rpc(cfg: Config, budget_s: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    world = cfg.shards + cfg.trainers
+    servers = [ctx.Process(target=baselines.rpc_server_main, args=(i, world, port, cfg.rows, DIM, cfg.shards))
+               for i in range(cfg.shards)]
+    for p in servers:
+        p.start()
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rpc_trainer, args=(cfg, port, r, budget_s, queue)) for r in range(cfg.trainers)]
+    for p in procs:
+        p.start()
+    results = _collect(queue, cfg.trainers, procs + servers, 180 + 6 * budget_s)
+    for p in servers:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    return _merge(results)
+
+
+_RAY: dict[str, Any] = {}
+
+
+def run_ray(cfg: Config, budget_s: float) -> dict[str, Any]:
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, configure_logging=False)
+        _RAY["cls"] = baselines.make_ray_actor_class()
+    torch.set_num_threads(1)
+    actors = [_RAY["cls"].remote(-(-cfg.rows // cfg.shards), DIM) for _ in range(cfg.shards)]
+    pids = ray.get([a.pid.remote() for a in actors])
+    client = baselines.RayClient(actors)
+    pending: list = []
+
+    def push(ids, g):
+        pending.extend(client.push(ids, g))
+
+    def flush():
+        ray.get(pending)
+        pending.clear()
+
+    batches = unique_batches(100, 24, cfg.batch, cfg.rows, cfg.zipf)
+    result = measure(lambda ids: client.pull(ids, DIM), push, flush, batches, budget_s, pids)
+    for a in actors:
+        ray.kill(a)
+    return _merge([result])
+
+
+def run_in_process(cfg: Config, budget_s: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    ps = baselines.InProcess(cfg.rows, DIM)
+    batches = unique_batches(100, 24, cfg.batch, cfg.rows, cfg.zipf)
+    result = measure(lambda ids: ps.pull(ids, DIM), ps.push, lambda: None, batches, budget_s, [os.getpid()])
+    return _merge([result])
+
+
+def _merge(results: list[dict]) -> dict[str, Any]:
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    out: dict[str, Any] = {}
+    for key in ("both_rows_per_s", "pull_rows_per_s", "push_rows_per_s"):
+        out[key] = sum(r[key] for r in results)
+    for key in ("pull_p50_ms", "pull_p99_ms", "push_p50_ms", "push_p99_ms"):
+        out[key] = results[0][key]
+    cpu = results[0].get("server_cpu_s")
+    out["server_cpu_s_per_M_rows"] = cpu / sum(r["both_rows"] for r in results) * 1e6 if cpu is not None else None
+    return out
+
+
+RUNNERS = {"shardps": run_shardps, "torch_rpc": run_rpc, "ray": run_ray, "in_process": run_in_process}
+
+
+def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:
+    std = Config("shardps")
+    compare = [b for b in backends if b in ("shardps", "torch_rpc")]
+    configs: list[Config] = []
+    for b in backends:  # headline: the standard workload against every alternative, over shard counts
+        for s in ([1] if b == "in_process" else args.shards):
+            configs.append(replace(std, backend=b, shards=s, group="standard"))
+    if args.quick:
+        return configs
+    for b in compare:
+        configs += [replace(std, backend=b, trainers=t, group="trainers") for t in (2, 4)]
+        configs += [replace(std, backend=b, batch=n, group="batch") for n in (1024, 4096, 16384, 65536)]
+        configs += [replace(std, backend=b, zipf=z, group="distribution") for z in (None, 1.05, 1.2)]
+        configs += [replace(std, backend=b, rows=10_000_000, group="table")]
+    configs += [replace(std, wire="float16", group="wire")]
+    return configs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget", type=float, default=1.5, help="seconds measured per phase (pull+push, pull, push)")
+    p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="shard counts of the headline comparison")
+    p.add_argument("--backends", nargs="+", default=["shardps", "torch_rpc", "ray", "in_process"])
+    p.add_argument("--quick", action="store_true", help="headline only, short budget (smoke run)")
+    p.add_argument("--out", default=str(RESULTS), help="directory for throughput.json and throughput.png")
+    args = p.parse_args()
+    if args.quick:
+        args.budget = min(args.budget, 0.3)
+    backends = list(args.backends)
+    if "ray" in backends:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            print("ray is not installed (pip install 'shardps[bench]'): skipping the Ray baseline", file=sys.stderr)
+            backends.remove("ray")
+    configs = grid(args, backends)
+    progress = Progress(len(configs), "throughput")
+    rows = []
+    for cfg in configs:
+        try:
+            r = RUNNERS[cfg.backend](cfg, args.budget)
+        except Exception:
+            r = {"error": traceback.format_exc()}
+        if "error" in r:
+            print(f"\n{cfg.label}: FAILED\n{r['error']}", file=sys.stderr)
+        else:
+            r["unique_per_batch"] = float(np.mean([len(b) for b in unique_batches(100, 8, cfg.batch, cfg.rows, cfg.zipf)]))
+        rows.append({**asdict(cfg), **r})
+        progress.step(cfg.label)
+    report(rows, args)
+    return 0
+
+
+def _find(results: list[dict], **kv: Any) -> Optional[dict]:
+    for r in results:
+        if all(r.get(k) == v for k, v in kv.items()) and "error" not in r:
+            return r
+    return None
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    import pathlib
+
+    out = pathlib.Path(args.out)
+    for r in rows:  # ratios to the baselines of the same configuration
+        if r["backend"] != "shardps" or "error" in r:
+            continue
+        key = {k: r[k] for k in ("shards", "trainers", "batch", "zipf")}
+        for base in ("torch_rpc", "ray"):
+            b = _find(rows, backend=base, **key, rows=r["rows"], wire="float32")
+            r[f"x_{base}"] = r["both_rows_per_s"] / b["both_rows_per_s"] if b else None
+        ip = _find(rows, backend="in_process", batch=r["batch"], zipf=r["zipf"], rows=r["rows"])
+        r["x_in_process"] = r["both_rows_per_s"] / ip["both_rows_per_s"] if ip else None
+    cols = [("backend", "backend", ""), ("group", "group", ""), ("shards", "shards", "d"), ("trainers", "trainers", "d"),
+            ("batch", "batch", "d"), ("zipf", "zipf", ""), ("rows", "table rows", ",d"), ("wire", "wire", ""),
+            ("both_rows_per_s", "pull+push rows/s", ",.0f"), ("pull_rows_per_s", "pull rows/s", ",.0f"),
+            ("push_rows_per_s", "push rows/s", ",.0f"), ("pull_p50_ms", "pull p50 ms", ".2f"),
+            ("pull_p99_ms", "pull p99 ms", ".2f"), ("push_p50_ms", "push p50 ms", ".2f"),
+            ("push_p99_ms", "push p99 ms", ".2f"), ("server_cpu_s_per_M_rows", "srv CPU s/M rows", ".2f"),
+            ("x_torch_rpc", "x rpc", ".2f"), ("x_ray", "x ray", ".2f"), ("x_in_process", "x in-proc", ".3f")]
+    print()
+    print(table([r for r in rows if "error" not in r], cols))
+    write_outputs("throughput", {"args": vars(args), "dim": DIM}, rows, out)
+    panels = []
+    std = [r for r in rows if r["group"] == "standard" and "error" not in r]
+    panels.append(("standard workload vs shards", "shards", {
+        b: ([r["shards"] for r in std if r["backend"] == b], [r["both_rows_per_s"] for r in std if r["backend"] == b])
+        for b in sorted({r["backend"] for r in std})}))
+    for group, key, xlabel in (("trainers", "trainers", "trainer processes"), ("batch", "batch", "batch size (ids)")):
+        series = {}
+        for b in ("shardps", "torch_rpc"):
+            pts = sorted([r for r in rows if "error" not in r and r["backend"] == b and
+                          (r["group"] == group or (r["group"] == "standard" and r["shards"] == 2))], key=lambda r: r[key])
+            if len(pts) > 1:
+                series[b] = ([r[key] for r in pts], [r["both_rows_per_s"] for r in pts])
+        if series:
+            panels.append((f"2 shards, vs {xlabel}", xlabel, series))
+    plot(out / "throughput.png", panels, "pull+push rows/s")
+    print(f"\nwrote {out / 'throughput.json'} and {out / 'throughput.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

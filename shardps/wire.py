@@ -1,0 +1,244 @@
+"""Hand-written protobuf wire encoding of the hot messages, without extra copies.
+
+The bulk of pulls and pushes is one ``bytes`` field holding an array. Going
+through protobuf objects copies it several times (array -> bytes -> message ->
+serialized string on one side, string -> message -> bytes on the other).
+These functions write the same wire format directly around the array's
+buffer (one copy, into the message) and read it back as a ``numpy.frombuffer``
+view of the received message (no copy). The output is byte-identical to
+``SerializeToString`` of the generated classes, which the tests check, so any
+protobuf implementation can talk to the shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+from shardps import codec
+from shardps.errors import InvalidArgument
+from shardps.v1 import shardps_pb2 as pb
+
+_VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+def _varint(n: int) -> bytes:
+    if n < 0:
+        n += 1 << 64
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _tag(field: int, wire_type: int) -> bytes:
+    return _varint((field << 3) | wire_type)
+
+
+def _len_field(field: int, parts: list) -> list:
+    size = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+    return [_tag(field, _LEN), _varint(size), *parts]
+
+
+def _tensor_parts(array: np.ndarray, dtype: int) -> list:
+    """Fields of a Tensor message (dtype, packed shape, data) around the array's own buffer."""
+    if dtype == pb.BFLOAT16:
+        data = codec.float32_to_bfloat16_bits(array)
+    else:
+        data = np.ascontiguousarray(array, dtype=codec.NP_DTYPES[dtype])
+    parts: list = []
+    if dtype:
+        parts += [_tag(1, _VARINT), _varint(dtype)]
+    if array.shape:
+        packed = b"".join(_varint(int(s)) for s in array.shape)
+        parts += [_tag(2, _LEN), _varint(len(packed)), packed]
+    if data.nbytes:
+        parts += [_tag(3, _LEN), _varint(data.nbytes), memoryview(data.reshape(-1)).cast("B")]
+    return parts
+
+
+def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int) -> bytes:
+    """A serialized PullResponse{rows, version}."""
+    parts = _len_field(1, _tensor_parts(rows, wire_dtype))
+    if version:
+        parts += [_tag(2, _VARINT), _varint(version)]
+    return b"".join(parts)
+
+
+def _string_field(field: int, s: str) -> list:
+    return _len_field(field, [s.encode()]) if s else []
+
+
+def _msg_field(field: int, msg: Optional[object]) -> list:
+    if msg is None:
+        return []
+    return _len_field(field, [msg.SerializeToString()])  # type: ignore[attr-defined]
+
+
+def encode_push(
+    name: str, grads: np.ndarray, wire_dtype: int, *, ids: Optional[np.ndarray] = None, row_start: int = 0,
+    pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
+    shard_map: Optional[pb.ShardMap] = None, sync: Optional[pb.SyncPart] = None,
+) -> bytes:
+    """A serialized PushRequest (with ``ids``) or PushDenseRequest (with ``row_start``)."""
+    parts = _string_field(1, name)
+    if ids is not None:
+        parts += _len_field(2, _tensor_parts(ids, pb.INT64))
+    elif row_start:
+        parts += [_tag(2, _VARINT), _varint(row_start)]
+    parts += _len_field(3, _tensor_parts(grads, wire_dtype))
+    if pulled_version is not None:
+        parts += [_tag(4, _VARINT), _varint(pulled_version)]
+    parts += _string_field(5, client_id)
+    if seq:
+        parts += [_tag(6, _VARINT), _varint(seq)]
+    parts += _msg_field(7, shard_map)
+    parts += _msg_field(8, sync)
+    return b"".join(parts)
+
+
+# ---- decoding -------------------------------------------------------------------------------
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise InvalidArgument("malformed message: truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise InvalidArgument("malformed message: varint too long")
+
+
+def _fields(buf: memoryview) -> list[tuple[int, int, Union[int, memoryview]]]:
+    """(field number, wire type, value) of every field; LEN values are views into ``buf``."""
+    out = []
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        field, wt = key >> 3, key & 7
+        value: Union[int, memoryview]
+        if wt == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif wt == _LEN:
+            n, pos = _read_varint(buf, pos)
+            if pos + n > end:
+                raise InvalidArgument("malformed message: field runs past the end")
+            value, pos = buf[pos : pos + n], pos + n
+        elif wt == _I64:
+            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
+        elif wt == _I32:
+            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
+        else:
+            raise InvalidArgument(f"malformed message: wire type {wt}")
+        out.append((field, wt, value))
+    if pos != end:
+        raise InvalidArgument("malformed message: trailing bytes")
+    return out
+
+
+def decode_tensor(buf: memoryview, what: str, as_float32: bool = True) -> np.ndarray:
+    """A Tensor message as a numpy view of ``buf`` (float16/bfloat16 widened to float32)."""
+    dtype, shape, data = 0, [], memoryview(b"")
+    for field, wt, value in _fields(buf):
+        if field == 1 and wt == _VARINT:
+            dtype = int(value)  # type: ignore[arg-type]
+        elif field == 2 and wt == _LEN:
+            sub, pos = value, 0  # packed
+            while pos < len(sub):  # type: ignore[arg-type]
+                v, pos = _read_varint(sub, pos)  # type: ignore[arg-type]
+                shape.append(v - (1 << 64) if v >= 1 << 63 else v)
+        elif field == 2 and wt == _VARINT:
+            shape.append(int(value))  # type: ignore[arg-type]
+        elif field == 3 and wt == _LEN:
+            data = value  # type: ignore[assignment]
+    return codec.decode_raw(dtype, shape, data, what, as_float32)
+
+
+def decode_pull_response(buf: Buffer) -> tuple[np.ndarray, int]:
+    """(rows, version) of a serialized PullResponse; rows are float32 (a view when sent as float32)."""
+    rows: Optional[np.ndarray] = None
+    version = 0
+    for field, wt, value in _fields(memoryview(buf)):
+        if field == 1 and wt == _LEN:
+            rows = decode_tensor(value, "rows")  # type: ignore[arg-type]
+        elif field == 2 and wt == _VARINT:
+            version = int(value)  # type: ignore[arg-type]
+    if rows is None:
+        rows = np.zeros((0,), np.float32)
+    return rows, version
+
+
+@dataclass
+class DecodedPush:
+    """The fields of a PushRequest or PushDenseRequest; arrays are views of the message."""
+
+    name: str = ""
+    ids: Optional[np.ndarray] = None
+    row_start: int = 0
+    grads: Optional[np.ndarray] = None
+    pulled_version: Optional[int] = None
+    client_id: str = ""
+    seq: int = 0
+    shard_map: Optional[pb.ShardMap] = None
+    sync: Optional[pb.SyncPart] = None
+
+
+def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
+    """Parse a serialized PushRequest (``dense=False``) or PushDenseRequest."""
+    out = DecodedPush()
+    try:
+        for field, wt, value in _fields(memoryview(buf)):
+            if field == 1 and wt == _LEN:
+                out.name = bytes(value).decode()  # type: ignore[arg-type]
+            elif field == 2:
+                if dense and wt == _VARINT:
+                    out.row_start = int(value)  # type: ignore[arg-type]
+                elif not dense and wt == _LEN:
+                    ids_t = value
+                    out.ids = _checked_tensor(ids_t, "ids", (pb.INT64,))  # type: ignore[arg-type]
+            elif field == 3 and wt == _LEN:
+                out.grads = _checked_tensor(value, "grads", codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
+            elif field == 4 and wt == _VARINT:
+                out.pulled_version = int(value)  # type: ignore[arg-type]
+            elif field == 5 and wt == _LEN:
+                out.client_id = bytes(value).decode()  # type: ignore[arg-type]
+            elif field == 6 and wt == _VARINT:
+                out.seq = int(value)  # type: ignore[arg-type]
+            elif field == 7 and wt == _LEN:
+                out.shard_map = pb.ShardMap.FromString(bytes(value))  # type: ignore[arg-type]
+            elif field == 8 and wt == _LEN:
+                out.sync = pb.SyncPart.FromString(bytes(value))  # type: ignore[arg-type]
+    except UnicodeDecodeError:
+        raise InvalidArgument("malformed message: invalid UTF-8 in a string field") from None
+    if not dense and out.ids is None:
+        out.ids = np.zeros(0, np.int64)
+    if out.grads is None:
+        raise InvalidArgument("grads: missing")
+    return out
+
+
+def _checked_tensor(buf: memoryview, what: str, allowed: tuple) -> np.ndarray:
+    dtype = 0
+    for field, wt, value in _fields(buf):
+        if field == 1 and wt == _VARINT:
+            dtype = int(value)  # type: ignore[arg-type]
+    if dtype not in allowed:
+        names = [codec.DTYPE_NAMES[d] for d in allowed]
+        names = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        got = codec.DTYPE_NAMES.get(dtype, dtype)
+        raise InvalidArgument(f"{what} must be {names}, got {got}" if what != "ids" else f"ids must be int64, got {got}")
+    return decode_tensor(buf, what)
