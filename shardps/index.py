@@ -23,7 +23,7 @@ class HashIndex:
     def __init__(self, capacity: int = 1024) -> None:
         cap = 1 << max(4, int(np.ceil(np.log2(max(2 * capacity, 16)))))
         self._keys = np.zeros(cap, dtype=np.int64)
-        self._vals = np.full(cap, -1, dtype=np.int64)
+        self._vals = np.full(cap, -1, dtype=np.int32)  # slots of a shard's rows fit in 31 bits
         self._mask = np.uint64(cap - 1)
         self._count = 0
 
@@ -49,7 +49,7 @@ class HashIndex:
             vals = self._vals[slots]
             occupied = vals >= 0
             hit = occupied & (self._keys[slots] == want)
-            out[pending[hit]] = vals[hit]
+            out[pending[hit]] = vals[hit]  # widened to int64 by the assignment
             go_on = occupied & ~hit
             if not go_on.any():
                 break
@@ -89,7 +89,7 @@ class HashIndex:
         while need > (cap >> 1):
             cap <<= 1
         self._keys = np.zeros(cap, dtype=np.int64)
-        self._vals = np.full(cap, -1, dtype=np.int64)
+        self._vals = np.full(cap, -1, dtype=np.int32)
         self._mask = np.uint64(cap - 1)
         self._count = 0
         if live.any():

@@ -1,0 +1,84 @@
+"""End to end: samples/s of the DLRM example trained through the shards against local training.
+
+Runs clients/examples/dlrm.py (the same model, data and optimizers) with 1 and
+2 worker processes, with and without prefetch, and the local torch.optim
+baseline, and reports samples/s and test AUC side by side with ratios.
+
+    python benchmarks/bench_e2e.py [--train 200000] [--quick]
+Writes benchmarks/results/e2e.json and e2e.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import RESULTS, Progress, plot, table, write_outputs  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DLRM = ROOT / "clients" / "examples" / "dlrm.py"
+
+
+def run(args: argparse.Namespace, workers: int, prefetch: bool, local: bool) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = pathlib.Path(d) / "r.json"
+        cmd = [sys.executable, str(DLRM), "--workers", str(workers), "--train", str(args.train), "--test", str(args.test),
+               "--rows", str(args.rows), "--batch-size", str(args.batch_size), "--shards", str(args.shards),
+               "--json", str(out)] + (["--prefetch"] if prefetch else []) + ([] if local else ["--no-local"])
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
+        return json.loads(out.read_text())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--train", type=int, default=200_000, help="training samples per run")
+    p.add_argument("--test", type=int, default=50_000, help="test samples")
+    p.add_argument("--rows", type=int, default=1_000_000, help="rows per sparse feature table")
+    p.add_argument("--batch-size", type=int, default=1024, help="samples per step per worker")
+    p.add_argument("--shards", type=int, default=2, help="shards of the local cluster")
+    p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    if args.quick:
+        args.train, args.test, args.rows = 20_000, 5_000, 50_000
+    configs = [(1, False, True), (1, True, False), (2, False, False), (2, True, False)]
+    progress = Progress(len(configs), "e2e")
+    rows, local = [], None
+    for workers, prefetch, with_local in configs:
+        r = run(args, workers, prefetch, with_local)
+        if with_local:
+            local = r["local"]
+            rows.append({"trainer": "local torch.optim", "workers": 1, "prefetch": "-",
+                         "samples_per_s": local["samples_per_s"], "auc": local["auc"], "best_auc": r["best_auc"]})
+        rows.append({"trainer": "shardps", "workers": workers, "prefetch": "yes" if prefetch else "no",
+                     "samples_per_s": r["shardps"]["samples_per_s"], "auc": r["shardps"]["auc"], "best_auc": r["best_auc"]})
+        progress.step(f"{workers} worker(s), prefetch {prefetch}")
+    assert local is not None
+    for r in rows:
+        r["x_local"] = r["samples_per_s"] / local["samples_per_s"]
+    print()
+    print(table(rows, [("trainer", "trainer", ""), ("workers", "workers", "d"), ("prefetch", "prefetch", ""),
+                       ("samples_per_s", "samples/s", ",.0f"), ("x_local", "x local", ".2f"), ("auc", "test AUC", ".4f"),
+                       ("best_auc", "best AUC", ".4f")]))
+    out = pathlib.Path(args.out)
+    write_outputs("e2e", {"args": vars(args)}, rows, out)
+    series = {}
+    for pf in ("no", "yes"):
+        pts = [r for r in rows if r["trainer"] == "shardps" and r["prefetch"] == pf]
+        series[f"shardps, prefetch {pf}"] = ([r["workers"] for r in pts], [r["samples_per_s"] for r in pts])
+    series["local torch.optim"] = ([1, 2], [local["samples_per_s"]] * 2)
+    plot(out / "e2e.png", [("DLRM samples/s", "worker processes", series)], "samples/s")
+    print(f"\nwrote {out / 'e2e.json'} and {out / 'e2e.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
