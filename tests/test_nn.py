@@ -247,3 +247,14 @@ def test_cuda_rows_and_gradients_match_cpu(table):
     ref = _reference(c, nn.EmbeddingBag, mode="mean")
     (ref(ids) * upstream).sum().backward()
     torch.testing.assert_close(_pushed_grad(c, before), ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_prefetching_many_tables_at_once_does_not_deadlock(client2):
+    """More prefetches than the client has pool threads (each fans out to every shard)."""
+    c = client2
+    for i in range(12):
+        c.create_table(f"p{i}", dim=4, num_embeddings=100)
+    batches = [torch.arange(i, i + 20) for i in range(3)]
+    for ids in Prefetcher(batches, c, lambda b: {f"p{i}": b for i in range(12)}):
+        rows = [c.pull(f"p{i}", ids) for i in range(12)]
+        assert all(r.shape == (20, 4) for r in rows)

@@ -203,17 +203,27 @@ class Client:
                 raise from_rpc_error(e, self.addresses[shard], method) from None
 
     def _fan_out(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
-        """Run calls on their shards in parallel; results in order; raises the first error."""
+        """Run calls on their shards in parallel; results in order; raises the first error.
+
+        Uses gRPC's own futures (no thread pool), so it is safe from any thread,
+        including the client's pool (prefetches); a call whose shard is
+        UNAVAILABLE is then retried through ``_call``'s backoff.
+        """
         if len(calls) == 1:
             return [self._call(*calls[0])]
-        futures = [self._pool.submit(self._call, *c) for c in calls]
+        futures = [getattr(self._stubs[s], method).future(req, timeout=self.timeout) for s, method, req in calls]
         results, first_error = [], None
-        for f in futures:
+        for (s, method, req), f in zip(calls, futures):
             try:
                 results.append(f.result())
-            except BaseException as e:  # noqa: BLE001 - re-raised below after all finished
-                first_error = first_error or e
-                results.append(None)
+            except grpc.RpcError as e:
+                try:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise from_rpc_error(e, self.addresses[s], method) from None
+                    results.append(self._call(s, method, req))
+                except ShardpsError as err:
+                    first_error = first_error or err
+                    results.append(None)
         if first_error is not None:
             raise first_error
         return results
