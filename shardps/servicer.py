@@ -154,6 +154,48 @@ class ShardServicer(pb_grpc.ShardServicer):
         return _push_response(r)
 
     @_rpc
+    def PullBatch(self, request: pb.PullBatchRequest, context: grpc.ServicerContext) -> bytes:
+        replies = []
+        for req in request.pulls:
+            self.shard.check_shard_map(req.shard_map)
+            rows, version = self.shard.pull(req.table, _ids(req.ids))
+            replies.append(wire.encode_pull_response(rows, _wire(req.wire_dtype), version))
+        dense = []
+        for dreq in request.dense:
+            self.shard.check_shard_map(dreq.shard_map)
+            rows, version = self.shard.pull_dense(dreq.name, dreq.row_start, dreq.row_end)
+            dense.append(wire.encode_pull_response(rows, _wire(dreq.wire_dtype), version))
+        return wire.encode_repeated([(1, replies), (2, dense)])
+
+    @_rpc
+    def PushBatch(self, request: bytes, context: grpc.ServicerContext) -> pb.PushBatchResponse:
+        groups = wire.decode_repeated(request)
+        entries = []
+        for field, dense in ((1, False), (2, True)):  # validate everything before applying anything
+            for view in groups.get(field, []):
+                d = wire.decode_push(view, dense=dense)
+                self.shard.check_shard_map(d.shard_map)
+                assert d.grads is not None
+                if dense:
+                    t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads)
+                else:
+                    assert d.ids is not None
+                    t, ids = self.shard.validate_push(d.name, d.ids, d.grads, _sync(d.sync)), d.ids
+                entries.append((dense, t, ids, d, view))
+        out = pb.PushBatchResponse()
+        first_error: Any = None
+        for dense, t, ids, d, view in entries:
+            try:
+                r = self.shard.apply_push(t, ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync), raw=view)
+            except (StaleUpdate, SyncStepFailed) as e:  # this entry alone is refused, as a push of its own would be
+                first_error = first_error or e
+                continue
+            (out.dense if dense else out.pushes).append(_push_response(r))
+        if first_error is not None:
+            raise first_error
+        return out
+
+    @_rpc
     def ShardInfo(self, request: pb.ShardInfoRequest, context: grpc.ServicerContext) -> pb.ShardInfoResponse:
         from shardps import __version__
 
@@ -194,6 +236,8 @@ _FAST = {
     "PullDense": (pb.PullDenseRequest.FromString, _identity),
     "Push": (_identity, pb.PushResponse.SerializeToString),
     "PushDense": (_identity, pb.PushResponse.SerializeToString),
+    "PullBatch": (pb.PullBatchRequest.FromString, _identity),
+    "PushBatch": (_identity, pb.PushBatchResponse.SerializeToString),
 }
 
 

@@ -330,13 +330,18 @@ class Shard:
         For a table with a SyncPolicy, ``sync`` is required and the call
         returns once the step it belongs to is applied (or failed).
         """
+        t = self.validate_push(name, ids, grads, sync)
+        return self.apply_push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
+
+    def validate_push(self, name: str, ids: np.ndarray, grads: np.ndarray, sync: Optional[SyncPart] = None) -> Table:
+        """Check a row push without applying it; returns its table."""
         t = self._table(name, dense=False)
         if sync is None or ids.size:  # a synchronous worker may contribute nothing to a step
             t.check_ids(ids)
         elif ids.ndim != 1:
             raise InvalidArgument(f"{name}: ids must be 1-D, got shape {list(ids.shape)}")
         t.check_grads(ids, grads)
-        return self._push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
+        return t
 
     def _push_record(self, t: Table, ids: np.ndarray, grads: np.ndarray, client_id: str, seq: int,
                      as_rows: bool = False) -> tuple[int, bytes]:
@@ -351,10 +356,11 @@ class Shard:
                               client_id=client_id, seq=seq)
         return wal_mod.PUSH, req2.SerializeToString()
 
-    def _push(
+    def apply_push(
         self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], client_id: str, seq: int,
-        sync: Optional[SyncPart] = None, raw: Optional[bytes] = None,
+        sync: Optional[SyncPart] = None, raw: Optional[Any] = None,
     ) -> PushResult:
+        """Apply a validated push (``validate_push`` / ``validate_push_dense``)."""
         policy = t.spec.sync
         if policy is not None and sync is None:
             raise InvalidArgument(f"{t.spec.name} is synchronous: pushes must carry a step and rank")
@@ -368,7 +374,7 @@ class Shard:
             if sync is not None:
                 return self._push_sync(t, ids, grads, sync)
             if raw is not None and self._wal is not None:
-                kind, record = (wal_mod.PUSH_DENSE if t.is_dense else wal_mod.PUSH), raw
+                kind, record = (wal_mod.PUSH_DENSE if t.is_dense else wal_mod.PUSH), bytes(raw)
             else:
                 kind, record = self._push_record(t, ids, grads, client_id, seq)
             version, staleness = self._apply_update(t, ids, grads, pulled_version, kind, record)
@@ -529,12 +535,17 @@ class Shard:
         pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
         sync: Optional[SyncPart] = None, raw: Optional[bytes] = None,
     ) -> PushResult:
+        t, ids = self.validate_push_dense(name, row_start, grads)
+        return self.apply_push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
+
+    def validate_push_dense(self, name: str, row_start: int, grads: np.ndarray) -> tuple[Table, np.ndarray]:
+        """Check a dense push without applying it; returns its table and row ids."""
         t = self._table(name, dense=True)
         if grads.ndim != 2:
             raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
         ids = self._dense_rows(t, row_start, row_start + grads.shape[0])
         t.check_grads(ids, grads)
-        return self._push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
+        return t, ids
 
     # ---- info ------------------------------------------------------------------------
 

@@ -242,3 +242,21 @@ def _checked_tensor(buf: memoryview, what: str, allowed: tuple) -> np.ndarray:
         got = codec.DTYPE_NAMES.get(dtype, dtype)
         raise InvalidArgument(f"{what} must be {names}, got {got}" if what != "ids" else f"ids must be int64, got {got}")
     return decode_tensor(buf, what)
+
+
+def encode_repeated(groups: list[tuple[int, list[bytes]]]) -> bytes:
+    """A message of repeated length-delimited fields: [(field, [serialized message, ...]), ...]."""
+    parts: list = []
+    for field, items in groups:
+        for item in items:
+            parts += _len_field(field, [item])
+    return b"".join(parts)
+
+
+def decode_repeated(buf: Buffer) -> dict[int, list[memoryview]]:
+    """Views of the length-delimited fields of a message, by field number (in order)."""
+    out: dict[int, list[memoryview]] = {}
+    for field, wt, value in _fields(memoryview(buf)):
+        if wt == _LEN:
+            out.setdefault(field, []).append(value)  # type: ignore[arg-type]
+    return out

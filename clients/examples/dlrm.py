@@ -149,9 +149,11 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
         embs = [RemoteEmbedding(client, table_name(f) + f".{args.mode}") for f in range(NUM_SPARSE)]
         model = DLRM(embs, args.dim)
         opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.", sync=sync)
-        data = batches(ids, dense, labels, args.batch_size)
-        if args.prefetch:
-            data = Prefetcher(data, client, lambda b: {table_name(f) + f".{args.mode}": b[0][:, f] for f in range(NUM_SPARSE)})
+        # All 8 tables' rows of a batch are pulled in one round trip per shard; with --prefetch,
+        # while the previous batch trains.
+        data = Prefetcher(batches(ids, dense, labels, args.batch_size), client,
+                          lambda b: {table_name(f) + f".{args.mode}": b[0][:, f] for f in range(NUM_SPARSE)},
+                          depth=1 if args.prefetch else 0)
         steps = (len(labels) + args.batch_size - 1) // args.batch_size
         progress = Progress(steps, f"shardps rank {rank}", enabled=rank == 0)
         t0 = time.perf_counter()

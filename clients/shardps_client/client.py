@@ -88,7 +88,7 @@ class Client:
         retry_timeout: how long calls keep retrying a shard that is UNAVAILABLE
             (restarting, not yet up) before raising ShardUnavailableError.
         wire_dtype: "float32", "float16" or "bfloat16" for rows and gradients on
-            the wire (shards always store float32).
+            the wire_code (shards always store float32).
         max_message_bytes: requests and replies are split to stay below this
             (keep it under the shards' --max-message-mb).
         max_inflight_pushes: asynchronous pushes in flight before push() blocks.
@@ -154,6 +154,10 @@ class Client:
         self._inflight = threading.BoundedSemaphore(max_inflight_pushes)
         self._errors: list[BaseException] = []
         self._closed = False
+        #: When True, push() and push_dense() queue their requests until send_pushes() (or flush(),
+        #: or a pull that must see them), which sends one PushBatch per shard. ShardedOptimizer sets it.
+        self.defer_pushes = False
+        self._deferred: list[tuple[str, list[tuple[int, str, Any]]]] = []
         self.rank = rank if rank is not None else _env_int("RANK")
         self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
         if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
@@ -367,8 +371,8 @@ class Client:
                     f"{spec.name}: id {lo if lo < 0 else hi} out of range [0, {spec.num_embeddings})"
                 )
 
-    def _rows_per_message(self, dim: int, wire: int) -> int:
-        return max(1, self.max_message_bytes // (dim * _WIRE_BYTES[wire] + 8))
+    def _rows_per_message(self, dim: int, wire_code: int) -> int:
+        return max(1, self.max_message_bytes // (dim * _WIRE_BYTES[wire_code] + 8))
 
     def pull(self, table: str, ids: IdsLike, device: Any = None, wire_dtype: Optional[str] = None) -> torch.Tensor:
         """Rows of ``ids`` (any shape): float32 tensor of shape ids.shape + (dim,)."""
@@ -381,7 +385,7 @@ class Client:
         spec = self.table_spec(table)
         ids_np = _ids_to_numpy(ids)
         self._check_ids(spec, ids_np)
-        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         self._ssp_wait()
         if self.read_your_writes:
             self._wait_pending(table)
@@ -390,7 +394,7 @@ class Client:
             uniq, inverse = flat, None
         else:
             uniq, inverse = np.unique(flat, return_inverse=True)
-        rows, versions = self._take_prefetched(table, uniq, wire) or self._pull_unique(spec, uniq, wire)
+        rows, versions = self._take_prefetched(table, uniq, wire_code) or self._pull_unique(spec, uniq, wire_code)
         if inverse is not None:
             rows = rows[inverse.reshape(-1)]
         out = torch.from_numpy(rows.reshape(ids_np.shape + (spec.dim,)))
@@ -406,21 +410,11 @@ class Client:
         prefetched rows instead of pulling again. Prefetches do not wait for
         this client's pending pushes.
         """
-        spec = self.table_spec(table)
-        ids_np = _ids_to_numpy(ids)
-        self._check_ids(spec, ids_np)
-        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
-        uniq = np.unique(ids_np.reshape(-1))
-        future = self._pool.submit(self._pull_unique, spec, uniq, wire)
-        with self._pending_lock:
-            self._prefetched[(table, hash(uniq.tobytes()), wire)] = (uniq, future)
-            while len(self._prefetched) > 64:
-                self._prefetched.pop(next(iter(self._prefetched)))
-        return future
+        return self.prefetch_many({table: ids}, wire_dtype)
 
-    def _take_prefetched(self, table: str, uniq: np.ndarray, wire: int) -> Optional[tuple[np.ndarray, Versions]]:
+    def _take_prefetched(self, table: str, uniq: np.ndarray, wire_code: int) -> Optional[tuple[np.ndarray, Versions]]:
         with self._pending_lock:
-            entry = self._prefetched.pop((table, hash(uniq.tobytes()), wire), None)
+            entry = self._prefetched.pop((table, hash(uniq.tobytes()), wire_code), None)
         if entry is None or not np.array_equal(entry[0], uniq):
             return None
         try:
@@ -429,24 +423,115 @@ class Client:
             log.warning("prefetch of %s failed (%s); pulling again", table, e)
             return None
 
-    def _pull_unique(self, spec: TableSpec, uniq: np.ndarray, wire: int) -> tuple[np.ndarray, Versions]:
-        order, bounds = split_by_shard(uniq, self.num_shards)
-        step = self._rows_per_message(spec.dim, wire)
-        calls, slices = [], []
-        for s in range(self.num_shards):
-            idx = order[bounds[s] : bounds[s + 1]]
-            for start in range(0, idx.shape[0], step):
-                part = idx[start : start + step]
-                req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire, shard_map=self._map(s))
-                calls.append((s, "Pull", req))
-                slices.append(part)
-        replies = self._fan_out(calls)
-        rows = np.empty((uniq.shape[0], spec.dim), dtype=np.float32)
-        versions: dict[int, int] = {}
-        for (s, _, _), part, (block, version) in zip(calls, slices, replies):
-            rows[part] = block
-            versions[s] = min(version, versions.get(s, version))
-        return rows, Versions(versions)
+    def _pull_unique(self, spec: TableSpec, uniq: np.ndarray, wire_dtype: int) -> tuple[np.ndarray, Versions]:
+        return self._pull_unique_many([(spec, uniq)], wire_dtype)[0]
+
+    def _pull_unique_many(
+        self, items: list[tuple[TableSpec, np.ndarray]], wire_dtype: int
+    ) -> list[tuple[np.ndarray, Versions]]:
+        """Rows of sorted unique ids of several tables: one call per shard (more if over the size limit)."""
+        outs = [np.empty((u.shape[0], spec.dim), dtype=np.float32) for spec, u in items]
+        versions: list[dict[int, int]] = [{} for _ in items]
+        per_shard: list[list[tuple[int, np.ndarray, pb.PullRequest, int]]] = [[] for _ in range(self.num_shards)]
+        for k, (spec, uniq) in enumerate(items):
+            order, bounds = split_by_shard(uniq, self.num_shards)
+            step = self._rows_per_message(spec.dim, wire_dtype)
+            for s in range(self.num_shards):
+                idx = order[bounds[s] : bounds[s + 1]]
+                for start in range(0, idx.shape[0], step):
+                    part = idx[start : start + step]
+                    req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire_dtype,
+                                         shard_map=self._map(s))
+                    per_shard[s].append((k, part, req, len(part) * (spec.dim * _WIRE_BYTES[wire_dtype] + 8)))
+        calls, metas = self._batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs))
+        for (s, method, _), meta, reply in zip(calls, metas, self._fan_out(calls)):
+            blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(1, [])]
+            for (k, part), (rows, version) in zip(meta, blocks):
+                outs[k][part] = rows
+                versions[k][s] = min(version, versions[k].get(s, version))
+        return [(o, Versions(v)) for o, v in zip(outs, versions)]
+
+    def _batches(self, per_shard: list[list[tuple]], single: str, make_batch) -> tuple[list, list]:
+        """Group each shard's requests into calls below the message limit.
+
+        A shard with one request gets the plain RPC (``single``); more go in
+        PullBatch calls. Returns the calls and, per call, the (key, part) of each entry.
+        """
+        calls: list[tuple[int, str, Any]] = []
+        metas: list[list[tuple[int, Any]]] = []
+        for s, entries in enumerate(per_shard):
+            if len(entries) == 1:
+                k, part, req, _ = entries[0]
+                calls.append((s, single, req))
+                metas.append([(k, part)])
+                continue
+            group: list = []
+            size = 0
+            for entry in entries + [None]:
+                if group and (entry is None or size + entry[3] > self.max_message_bytes):
+                    calls.append((s, "PullBatch", make_batch([e[2] for e in group])))
+                    metas.append([(e[0], e[1]) for e in group])
+                    group, size = [], 0
+                if entry is not None:
+                    group.append(entry)
+                    size += entry[3]
+        return calls, metas
+
+    def pull_many(
+        self, requests: "dict[str, IdsLike]", device: Any = None, wire_dtype: Optional[str] = None
+    ) -> dict[str, tuple[torch.Tensor, Versions]]:
+        """Rows of several tables in one round trip per shard: ``{table: (rows, versions)}``."""
+        wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        self._ssp_wait()
+        prepared = {}
+        for table, ids in requests.items():
+            spec = self.table_spec(table)
+            ids_np = _ids_to_numpy(ids)
+            self._check_ids(spec, ids_np)
+            if self.read_your_writes:
+                self._wait_pending(table)
+            flat = ids_np.reshape(-1)
+            if flat.shape[0] < 2 or bool(np.all(flat[1:] > flat[:-1])):
+                prepared[table] = (spec, ids_np.shape, flat, None)
+            else:
+                uniq, inverse = np.unique(flat, return_inverse=True)
+                prepared[table] = (spec, ids_np.shape, uniq, inverse)
+        results = self._pull_unique_many([(p[0], p[2]) for p in prepared.values()], wire_code)
+        out = {}
+        for (table, (spec, shape, _, inverse)), (rows, versions) in zip(prepared.items(), results):
+            if inverse is not None:
+                rows = rows[inverse.reshape(-1)]
+            t = torch.from_numpy(rows.reshape(shape + (spec.dim,)))
+            out[table] = ((t.to(device, non_blocking=True) if device is not None else t), versions)
+        return out
+
+    def prefetch_many(self, requests: "dict[str, IdsLike]", wire_dtype: Optional[str] = None) -> Future:
+        """Start pulling rows of several tables in one round trip per shard (see ``prefetch``)."""
+        wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        items, futures = [], []
+        for table, ids in requests.items():
+            spec = self.table_spec(table)
+            ids_np = _ids_to_numpy(ids)
+            self._check_ids(spec, ids_np)
+            uniq = np.unique(ids_np.reshape(-1))
+            items.append((spec, uniq))
+            f: Future = Future()
+            futures.append(f)
+            with self._pending_lock:
+                self._prefetched[(table, hash(uniq.tobytes()), wire_code)] = (uniq, f)
+                while len(self._prefetched) > 256:
+                    self._prefetched.pop(next(iter(self._prefetched)))
+
+        def run() -> None:
+            try:
+                for f, r in zip(futures, self._pull_unique_many(items, wire_code)):
+                    f.set_result(r)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever takes the prefetch
+                for f in futures:
+                    if not f.done():
+                        f.set_exception(e)
+
+        return self._pool.submit(run)
 
     def push(
         self,
@@ -494,7 +579,7 @@ class Client:
                     sync=pb.SyncPart(step=sync_step, rank=self.rank or 0, part=k, parts=len(starts)) if sync_step else None,
                 )
                 calls.append((s, "Push", req))
-        self._submit_pushes(table, calls, wait)
+        self._dispatch(table, calls, wait)
 
     def _next_sync_step(self, key: str) -> int:
         if self.rank is None:
@@ -504,9 +589,49 @@ class Client:
         self._sync_steps[key] = self._sync_steps.get(key, 0) + 1
         return self._sync_steps[key]
 
-    def _submit_pushes(self, key: str, calls: list[tuple[int, str, Any]], wait: bool) -> None:
+    def _dispatch(self, key: str, calls: list[tuple[int, str, Any]], wait: bool) -> None:
+        if self.defer_pushes and not wait:
+            with self._pending_lock:
+                self._deferred.append((key, calls))
+            return
+        if self._deferred:
+            self.send_pushes()  # keep this client's pushes in order
+        self._submit_pushes([([key], call) for call in calls], wait)
+
+    def send_pushes(self) -> None:
+        """Send the queued pushes (``defer_pushes``): one PushBatch per shard (or a few, below the size limit)."""
+        with self._pending_lock:
+            deferred, self._deferred = self._deferred, []
+        if not deferred:
+            return
+        per_shard: list[list[tuple[str, str, bytes]]] = [[] for _ in range(self.num_shards)]
+        for key, calls in deferred:
+            for s, method, req in calls:
+                per_shard[s].append((key, method, req))
+        work: list[tuple[list[str], tuple[int, str, Any]]] = []
+        for s, entries in enumerate(per_shard):
+            if len(entries) == 1:
+                key, method, req = entries[0]
+                work.append(([key], (s, method, req)))
+                continue
+            group: list[tuple[str, str, bytes]] = []
+            size = 0
+            for entry in entries + [None]:  # type: ignore[list-item]
+                if group and (entry is None or size + len(entry[2]) > self.max_message_bytes):
+                    rows = [g for g in group if g[1] == "Push"]
+                    dense = [g for g in group if g[1] == "PushDense"]
+                    body = wire.encode_repeated([(1, [g[2] for g in rows]), (2, [g[2] for g in dense])])
+                    work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
+                    group, size = [], 0
+                if entry is not None:
+                    group.append(entry)
+                    size += len(entry[2])
+        self._submit_pushes(work, wait=False)
+
+    def _submit_pushes(self, work: list[tuple[list[str], tuple[int, str, Any]]], wait: bool) -> None:
+        """Send each call on its shard's push lane; ``keys`` are the tables (in entry order) it carries."""
         futures = []
-        for call in calls:
+        for keys, call in work:
             self._inflight.acquire()
             try:
                 f = self._push_lanes[call[0]].submit(self._call, *call)
@@ -514,31 +639,39 @@ class Client:
                 self._inflight.release()
                 raise
             f.waited = wait  # type: ignore[attr-defined]  # errors of waited pushes go to the caller, not flush()
+            f.keys = keys  # type: ignore[attr-defined]
             with self._pending_lock:
-                self._pending.setdefault(key, set()).add(f)
-            f.add_done_callback(lambda f, key=key: self._push_done(key, f))
+                for key in set(keys):
+                    self._pending.setdefault(key, set()).add(f)
+            f.add_done_callback(self._push_done)
             futures.append(f)
         if wait:
             for f in futures:
                 f.result()
 
-    def _push_done(self, key: str, f: Future) -> None:
+    def _push_done(self, f: Future) -> None:
         self._inflight.release()
+        keys: list[str] = f.keys  # type: ignore[attr-defined]
         with self._pending_lock:
-            self._pending.get(key, set()).discard(f)
+            for key in set(keys):
+                self._pending.get(key, set()).discard(f)
             if f.exception() is not None:
                 if not f.waited:  # type: ignore[attr-defined]
                     self._errors.append(f.exception())  # type: ignore[arg-type]
                 return
         reply = f.result()
-        if reply.late or reply.missing_ranks:
-            self.sync_reports.append((key, list(reply.missing_ranks), reply.late))
-            if reply.late:
-                log.warning("push to %s arrived after its synchronous step was applied; dropped", key)
-            else:
-                log.warning("synchronous step of %s applied without ranks %s (stragglers)", key, list(reply.missing_ranks))
+        replies = list(reply.pushes) + list(reply.dense) if isinstance(reply, pb.PushBatchResponse) else [reply]
+        for key, r in zip(keys, replies):
+            if r.late or r.missing_ranks:
+                self.sync_reports.append((key, list(r.missing_ranks), r.late))
+                if r.late:
+                    log.warning("push to %s arrived after its synchronous step was applied; dropped", key)
+                else:
+                    log.warning("synchronous step of %s applied without ranks %s (stragglers)", key, list(r.missing_ranks))
 
     def _wait_pending(self, key: Optional[str] = None) -> None:
+        if self._deferred:
+            self.send_pushes()
         with self._pending_lock:
             if key is None:
                 waiting = [f for fs in self._pending.values() for f in fs]
@@ -606,8 +739,8 @@ class Client:
         self._dense[name] = spec
         return any(r.created for r in results)
 
-    def _dense_pieces(self, spec: DenseSpec, wire: int) -> Iterable[tuple[int, int, int]]:
-        step = self._rows_per_message(spec.cols, wire)
+    def _dense_pieces(self, spec: DenseSpec, wire_code: int) -> Iterable[tuple[int, int, int]]:
+        step = self._rows_per_message(spec.cols, wire_code)
         for s, start, end in dense_row_ranges(spec.name, spec.rows, spec.chunk_rows, self.num_shards):
             for a in range(start, end, step):
                 yield s, a, min(a + step, end)
@@ -632,25 +765,26 @@ class Client:
         self, names: Sequence[str], wire_dtype: Optional[str] = None
     ) -> dict[str, tuple[torch.Tensor, Versions]]:
         """Several dense tensors in one parallel fan-out: ``{name: (value, versions)}``."""
-        wire = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
+        wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         self._ssp_wait()
         specs = {name: self.dense_spec(name) for name in names}
         if self.read_your_writes:
             for name in names:
                 self._wait_pending(name)
-        calls, where = [], []
+        per_shard: list[list[tuple]] = [[] for _ in range(self.num_shards)]
         for name, spec in specs.items():
-            for s, a, b in self._dense_pieces(spec, wire):
-                req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire, shard_map=self._map(s))
-                calls.append((s, "PullDense", req))
-                where.append((name, s, a, b))
-        replies = self._fan_out(calls) if calls else []
+            for s, a, b in self._dense_pieces(spec, wire_code):
+                req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire_code, shard_map=self._map(s))
+                per_shard[s].append((name, (a, b), req, (b - a) * spec.cols * _WIRE_BYTES[wire_code]))
+        calls, metas = self._batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs))
         outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
         versions: dict[str, dict[int, int]] = {name: {} for name in specs}
-        for (name, s, a, b), (block, version) in zip(where, replies):
-            outs[name][a:b] = block
-            v = versions[name]
-            v[s] = min(version, v.get(s, version))
+        for (s, method, _), meta, reply in zip(calls, metas, self._fan_out(calls) if calls else []):
+            blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(2, [])]
+            for (name, (a, b)), (block, version) in zip(meta, blocks):
+                outs[name][a:b] = block
+                v = versions[name]
+                v[s] = min(version, v.get(s, version))
         return {
             name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
             for name, spec in specs.items()
@@ -687,7 +821,7 @@ class Client:
             )
             seen[s] += 1
             calls.append((s, "PushDense", req))
-        self._submit_pushes(name, calls, wait)
+        self._dispatch(name, calls, wait)
 
     # ---- cluster operations ----------------------------------------------------------
 
@@ -751,7 +885,7 @@ def _identity(x: Any) -> Any:
 
 
 class _Stub:
-    """The generated stub, with wire-level (de)serializers for the bulk methods (see shardps.wire)."""
+    """The generated stub, with wire_code-level (de)serializers for the bulk methods (see shardps.wire)."""
 
     def __init__(self, channel: grpc.Channel) -> None:
         generated = pb_grpc.ShardStub(channel)
@@ -763,6 +897,11 @@ class _Stub:
         for name in ("Push", "PushDense"):
             setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=_identity,
                                                     response_deserializer=pb.PushResponse.FromString))
+        self.PullBatch = channel.unary_unary("/shardps.v1.Shard/PullBatch",
+                                             request_serializer=pb.PullBatchRequest.SerializeToString,
+                                             response_deserializer=wire.decode_repeated)
+        self.PushBatch = channel.unary_unary("/shardps.v1.Shard/PushBatch", request_serializer=_identity,
+                                             response_deserializer=pb.PushBatchResponse.FromString)
 
 
 def _env_int(name: str) -> Optional[int]:

@@ -18,7 +18,8 @@ class Prefetcher:
         loader: yields batches.
         client: a connected ``Client``.
         ids_fn: maps a batch to ``{table: ids}``: the ids the model will look up.
-        depth: batches pulled ahead (1 hides one step of pull latency).
+        depth: batches pulled ahead (1 hides one step of pull latency; 0 pulls each
+            batch's rows just before it is yielded, all tables in one round trip per shard).
 
     ``RemoteEmbedding`` modules then find their rows already pulled: the client
     hands out a prefetched pull when the same table and unique ids are asked for.
@@ -30,14 +31,14 @@ class Prefetcher:
         self.loader = loader
         self.client = client
         self.ids_fn = ids_fn
-        self.depth = max(1, depth)
+        self.depth = max(0, depth)
 
     def __iter__(self) -> Iterator[Any]:
-        it = iter(self.loader)
         queue: list[Any] = []
-        for batch in it:
-            for table, ids in self.ids_fn(batch).items():
-                self.client.prefetch(table, ids)
+        for batch in iter(self.loader):
+            pending = self.client.prefetch_many(dict(self.ids_fn(batch)))
+            if self.depth == 0:
+                pending.result()
             queue.append(batch)
             if len(queue) > self.depth:
                 yield queue.pop(0)

@@ -50,6 +50,9 @@ class ShardedOptimizer:
         chunk_bytes: int = 1 * MiB,
     ) -> None:
         self.client = client
+        # Pushes of a step (embedding rows from backward hooks, dense gradients) go out
+        # together at step(): one PushBatch per shard instead of one call per tensor.
+        client.defer_pushes = True
         named = list(params.named_parameters() if isinstance(params, nn.Module) else params)
         self.params = {prefix + name: p for name, p in named if p.requires_grad}
         self._versions: dict[str, Versions] = {}
@@ -77,10 +80,11 @@ class ShardedOptimizer:
         self.pull()
 
     def step(self) -> None:
-        """Push dense gradients (asynchronously) and advance this worker's clock."""
+        """Send this step's gradients (asynchronously, one batch per shard) and advance the clock."""
         for name, p in self.params.items():
             if p.grad is not None:
                 self.client.push_dense(name, p.grad, versions=self._versions.get(name))
+        self.client.send_pushes()
         self.client.advance_clock()
 
     def flush(self) -> None:

@@ -394,6 +394,38 @@ class PushDenseRequest(_message.Message):
     sync: SyncPart
     def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ...) -> None: ...
 
+class PullBatchRequest(_message.Message):
+    __slots__ = ("pulls", "dense")
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    dense: _containers.RepeatedCompositeFieldContainer[PullDenseRequest]
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PullDenseRequest, _Mapping]]] = ...) -> None: ...
+
+class PullBatchResponse(_message.Message):
+    __slots__ = ("pulls", "dense")
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    pulls: _containers.RepeatedCompositeFieldContainer[PullResponse]
+    dense: _containers.RepeatedCompositeFieldContainer[PullResponse]
+    def __init__(self, pulls: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
+
+class PushBatchRequest(_message.Message):
+    __slots__ = ("pushes", "dense")
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[PushRequest]
+    dense: _containers.RepeatedCompositeFieldContainer[PushDenseRequest]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushDenseRequest, _Mapping]]] = ...) -> None: ...
+
+class PushBatchResponse(_message.Message):
+    __slots__ = ("pushes", "dense")
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    pushes: _containers.RepeatedCompositeFieldContainer[PushResponse]
+    dense: _containers.RepeatedCompositeFieldContainer[PushResponse]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ...) -> None: ...
+
 class ShardInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

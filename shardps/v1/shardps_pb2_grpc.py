@@ -75,6 +75,16 @@ class ShardStub:
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.PushDenseRequest.SerializeToString,
                 response_deserializer=shardps_dot_v1_dot_shardps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PullBatch = channel.unary_unary(
+                '/shardps.v1.Shard/PullBatch',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.PullBatchRequest.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.PullBatchResponse.FromString,
+                _registered_method=True)
+        self.PushBatch = channel.unary_unary(
+                '/shardps.v1.Shard/PushBatch',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.PushBatchRequest.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.PushBatchResponse.FromString,
+                _registered_method=True)
         self.ShardInfo = channel.unary_unary(
                 '/shardps.v1.Shard/ShardInfo',
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.ShardInfoRequest.SerializeToString,
@@ -152,6 +162,20 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBatch(self, request, context):
+        """Several pulls in one call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushBatch(self, request, context):
+        """Several pushes in one call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ShardInfo(self, request, context):
         """Identity, version, contents and counters.
         """
@@ -215,6 +239,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.PushDense,
                     request_deserializer=shardps_dot_v1_dot_shardps__pb2.PushDenseRequest.FromString,
                     response_serializer=shardps_dot_v1_dot_shardps__pb2.PushResponse.SerializeToString,
+            ),
+            'PullBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBatch,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.PullBatchRequest.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.PullBatchResponse.SerializeToString,
+            ),
+            'PushBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushBatch,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.PushBatchRequest.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.PushBatchResponse.SerializeToString,
             ),
             'ShardInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ShardInfo,
@@ -449,6 +483,60 @@ class Shard:
             '/shardps.v1.Shard/PushDense',
             shardps_dot_v1_dot_shardps__pb2.PushDenseRequest.SerializeToString,
             shardps_dot_v1_dot_shardps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/PullBatch',
+            shardps_dot_v1_dot_shardps__pb2.PullBatchRequest.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.PullBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/PushBatch',
+            shardps_dot_v1_dot_shardps__pb2.PushBatchRequest.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.PushBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

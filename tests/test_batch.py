@@ -1,0 +1,81 @@
+"""PullBatch / PushBatch: several tables per call, all-or-nothing validation, order, exactly-once."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from shardps import codec, wire
+from shardps.routing import shard_of_ids
+from shardps.specs import Initializer
+from shardps.v1 import shardps_pb2 as pb
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
+from shardps_client import SGD, Adam, Client
+
+
+def test_pull_many_equals_single_pulls(client2):
+    c = client2
+    c.create_table("a", dim=3, num_embeddings=1000)
+    c.create_table("b", dim=5)
+    c.register_dense("d1", torch.randn(4, 3))
+    c.register_dense("d2", torch.randn(300, 20), chunk_bytes=4096)
+    req = {"a": torch.tensor([[5, 1, 5], [999, 0, 1]]), "b": torch.tensor([10**12, -3, 7, -3])}
+    many = c.pull_many(req)
+    for table, ids in req.items():
+        torch.testing.assert_close(many[table][0], c.pull(table, ids), rtol=0, atol=0)
+    dense = c.pull_dense_many(["d1", "d2"])
+    assert dense["d2"][0].shape == (300, 20)
+    torch.testing.assert_close(dense["d1"][0], c.pull_dense("d1")[0], rtol=0, atol=0)
+
+
+def test_push_batch_validates_every_entry_before_applying_any(cluster2, client2):
+    c = client2
+    c.create_table("t", dim=2, num_embeddings=100, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    stub = pb_grpc.ShardStub(grpc.insecure_channel(cluster2[0].address))
+    ids = np.arange(100)[shard_of_ids(np.arange(100), 2) == 0][:3]
+    smap = pb.ShardMap(shard_index=0, num_shards=2)
+    good = wire.encode_push("t", np.ones((3, 2), np.float32), pb.FLOAT32, ids=ids, shard_map=smap)
+    bad_grads = np.ones((3, 2), np.float32)
+    bad_grads[1, 1] = np.nan
+    bad = wire.encode_push("t", bad_grads, pb.FLOAT32, ids=ids, shard_map=smap)
+    body = wire.encode_repeated([(1, [good, bad])])
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PushBatch(pb.PushBatchRequest.FromString(body))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN or Inf" in e.value.details()
+    torch.testing.assert_close(c.pull("t", torch.from_numpy(ids)), torch.zeros(3, 2))  # the good entry was not applied
+    reply = stub.PushBatch(pb.PushBatchRequest.FromString(wire.encode_repeated([(1, [good, good])])))
+    assert len(reply.pushes) == 2
+    torch.testing.assert_close(c.pull("t", torch.from_numpy(ids)), torch.full((3, 2), -2.0))
+
+
+def test_deferred_pushes_keep_order_and_apply_once(client2):
+    c = client2
+    w0 = torch.randn(5, 4)
+    c.register_dense("w", w0, optimizer=Adam(lr=0.1))
+    c.create_table("e", dim=4, num_embeddings=50, optimizer=Adam(lr=0.1), initializer=Initializer("zeros"))
+    ref_w = torch.nn.Parameter(w0.clone())
+    ref_e = torch.nn.Parameter(torch.zeros(50, 4))
+    opt = torch.optim.Adam([ref_w, ref_e], lr=0.1)
+    c.defer_pushes = True
+    for step in range(8):
+        g = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        c.push_dense("w", g)
+        c.push("e", torch.arange(50), g.repeat(10, 1))
+        ref_w.grad, ref_e.grad = g, g.repeat(10, 1)
+        opt.step()
+        if step % 3 == 2:
+            c.send_pushes()  # several steps may queue up before they are sent
+    c.flush()
+    torch.testing.assert_close(c.pull_dense("w")[0], ref_w.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c.pull("e", torch.arange(50)), ref_e.detach(), rtol=1e-5, atol=1e-5)
+    assert sum(i.stats.pushes for i in c.shard_info()) == 8 * (1 + 2)  # one dense piece + a row push per shard
+
+
+def test_read_your_writes_sends_deferred_pushes_first(client2):
+    c = client2
+    c.create_table("r", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    c.defer_pushes = True
+    c.push("r", torch.arange(10), torch.ones(10, 2))
+    torch.testing.assert_close(c.pull("r", torch.arange(10)), -torch.ones(10, 2))
