@@ -276,3 +276,15 @@ def test_killed_trainer_does_not_disturb_async_training_of_others(tmp_path):
         for j in jobs:
             j.kill()
         shard.kill()
+
+
+def test_periodic_checkpoints_are_written(tmp_path):
+    config = ShardConfig(0, 1, data_dir=str(tmp_path))
+    with ShardServer(config, ServerConfig(checkpoint_interval_s=0.2)).start() as server, Client([server.address]) as c:
+        _counter_table(c)
+        c.push("cnt", torch.arange(64), torch.ones(64, 4), wait=True)
+        deadline = time.monotonic() + 10
+        while len(list(tmp_path.glob("*.ckpt"))) < 2:  # the newest and the previous one are kept
+            assert time.monotonic() < deadline, "no periodic checkpoint"
+            time.sleep(0.05)
+    assert Shard(config).version >= 1

@@ -70,3 +70,14 @@ def test_cli_rejects_bad_configuration(tmp_path):
         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
     )
     assert out.returncode != 0 and "--shard-index and --num-shards are required" in out.stderr
+
+
+def test_server_package_never_imports_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, shardps.server, shardps.cli, shardps.launcher, shardps.reshard, shardps.stats, shardps.wire; "
+        "assert 'torch' not in sys.modules, 'the server imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
