@@ -30,6 +30,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check shardps clients tests benchmarks protos
 	$(BIN)/mypy shardps clients/shardps_client
 
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q '.[bench]'
+	$(BIN)/python benchmarks/bench_throughput.py
+	$(BIN)/python benchmarks/bench_parts.py
+	$(BIN)/python benchmarks/bench_durability.py
+	$(BIN)/python benchmarks/bench_e2e.py
+
 codegen: $(STAMP)
 	$(BIN)/python protos/codegen.py
 

@@ -1,0 +1,29 @@
+"""Every benchmark runs (short --quick mode), prints its table and writes JSON and a PNG. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytest.importorskip("matplotlib")
+
+
+@pytest.mark.parametrize("script,name,extra", [
+    ("bench_throughput.py", "throughput", ["--backends", "shardps", "torch_rpc", "in_process", "--shards", "1"]),
+    ("bench_parts.py", "parts", []),
+    ("bench_durability.py", "durability", []),
+])
+def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, extra):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(tmp_path), *extra],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "FAILED" not in out.stderr, out.stderr[-3000:]
+    data = json.loads((tmp_path / f"{name}.json").read_text())
+    assert data["results"] and all("error" not in r for r in data["results"])
+    assert (tmp_path / f"{name}.png").stat().st_size > 1000
+    assert "----" in out.stdout  # the table
