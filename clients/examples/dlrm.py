@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from typing import Iterator, Optional
 
 import numpy as np
@@ -180,6 +181,7 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
 
 def train_local(args: argparse.Namespace) -> dict:
     """The same model and data, one process, torch.optim (the baseline)."""
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")  # torch's sparse Adagrad, harmless
     torch.manual_seed(args.seed)
     torch.set_num_threads(os.cpu_count() or 1)
     embs = [nn.Embedding(args.rows, args.dim, sparse=True) for _ in range(NUM_SPARSE)]
