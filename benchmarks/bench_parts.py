@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import RESULTS, Progress, plot, rss_bytes, table, write_outputs  # noqa: E402
-
 from shardps.index import DirectIndex, HashIndex  # noqa: E402
 from shardps.optim import SGD, Adagrad, Adam  # noqa: E402
 from shardps.specs import Initializer, TableSpec  # noqa: E402
@@ -107,8 +106,9 @@ def gather_and_apply(args: argparse.Namespace) -> list[dict]:
 
 
 def memory(args: argparse.Namespace) -> list[dict]:
-    from shardps.launcher import LocalCluster
     from shardps_client import Client
+
+    from shardps.launcher import LocalCluster
 
     out = []
     rows, dim = args.memory_rows, 64

@@ -174,9 +174,10 @@ def _collect(queue, n: int, procs: list, timeout: float) -> list[dict]:
 
 
 def run_shardps(cfg: Config, budget_s: float) -> dict[str, Any]:
+    from shardps_client import SGD, Client
+
     from shardps.launcher import LocalCluster
     from shardps.specs import Initializer
-    from shardps_client import SGD, Client
 
     ctx = mp.get_context("spawn")
     with LocalCluster(cfg.shards) as cluster:

@@ -19,9 +19,9 @@ PROTOS = ["shardps/v1/shardps.proto"]
 
 def generate(out: pathlib.Path) -> None:
     """Run protoc (from grpcio-tools) on every proto, writing below ``out``."""
-    from grpc_tools import protoc  # imported here: only contributors need grpcio-tools
-
     import importlib.resources
+
+    from grpc_tools import protoc  # imported here: only contributors need grpcio-tools
 
     include = str(importlib.resources.files("grpc_tools") / "_proto")
     out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ from typing import Callable, Mapping, Optional, Sequence
 from shardps.server import ServerConfig, serve
 from shardps.shard import DURABILITY_LEVELS, ShardConfig
 
-
 # (flag, type, default, help) of `shardps serve`; the single list the README's table mirrors.
 SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("host", str, "127.0.0.1", "address to bind (0.0.0.0 inside containers)"),
@@ -62,7 +61,7 @@ def resolve_env(args: argparse.Namespace, environ: Mapping[str, str]) -> argpars
         try:
             setattr(args, dest, cast(raw))
         except ValueError:
-            raise SystemExit(f"shardps serve: environment variable {env_name(flag)}={raw!r} is not a valid {cast.__name__}")
+            raise SystemExit(f"shardps serve: environment variable {env_name(flag)}={raw!r} is not a valid {cast.__name__}") from None
     return args
 
 
@@ -112,7 +111,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
         with open(args.cluster_file) as f:
             addresses += json.load(f)["addresses"]
     if not addresses:
-        raise SystemExit(f"shardps {args.command}: give shard addresses or --cluster-file")
+        raise SystemExit(f"shardps {args.command}: give shard addresses or --cluster-file") from None
     return addresses
 
 
@@ -138,7 +137,7 @@ def run_stats(args: argparse.Namespace) -> int:
     try:
         rows = collect(_addresses(args), args.timeout, args.interval)
     except RuntimeError as e:
-        raise SystemExit(f"shardps stats: {e}")
+        raise SystemExit(f"shardps stats: {e}") from None
     print(json.dumps(rows, indent=2) if args.json else render(rows))
     return 0
 
@@ -162,7 +161,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         cluster.start()
     except (RuntimeError, TimeoutError) as e:
-        raise SystemExit(f"shardps cluster: {e}")
+        raise SystemExit(f"shardps cluster: {e}") from None
     cluster.write_cluster_file(args.cluster_file)
     print(f"shardps cluster: {args.shards} shards healthy (logs in {cluster.log_dir})", flush=True)
     for i, a in enumerate(cluster.addresses):
@@ -197,7 +196,7 @@ def run_reshard(args: argparse.Namespace) -> int:
     try:
         summary = reshard(pathlib.Path(args.src), pathlib.Path(args.dst), args.shards)
     except (ValueError, ShardMapMismatch) as e:
-        raise SystemExit(f"shardps reshard: {e}")
+        raise SystemExit(f"shardps reshard: {e}") from None
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -215,13 +214,13 @@ def run_serve(args: argparse.Namespace) -> int:
             checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace,
         )
     except ValueError as e:
-        raise SystemExit(f"shardps serve: {e}")
+        raise SystemExit(f"shardps serve: {e}") from None
     from shardps.shard import ShardMapMismatch
 
     try:
         return serve(shard_config, server_config, ready_file=args.ready_file)
     except ShardMapMismatch as e:
-        raise SystemExit(f"shardps serve: {e}")
+        raise SystemExit(f"shardps serve: {e}") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

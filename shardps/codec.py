@@ -55,7 +55,7 @@ def decode(t: pb.Tensor, what: str, as_float32: bool = True) -> np.ndarray:
     return decode_raw(t.dtype, list(t.shape), t.data, what, as_float32)
 
 
-def decode_raw(dtype: int, shape: list, data: "bytes | memoryview", what: str, as_float32: bool = True) -> np.ndarray:
+def decode_raw(dtype: int, shape: list, data: bytes | memoryview, what: str, as_float32: bool = True) -> np.ndarray:
     """Decode (dtype, shape, raw bytes) to numpy, a view of ``data`` where possible."""
     np_dtype = _NP_OF.get(dtype)
     if np_dtype is None:

@@ -104,7 +104,7 @@ class LocalCluster:
                 raise TimeoutError(f"shard {proc.index} at {proc.address} never became healthy")
             time.sleep(0.05)
 
-    def start(self, timeout: float = 60.0) -> "LocalCluster":
+    def start(self, timeout: float = 60.0) -> LocalCluster:
         """Start every shard and wait until all are healthy."""
         deadline = time.monotonic() + timeout
         try:
@@ -166,7 +166,7 @@ class LocalCluster:
                 codes.append(p.popen.wait())
         return codes
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start() if not self.procs else self
 
     def __exit__(self, *exc: object) -> None:

@@ -79,7 +79,7 @@ class ShardServer:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
-    def start(self) -> "ShardServer":
+    def start(self) -> ShardServer:
         """Start serving (idempotent); returns self."""
         if self._started:
             return self
@@ -118,7 +118,7 @@ class ShardServer:
     def wait(self) -> None:
         self._stopped.wait()
 
-    def __enter__(self) -> "ShardServer":
+    def __enter__(self) -> ShardServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -50,7 +50,7 @@ def _rpc(method: F) -> F:
     """Run a servicer method, turning shard errors into status codes."""
 
     @functools.wraps(method)
-    def wrapper(self: "ShardServicer", request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: ShardServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
         except ShardError as e:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import base64
 import logging
-import struct
 import pathlib
+import struct
 import threading
 import time
 import uuid
@@ -33,7 +33,6 @@ from shardps.errors import (
     Unavailable,
     WrongShard,
 )
-from shardps.sync import Membership, StepBuffer, SyncTable
 from shardps.routing import dense_rows_owned, shard_of_ids
 from shardps.specs import (
     DenseSpec,
@@ -43,6 +42,7 @@ from shardps.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
+from shardps.sync import Membership, StepBuffer, SyncTable
 from shardps.table import Table
 from shardps.v1 import shardps_pb2 as pb
 

@@ -6,10 +6,10 @@ import contextlib
 from typing import Iterator, Optional
 
 import pytest
+from shardps_client import Client
 
 from shardps.server import ServerConfig, ShardServer
 from shardps.shard import ShardConfig
-from shardps_client import Client
 
 
 @contextlib.contextmanager

@@ -10,12 +10,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-
-from shardps import codec
-from shardps.routing import shard_of_ids
-from shardps.specs import Initializer
-from shardps.v1 import shardps_pb2 as pb
-from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from shardps_client import (
     SGD,
     Client,
@@ -26,6 +20,12 @@ from shardps_client import (
     TableExistsError,
     TableNotFoundError,
 )
+
+from shardps import codec
+from shardps.routing import shard_of_ids
+from shardps.specs import Initializer
+from shardps.v1 import shardps_pb2 as pb
+from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.conftest import running_cluster
 
 

@@ -6,13 +6,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from shardps_client import SGD, Adam
 
-from shardps import codec, wire
+from shardps import wire
 from shardps.routing import shard_of_ids
 from shardps.specs import Initializer
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
-from shardps_client import SGD, Adam, Client
 
 
 def test_pull_many_equals_single_pulls(client2):

@@ -7,10 +7,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from shardps_client import SGD, Adagrad, Adam, Client, Staleness, StaleUpdateError
 
 from shardps.routing import shard_of_ids
 from shardps.specs import Initializer
-from shardps_client import SGD, Adagrad, Adam, Client, Staleness, StaleUpdateError
 from tests.conftest import running_cluster
 
 
@@ -92,7 +92,7 @@ def test_dense_tensor_matches_torch_optim():
         assert owners == {1}
         ref = torch.nn.Parameter(w0.clone())
         opt = torch.optim.Adam([ref], lr=0.01)
-        for step in range(5):
+        for _ in range(5):
             g = torch.randn(300, 40)
             c.push_dense("mlp.w", g)
             ref.grad = g

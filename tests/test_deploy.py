@@ -72,7 +72,7 @@ def test_every_service_command_parses_with_the_real_cli(compose):
     entry = [line for line in _dockerfile("Dockerfile.server") if line.startswith("ENTRYPOINT")][0]
     assert entry == 'ENTRYPOINT ["shardps", "serve"]'
     image_env = {"SHARDPS_HOST": "0.0.0.0", "SHARDPS_PORT": "7000", "SHARDPS_DATA_DIR": "/data"}
-    for name, svc in _shards(compose).items():
+    for svc in _shards(compose).values():
         # The container runs the ENTRYPOINT with no flags: everything comes from the environment.
         args = parse_args(["serve"], {**image_env, **svc["environment"]})
         assert (args.host, args.port, args.data_dir) == ("0.0.0.0", 7000, "/data")

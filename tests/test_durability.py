@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from shardps_client import SGD, Adagrad, Adam, Client
 
 from shardps import codec
 from shardps.reshard import reshard
@@ -21,7 +22,6 @@ from shardps.shard import Shard, ShardConfig, ShardMapMismatch
 from shardps.specs import Initializer
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
-from shardps_client import SGD, Adagrad, Adam, Client
 from tests.conftest import running_cluster
 from tests.procs import start_shard
 

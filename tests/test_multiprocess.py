@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from shardps_client import Adam, Client
 
 from shardps.specs import Initializer
-from shardps_client import Adam, Client
 from tests.procs import start_shard
 
 

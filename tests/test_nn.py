@@ -7,9 +7,6 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from shardps.specs import Initializer
 from shardps_client import (
     SGD,
     Adagrad,
@@ -21,6 +18,9 @@ from shardps_client import (
     ShardedOptimizer,
     SyncPolicy,
 )
+from torch import nn
+
+from shardps.specs import Initializer
 from tests.conftest import running_cluster
 
 ROWS, DIM = 40, 6

@@ -8,9 +8,9 @@ from typing import Callable
 
 import pytest
 import torch
+from shardps_client import SGD, Client, SyncPolicy, SyncStepError
 
 from shardps.specs import Initializer
-from shardps_client import SGD, Client, SyncPolicy, SyncStepError
 from tests.conftest import running_cluster
 
 

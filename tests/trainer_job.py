@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 
 import torch
+from shardps_client import SGD, Client
 
 from shardps.specs import Initializer
-from shardps_client import SGD, Client
 
 
 def main() -> int:

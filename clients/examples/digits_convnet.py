@@ -22,7 +22,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Progress, add_cluster_args, launch  # noqa: E402
-
 from shardps_client import Adam, Client, ShardedOptimizer, SyncPolicy  # noqa: E402
 
 

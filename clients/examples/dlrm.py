@@ -29,8 +29,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Progress, add_cluster_args, cluster, run_workers, worker_addresses, worker_identity  # noqa: E402
-
-from shardps.specs import Initializer  # noqa: E402
 from shardps_client import (  # noqa: E402
     Adagrad,
     Adam,
@@ -40,6 +38,8 @@ from shardps_client import (  # noqa: E402
     ShardedOptimizer,
     SyncPolicy,
 )
+
+from shardps.specs import Initializer  # noqa: E402
 
 NUM_SPARSE, NUM_DENSE = 8, 13
 

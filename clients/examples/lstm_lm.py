@@ -24,9 +24,9 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Progress, add_cluster_args, launch  # noqa: E402
+from shardps_client import Adam, Client, RemoteEmbedding, ShardedOptimizer, SyncPolicy  # noqa: E402
 
 from shardps.specs import Initializer  # noqa: E402
-from shardps_client import Adam, Client, RemoteEmbedding, ShardedOptimizer, SyncPolicy  # noqa: E402
 
 MODULES = ["argparse", "collections", "json", "logging", "pathlib", "subprocess", "threading", "typing", "unittest.case"]
 

@@ -4,8 +4,6 @@ from shardps.optim import SGD, Adagrad, Adam
 from shardps.specs import Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
 from shardps_client.data import Prefetcher
-from shardps_client.nn import RemoteEmbedding, RemoteEmbeddingBag
-from shardps_client.optim import ShardedOptimizer
 from shardps_client.errors import (
     IdOutOfRangeError,
     InvalidArgumentError,
@@ -19,6 +17,8 @@ from shardps_client.errors import (
     TableExistsError,
     TableNotFoundError,
 )
+from shardps_client.nn import RemoteEmbedding, RemoteEmbeddingBag
+from shardps_client.optim import ShardedOptimizer
 
 __all__ = [
     "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "SyncPolicy", "SyncStepError",

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from shardps import codec, wire
+from shardps.errors import InvalidArgument as _ServerInvalidArgument
 from shardps.malloc_tuning import tune_malloc
 from shardps.optim import SGD, Optimizer
 from shardps.routing import dense_row_ranges, name_hash, split_by_shard
@@ -44,7 +45,6 @@ from shardps.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.errors import InvalidArgument as _ServerInvalidArgument
 from shardps.table import coalesce
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
@@ -70,7 +70,7 @@ class Versions:
 
     by_shard: dict[int, int]
 
-    def merged(self, other: "Versions") -> "Versions":
+    def merged(self, other: Versions) -> Versions:
         """Oldest version per shard of two pulls (the conservative staleness)."""
         out = dict(self.by_shard)
         for s, v in other.by_shard.items():
@@ -183,7 +183,7 @@ class Client:
             self._heartbeat_thread.start()
 
     @classmethod
-    def from_file(cls, path: str, **kwargs: Any) -> "Client":
+    def from_file(cls, path: str, **kwargs: Any) -> Client:
         """Connect to the cluster described by a cluster file (written by ``shardps cluster``)."""
         with open(path) as f:
             data = json.load(f)
@@ -478,7 +478,7 @@ class Client:
         return calls, metas
 
     def pull_many(
-        self, requests: "dict[str, IdsLike]", device: Any = None, wire_dtype: Optional[str] = None
+        self, requests: dict[str, IdsLike], device: Any = None, wire_dtype: Optional[str] = None
     ) -> dict[str, tuple[torch.Tensor, Versions]]:
         """Rows of several tables in one round trip per shard: ``{table: (rows, versions)}``."""
         wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
@@ -505,7 +505,7 @@ class Client:
             out[table] = ((t.to(device, non_blocking=True) if device is not None else t), versions)
         return out
 
-    def prefetch_many(self, requests: "dict[str, IdsLike]", wire_dtype: Optional[str] = None) -> Future:
+    def prefetch_many(self, requests: dict[str, IdsLike], wire_dtype: Optional[str] = None) -> Future:
         """Start pulling rows of several tables in one round trip per shard (see ``prefetch``)."""
         wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         items, futures = [], []
@@ -873,7 +873,7 @@ class Client:
             for ch in self._channels:
                 ch.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from shardps.optim import SGD, Optimizer
 from shardps.specs import Staleness, SyncPolicy
-from shardps_client.client import MiB, Client, Versions
+from shardps_client.client import Client, MiB, Versions
 
 
 class ShardedOptimizer:
