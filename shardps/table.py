@@ -183,9 +183,14 @@ class Table:
                 self.state[k][slots] = arrays["state." + k]
 
 
+def is_sorted_unique(ids: np.ndarray) -> bool:
+    """True if a 1-D id array is strictly increasing (what np.unique returns): no dedup needed."""
+    return ids.shape[0] < 2 or bool(np.all(ids[1:] > ids[:-1]))
+
+
 def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unique ids (sorted) and their summed gradients; nearly free when ids are already sorted and unique."""
-    if ids.shape[0] < 2 or bool(np.all(ids[1:] > ids[:-1])):
+    if is_sorted_unique(ids):
         return ids, grads.astype(np.float32, copy=False)
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]

@@ -150,8 +150,11 @@ def _fields(buf: memoryview) -> list[tuple[int, int, Union[int, memoryview]]]:
     return out
 
 
-def decode_tensor(buf: memoryview, what: str, as_float32: bool = True) -> np.ndarray:
-    """A Tensor message as a numpy view of ``buf`` (float16/bfloat16 widened to float32)."""
+def decode_tensor(buf: memoryview, what: str, as_float32: bool = True, allowed: Optional[tuple] = None) -> np.ndarray:
+    """A Tensor message as a numpy view of ``buf`` (float16/bfloat16 widened to float32).
+
+    ``allowed``: the dtypes accepted; another one is refused naming ``what``.
+    """
     dtype, shape, data = 0, [], memoryview(b"")
     for field, wt, value in _fields(buf):
         if field == 1 and wt == _VARINT:
@@ -165,6 +168,10 @@ def decode_tensor(buf: memoryview, what: str, as_float32: bool = True) -> np.nda
             shape.append(int(value))  # type: ignore[arg-type]
         elif field == 3 and wt == _LEN:
             data = value  # type: ignore[assignment]
+    if allowed is not None and dtype not in allowed:
+        names = [codec.DTYPE_NAMES[d] for d in allowed]
+        expected = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+        raise InvalidArgument(f"{what} must be {expected}, got {codec.DTYPE_NAMES.get(dtype, dtype)}")
     return codec.decode_raw(dtype, shape, data, what, as_float32)
 
 
@@ -208,10 +215,9 @@ def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
                 if dense and wt == _VARINT:
                     out.row_start = int(value)  # type: ignore[arg-type]
                 elif not dense and wt == _LEN:
-                    ids_t = value
-                    out.ids = _checked_tensor(ids_t, "ids", (pb.INT64,))  # type: ignore[arg-type]
+                    out.ids = decode_tensor(value, "ids", allowed=(pb.INT64,))  # type: ignore[arg-type]
             elif field == 3 and wt == _LEN:
-                out.grads = _checked_tensor(value, "grads", codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
+                out.grads = decode_tensor(value, "grads", allowed=codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
             elif field == 4 and wt == _VARINT:
                 out.pulled_version = int(value)  # type: ignore[arg-type]
             elif field == 5 and wt == _LEN:
@@ -229,19 +235,6 @@ def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
     if out.grads is None:
         raise InvalidArgument("grads: missing")
     return out
-
-
-def _checked_tensor(buf: memoryview, what: str, allowed: tuple) -> np.ndarray:
-    dtype = 0
-    for field, wt, value in _fields(buf):
-        if field == 1 and wt == _VARINT:
-            dtype = int(value)  # type: ignore[arg-type]
-    if dtype not in allowed:
-        names = [codec.DTYPE_NAMES[d] for d in allowed]
-        names = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-        got = codec.DTYPE_NAMES.get(dtype, dtype)
-        raise InvalidArgument(f"{what} must be {names}, got {got}" if what != "ids" else f"ids must be int64, got {got}")
-    return decode_tensor(buf, what)
 
 
 def encode_repeated(groups: list[tuple[int, list[bytes]]]) -> bytes:

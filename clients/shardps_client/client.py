@@ -45,7 +45,7 @@ from shardps.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.table import coalesce
+from shardps.table import coalesce, is_sorted_unique
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from shardps_client.errors import (
@@ -69,13 +69,6 @@ class Versions:
     """The shard versions a pull read at: ``{shard index: version}``; pass it back to ``push``."""
 
     by_shard: dict[int, int]
-
-    def merged(self, other: Versions) -> Versions:
-        """Oldest version per shard of two pulls (the conservative staleness)."""
-        out = dict(self.by_shard)
-        for s, v in other.by_shard.items():
-            out[s] = min(v, out.get(s, v))
-        return Versions(out)
 
 
 class Client:
@@ -382,25 +375,7 @@ class Client:
         self, table: str, ids: IdsLike, device: Any = None, wire_dtype: Optional[str] = None
     ) -> tuple[torch.Tensor, Versions]:
         """Like ``pull``, also returning the shard versions the rows were read at."""
-        spec = self.table_spec(table)
-        ids_np = _ids_to_numpy(ids)
-        self._check_ids(spec, ids_np)
-        wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
-        self._ssp_wait()
-        if self.read_your_writes:
-            self._wait_pending(table)
-        flat = ids_np.reshape(-1)
-        if flat.shape[0] < 2 or bool(np.all(flat[1:] > flat[:-1])):  # already sorted and unique
-            uniq, inverse = flat, None
-        else:
-            uniq, inverse = np.unique(flat, return_inverse=True)
-        rows, versions = self._take_prefetched(table, uniq, wire_code) or self._pull_unique(spec, uniq, wire_code)
-        if inverse is not None:
-            rows = rows[inverse.reshape(-1)]
-        out = torch.from_numpy(rows.reshape(ids_np.shape + (spec.dim,)))
-        if device is not None:
-            out = out.to(device, non_blocking=True)
-        return out, versions
+        return self.pull_many({table: ids}, device, wire_dtype)[table]
 
     def prefetch(self, table: str, ids: IdsLike, wire_dtype: Optional[str] = None) -> Future:
         """Start pulling the rows of ``ids`` in the background.
@@ -422,9 +397,6 @@ class Client:
         except ShardpsError as e:
             log.warning("prefetch of %s failed (%s); pulling again", table, e)
             return None
-
-    def _pull_unique(self, spec: TableSpec, uniq: np.ndarray, wire_dtype: int) -> tuple[np.ndarray, Versions]:
-        return self._pull_unique_many([(spec, uniq)], wire_dtype)[0]
 
     def _pull_unique_many(
         self, items: list[tuple[TableSpec, np.ndarray]], wire_dtype: int
@@ -480,7 +452,11 @@ class Client:
     def pull_many(
         self, requests: dict[str, IdsLike], device: Any = None, wire_dtype: Optional[str] = None
     ) -> dict[str, tuple[torch.Tensor, Versions]]:
-        """Rows of several tables in one round trip per shard: ``{table: (rows, versions)}``."""
+        """Rows of several tables in one round trip per shard: ``{table: (rows, versions)}``.
+
+        Tables whose unique ids were prefetched (``prefetch`` / ``prefetch_many``)
+        take the prefetched rows; the others are pulled together.
+        """
         wire_code = self.wire_dtype if wire_dtype is None else _WIRE[wire_dtype]
         self._ssp_wait()
         prepared = {}
@@ -491,14 +467,13 @@ class Client:
             if self.read_your_writes:
                 self._wait_pending(table)
             flat = ids_np.reshape(-1)
-            if flat.shape[0] < 2 or bool(np.all(flat[1:] > flat[:-1])):
-                prepared[table] = (spec, ids_np.shape, flat, None)
-            else:
-                uniq, inverse = np.unique(flat, return_inverse=True)
-                prepared[table] = (spec, ids_np.shape, uniq, inverse)
-        results = self._pull_unique_many([(p[0], p[2]) for p in prepared.values()], wire_code)
+            uniq, inverse = (flat, None) if is_sorted_unique(flat) else np.unique(flat, return_inverse=True)
+            prepared[table] = (spec, ids_np.shape, uniq, inverse, self._take_prefetched(table, uniq, wire_code))
+        missing = [t for t, p in prepared.items() if p[4] is None]
+        pulled = dict(zip(missing, self._pull_unique_many([(prepared[t][0], prepared[t][2]) for t in missing], wire_code)))
         out = {}
-        for (table, (spec, shape, _, inverse)), (rows, versions) in zip(prepared.items(), results):
+        for table, (spec, shape, _, inverse, prefetched) in prepared.items():
+            rows, versions = prefetched or pulled[table]
             if inverse is not None:
                 rows = rows[inverse.reshape(-1)]
             t = torch.from_numpy(rows.reshape(shape + (spec.dim,)))
