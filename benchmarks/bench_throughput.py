@@ -81,6 +81,7 @@ def measure(pull, push, flush, batches: list[np.ndarray], budget_s: float, serve
                 push(tensors[i], grads[i])
         flush()
         cpu0 = sum(cpu_seconds(p) for p in server_pids) if server_pids else 0.0
+        own0 = cpu_seconds(os.getpid())
         rows, i, t0 = 0, 0, time.perf_counter()
         while time.perf_counter() - t0 < budget_s:
             k = i % len(tensors)
@@ -93,8 +94,10 @@ def measure(pull, push, flush, batches: list[np.ndarray], budget_s: float, serve
         flush()
         out[f"{phase}_rows_per_s"] = rows / (time.perf_counter() - t0)
         out[f"{phase}_rows"] = rows
-        if phase == "both" and server_pids:
-            out["server_cpu_s"] = sum(cpu_seconds(p) for p in server_pids) - cpu0
+        if phase == "both":
+            out["client_cpu_s"] = cpu_seconds(os.getpid()) - own0
+            if server_pids:
+                out["server_cpu_s"] = sum(cpu_seconds(p) for p in server_pids) - cpu0
     pulls, pushes = [], []
     for i in range(min(40, len(tensors))):
         t = time.perf_counter()
@@ -264,6 +267,7 @@ def _merge(results: list[dict]) -> dict[str, Any]:
         out[key] = results[0][key]
     cpu = results[0].get("server_cpu_s")
     out["server_cpu_s_per_M_rows"] = cpu / sum(r["both_rows"] for r in results) * 1e6 if cpu is not None else None
+    out["client_cpu_s_per_M_rows"] = sum(r["client_cpu_s"] for r in results) / sum(r["both_rows"] for r in results) * 1e6
     return out
 
 
@@ -349,6 +353,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             ("push_rows_per_s", "push rows/s", ",.0f"), ("pull_p50_ms", "pull p50 ms", ".2f"),
             ("pull_p99_ms", "pull p99 ms", ".2f"), ("push_p50_ms", "push p50 ms", ".2f"),
             ("push_p99_ms", "push p99 ms", ".2f"), ("server_cpu_s_per_M_rows", "srv CPU s/M rows", ".2f"),
+            ("client_cpu_s_per_M_rows", "client CPU s/M rows", ".2f"),
             ("x_torch_rpc", "x rpc", ".2f"), ("x_ray", "x ray", ".2f"), ("x_in_process", "x in-proc", ".3f")]
     print()
     print(table([r for r in rows if "error" not in r], cols))

@@ -27,6 +27,7 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("checkpoint-interval", float, 0.0, "seconds between periodic checkpoints (0: only on request and SIGTERM)"),
     ("worker-timeout", float, 10.0, "seconds of silence after which a training worker counts as gone"),
     ("workers", int, 8, "gRPC handler threads"),
+    ("max-streams", int, 64, "call streams open at once (one per client); each holds a handler thread"),
     ("max-message-mb", int, 4, "largest request or reply in MiB"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
     ("ready-file", str, None, "write the bound address to this file once serving"),
@@ -210,7 +211,8 @@ def run_serve(args: argparse.Namespace) -> int:
             durability=args.durability, worker_timeout_s=args.worker_timeout,
         )
         server_config = ServerConfig(
-            host=args.host, port=args.port, workers=args.workers, max_message_mb=args.max_message_mb,
+            host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
+            max_message_mb=args.max_message_mb,
             checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace,
         )
     except ValueError as e:

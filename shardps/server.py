@@ -33,7 +33,10 @@ class ServerConfig:
     Args:
         host: address to bind (127.0.0.1 for local clusters, 0.0.0.0 in containers).
         port: port to bind; 0 picks a free one.
-        workers: gRPC handler threads.
+        workers: gRPC handler threads for unary calls.
+        max_streams: call streams open at once (each client opens one and
+            it holds a thread of its own while open); more are refused and those
+            clients make unary calls.
         max_message_mb: largest request or reply in MiB (gRPC's default is 4).
         checkpoint_interval_s: seconds between periodic checkpoints (0: none).
         grace_s: seconds in-flight calls get to finish on shutdown.
@@ -42,6 +45,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     workers: int = 8
+    max_streams: int = 64
     max_message_mb: int = 4
     checkpoint_interval_s: float = 0.0
     grace_s: float = 5.0
@@ -56,7 +60,9 @@ class ShardServer:
         self.config = server_config
         limit = server_config.max_message_mb * 1024 * 1024
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=server_config.workers, thread_name_prefix="shardps"),
+            # Threads start on demand: the pool grows past ``workers`` only while streams are open.
+            futures.ThreadPoolExecutor(max_workers=server_config.workers + server_config.max_streams,
+                                       thread_name_prefix="shardps"),
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -64,7 +70,8 @@ class ShardServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        add_to_server(ShardServicer(self.shard), self._server)
+        self._servicer = ShardServicer(self.shard, server_config.max_streams)
+        add_to_server(self._servicer, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = self._server.add_insecure_port(f"{server_config.host}:{server_config.port}")
@@ -106,7 +113,9 @@ class ShardServer:
             return
         self._stop.set()
         self._health.enter_graceful_shutdown()
-        self._server.stop(self.config.grace_s).wait()
+        stopped = self._server.stop(self.config.grace_s)
+        self._servicer.end_streams()  # an idle stream would otherwise hold the server for the whole grace period
+        stopped.wait()
         if self._ckpt_thread is not None:
             self._ckpt_thread.join()
         if checkpoint and self.shard.data_dir is not None and self.shard.config.durability != "none":

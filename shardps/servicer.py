@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, TypeVar
+import threading
+from typing import Any, Callable, Iterator, TypeVar
 
 import grpc
 
@@ -28,6 +29,7 @@ from shardps.shard import PushResult, Shard, SyncPart
 from shardps.specs import dense_spec_from_pb, table_spec_from_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
+from shardps.wire import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +101,12 @@ def _push_response(r: PushResult) -> pb.PushResponse:
 class ShardServicer(pb_grpc.ShardServicer):
     """The ``shardps.v1.Shard`` service over one ``Shard``."""
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, max_streams: int = 64) -> None:
         self.shard = shard
+        self.max_streams = max_streams
+        self._streams: set[grpc.ServicerContext] = set()
+        self._streams_lock = threading.Lock()
+        self._stopping = False
 
     @_rpc
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
@@ -117,10 +123,13 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
+        return self._pull(request)
+
+    def _pull(self, request: pb.PullRequest, frame: int = 0) -> bytes:
         self.shard.check_shard_map(request.shard_map)
         wire_dtype = _wire(request.wire_dtype)
         rows, version = self.shard.pull(request.table, _ids(request.ids))
-        return wire.encode_pull_response(rows, wire_dtype, version)
+        return wire.encode_pull_response(rows, wire_dtype, version, frame)
 
     @_rpc
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
@@ -139,10 +148,13 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def PullDense(self, request: pb.PullDenseRequest, context: grpc.ServicerContext) -> bytes:
+        return self._pull_dense(request)
+
+    def _pull_dense(self, request: pb.PullDenseRequest, frame: int = 0) -> bytes:
         self.shard.check_shard_map(request.shard_map)
         wire_dtype = _wire(request.wire_dtype)
         rows, version = self.shard.pull_dense(request.name, request.row_start, request.row_end)
-        return wire.encode_pull_response(rows, wire_dtype, version)
+        return wire.encode_pull_response(rows, wire_dtype, version, frame)
 
     @_rpc
     def PushDense(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
@@ -155,20 +167,18 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def PullBatch(self, request: pb.PullBatchRequest, context: grpc.ServicerContext) -> bytes:
-        replies = []
-        for req in request.pulls:
-            self.shard.check_shard_map(req.shard_map)
-            rows, version = self.shard.pull(req.table, _ids(req.ids))
-            replies.append(wire.encode_pull_response(rows, _wire(req.wire_dtype), version))
-        dense = []
-        for dreq in request.dense:
-            self.shard.check_shard_map(dreq.shard_map)
-            rows, version = self.shard.pull_dense(dreq.name, dreq.row_start, dreq.row_end)
-            dense.append(wire.encode_pull_response(rows, _wire(dreq.wire_dtype), version))
-        return wire.encode_repeated([(1, replies), (2, dense)])
+        return self._pull_batch(request)
+
+    def _pull_batch(self, request: pb.PullBatchRequest, frame: int = 0) -> bytes:
+        replies = [self._pull(req) for req in request.pulls]
+        dense = [self._pull_dense(dreq) for dreq in request.dense]
+        return wire.encode_repeated([(1, replies), (2, dense)], frame)
 
     @_rpc
     def PushBatch(self, request: bytes, context: grpc.ServicerContext) -> pb.PushBatchResponse:
+        return self._push_batch(request)
+
+    def _push_batch(self, request: Buffer) -> pb.PushBatchResponse:
         groups = wire.decode_repeated(request)
         entries = []
         for field, dense in ((1, False), (2, True)):  # validate everything before applying anything
@@ -194,6 +204,70 @@ class ShardServicer(pb_grpc.ShardServicer):
         if first_error is not None:
             raise first_error
         return out
+
+    def Stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Serve pulls and pushes in the order they arrive on the stream, answering each in order.
+
+        A refused call is answered with a StreamError and the stream goes on. A
+        stream holds one handler thread while open, so at most ``max_streams`` are
+        open at once; a client refused with RESOURCE_EXHAUSTED uses unary calls.
+        """
+        with self._streams_lock:
+            if self._stopping:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard.index}: shutting down")
+            if len(self._streams) >= self.max_streams:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"shard {self.shard.index}: {self.max_streams} streams open (--max-streams); "
+                              "use unary calls")
+            self._streams.add(context)
+        try:
+            for request in requests:
+                yield self._stream_one(request)
+        finally:
+            with self._streams_lock:
+                self._streams.discard(context)
+
+    def _stream_one(self, request: bytes) -> bytes:
+        try:
+            field, view = wire.unframe(request)
+            if field in (1, 2):
+                d = wire.decode_push(view, dense=field == 2)
+                self.shard.check_shard_map(d.shard_map)
+                assert d.grads is not None
+                if field == 1:
+                    assert d.ids is not None
+                    r = self.shard.push(d.name, d.ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync),
+                                        raw=view)
+                    return pb.StreamResponse(push=_push_response(r)).SerializeToString()
+                r = self.shard.push_dense(d.name, d.row_start, d.grads, d.pulled_version, d.client_id, d.seq,
+                                          _sync(d.sync), raw=view)
+                return pb.StreamResponse(push_dense=_push_response(r)).SerializeToString()
+            if field == 3:
+                return pb.StreamResponse(push_batch=self._push_batch(view)).SerializeToString()
+            if field == 4:
+                return self._pull(pb.PullRequest.FromString(bytes(view)), frame=4)
+            if field == 5:
+                return self._pull_dense(pb.PullDenseRequest.FromString(bytes(view)), frame=5)
+            if field == 6:
+                return self._pull_batch(pb.PullBatchRequest.FromString(bytes(view)), frame=6)
+            raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
+        except ShardError as e:
+            with self.shard.stats.lock:
+                self.shard.stats.errors += 1
+            code = _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
+            message = f"shard {self.shard.index}: {e}"
+        except Exception:
+            log.exception("internal error in Stream")
+            code, message = grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in Stream"
+        return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message)).SerializeToString()
+
+    def end_streams(self) -> None:
+        """Refuse new streams and cancel the open ones (shutdown); clients resend what was not answered."""
+        with self._streams_lock:
+            self._stopping = True
+            streams = list(self._streams)
+        for context in streams:
+            context.cancel()
 
     @_rpc
     def ShardInfo(self, request: pb.ShardInfoRequest, context: grpc.ServicerContext) -> pb.ShardInfoResponse:
@@ -238,6 +312,7 @@ _FAST = {
     "PushDense": (_identity, pb.PushResponse.SerializeToString),
     "PullBatch": (pb.PullBatchRequest.FromString, _identity),
     "PushBatch": (_identity, pb.PushBatchResponse.SerializeToString),
+    "Stream": (_identity, _identity),
 }
 
 
@@ -247,7 +322,8 @@ def add_to_server(servicer: ShardServicer, server: grpc.Server) -> None:
     for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
         default = (getattr(pb, method.input_type.name).FromString, getattr(pb, method.output_type.name).SerializeToString)
         deserialize, serialize = _FAST.get(method.name, default)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        make = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
             getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=serialize
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("shardps.v1.Shard", handlers),))

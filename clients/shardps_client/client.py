@@ -13,6 +13,7 @@ Usage::
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import logging
@@ -55,6 +56,7 @@ from shardps_client.errors import (
     ShardpsError,
     from_rpc_error,
 )
+from shardps_client.stream import FIELDS, Lane
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +135,12 @@ class Client:
         self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         self._stubs = [_Stub(ch) for ch in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(4, 4 * self.num_shards), thread_name_prefix="shardps-client")
-        # One lane per shard keeps this client's pushes to a shard in the order they were made
-        # (optimizers such as Adam are not commutative); lanes of different shards run in parallel.
-        self._push_lanes = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shardps-push-{i}") for i in range(self.num_shards)
+        # One lane per shard carries this client's pulls and pushes to it on one stream, in the
+        # order they were made (optimizers such as Adam are not commutative, and a pull sees the
+        # pushes before it), many in flight; lanes of different shards run in parallel.
+        self._lanes = [
+            Lane(ch, a, functools.partial(self._call, i), self.timeout, self.retry_timeout)
+            for i, (ch, a) in enumerate(zip(self._channels, self.addresses))
         ]
         self._seq = [itertools.count(1) for _ in self.addresses]
         self._seq_lock = threading.Lock()
@@ -224,6 +228,36 @@ class Client:
         if first_error is not None:
             raise first_error
         return results
+
+    def _lane_calls(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+        """Run pull calls on their shards' lanes (in order after this client's earlier pushes).
+
+        Results in order; raises the first error once every call has finished.
+        """
+        futures = [self._lanes[s].submit(method, wire.frame(FIELDS[method], req.SerializeToString()))
+                   for s, method, req in calls]
+        results, first_error = [], None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except ShardpsError as e:
+                first_error = first_error or e
+                results.append(None)
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def _see_own_pushes(self, key: str) -> None:
+        """Before a pull of ``key`` (read_your_writes): make it see this client's pushes.
+
+        Streaming lanes serve a pull after every push sent before it, so queued
+        (deferred) pushes only need sending; over unary calls, wait for them.
+        """
+        if all(lane.streaming for lane in self._lanes):
+            if self._deferred:
+                self.send_pushes()
+        else:
+            self._wait_pending(key)
 
     def _map(self, shard: int) -> pb.ShardMap:
         return pb.ShardMap(shard_index=shard, num_shards=self.num_shards)
@@ -416,7 +450,7 @@ class Client:
                                          shard_map=self._map(s))
                     per_shard[s].append((k, part, req, len(part) * (spec.dim * _WIRE_BYTES[wire_dtype] + 8)))
         calls, metas = self._batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs))
-        for (s, method, _), meta, reply in zip(calls, metas, self._fan_out(calls)):
+        for (s, method, _), meta, reply in zip(calls, metas, self._lane_calls(calls)):
             blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(1, [])]
             for (k, part), (rows, version) in zip(meta, blocks):
                 outs[k][part] = rows
@@ -465,7 +499,7 @@ class Client:
             ids_np = _ids_to_numpy(ids)
             self._check_ids(spec, ids_np)
             if self.read_your_writes:
-                self._wait_pending(table)
+                self._see_own_pushes(table)
             flat = ids_np.reshape(-1)
             uniq, inverse = (flat, None) if is_sorted_unique(flat) else np.unique(flat, return_inverse=True)
             prepared[table] = (spec, ids_np.shape, uniq, inverse, self._take_prefetched(table, uniq, wire_code))
@@ -552,6 +586,7 @@ class Client:
                     pulled_version=versions.by_shard.get(s) if versions is not None else None,
                     client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
                     sync=pb.SyncPart(step=sync_step, rank=self.rank or 0, part=k, parts=len(starts)) if sync_step else None,
+                    frame=FIELDS["Push"],
                 )
                 calls.append((s, "Push", req))
         self._dispatch(table, calls, wait)
@@ -595,7 +630,8 @@ class Client:
                 if group and (entry is None or size + len(entry[2]) > self.max_message_bytes):
                     rows = [g for g in group if g[1] == "Push"]
                     dense = [g for g in group if g[1] == "PushDense"]
-                    body = wire.encode_repeated([(1, [g[2] for g in rows]), (2, [g[2] for g in dense])])
+                    # Framed pushes are PushBatchRequest entries as they are (same field numbers).
+                    body = wire.join_framed([g[2] for g in rows + dense], FIELDS["PushBatch"])
                     work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
                     group, size = [], 0
                 if entry is not None:
@@ -609,7 +645,7 @@ class Client:
         for keys, call in work:
             self._inflight.acquire()
             try:
-                f = self._push_lanes[call[0]].submit(self._call, *call)
+                f = self._lanes[call[0]].submit(call[1], call[2])
             except BaseException:
                 self._inflight.release()
                 raise
@@ -745,7 +781,7 @@ class Client:
         specs = {name: self.dense_spec(name) for name in names}
         if self.read_your_writes:
             for name in names:
-                self._wait_pending(name)
+                self._see_own_pushes(name)
         per_shard: list[list[tuple]] = [[] for _ in range(self.num_shards)]
         for name, spec in specs.items():
             for s, a, b in self._dense_pieces(spec, wire_code):
@@ -754,7 +790,7 @@ class Client:
         calls, metas = self._batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs))
         outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
         versions: dict[str, dict[int, int]] = {name: {} for name in specs}
-        for (s, method, _), meta, reply in zip(calls, metas, self._fan_out(calls) if calls else []):
+        for (s, method, _), meta, reply in zip(calls, metas, self._lane_calls(calls)):
             blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(2, [])]
             for (name, (a, b)), (block, version) in zip(meta, blocks):
                 outs[name][a:b] = block
@@ -793,6 +829,7 @@ class Client:
                 pulled_version=versions.by_shard.get(s) if versions is not None else None,
                 client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
                 sync=pb.SyncPart(step=sync_step, rank=self.rank or 0, part=seen[s], parts=per_shard[s]) if sync_step else None,
+                frame=FIELDS["PushDense"],
             )
             seen[s] += 1
             calls.append((s, "PushDense", req))
@@ -843,8 +880,8 @@ class Client:
                     log.debug("leaving heartbeat failed: %s", e)
             self._closed = True
             self._pool.shutdown(wait=True)
-            for lane in self._push_lanes:
-                lane.shutdown(wait=True)
+            for lane in self._lanes:
+                lane.close()
             for ch in self._channels:
                 ch.close()
 
@@ -859,21 +896,28 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _serialize(request: Any) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
+
+
 class _Stub:
-    """The generated stub, with wire_code-level (de)serializers for the bulk methods (see shardps.wire)."""
+    """The generated stub, with wire-level (de)serializers for the bulk methods (see shardps.wire).
+
+    Pull requests may be given serialized (a lane falling back to unary calls).
+    """
 
     def __init__(self, channel: grpc.Channel) -> None:
         generated = pb_grpc.ShardStub(channel)
         for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
             setattr(self, method.name, getattr(generated, method.name))
-        for name, request in (("Pull", pb.PullRequest), ("PullDense", pb.PullDenseRequest)):
-            setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=request.SerializeToString,
+        for name in ("Pull", "PullDense"):
+            setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=_serialize,
                                                     response_deserializer=wire.decode_pull_response))
         for name in ("Push", "PushDense"):
             setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=_identity,
                                                     response_deserializer=pb.PushResponse.FromString))
         self.PullBatch = channel.unary_unary("/shardps.v1.Shard/PullBatch",
-                                             request_serializer=pb.PullBatchRequest.SerializeToString,
+                                             request_serializer=_serialize,
                                              response_deserializer=wire.decode_repeated)
         self.PushBatch = channel.unary_unary("/shardps.v1.Shard/PushBatch", request_serializer=_identity,
                                              response_deserializer=pb.PushBatchResponse.FromString)

@@ -81,6 +81,18 @@ def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:
     """Translate a gRPC error of call ``what`` to ``address`` into a client exception."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
+    return _error(code, details, address, what)
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_status(code: int, details: str, address: str, what: str) -> ShardpsError:
+    """The client exception of a status carried in a message (a PushError of a push stream)."""
+    return _error(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, address, what)
+
+
+def _error(code: grpc.StatusCode, details: str, address: str, what: str) -> ShardpsError:
     cls = _BY_CODE.get(code, ShardpsError)
     if code == grpc.StatusCode.ABORTED and "sync step" in details:
         cls = SyncStepError

@@ -426,6 +426,48 @@ class PushBatchResponse(_message.Message):
     dense: _containers.RepeatedCompositeFieldContainer[PushResponse]
     def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ...) -> None: ...
 
+class StreamRequest(_message.Message):
+    __slots__ = ("push", "push_dense", "push_batch", "pull", "pull_dense", "pull_batch")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PUSH_DENSE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PULL_DENSE_FIELD_NUMBER: _ClassVar[int]
+    PULL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    push: PushRequest
+    push_dense: PushDenseRequest
+    push_batch: PushBatchRequest
+    pull: PullRequest
+    pull_dense: PullDenseRequest
+    pull_batch: PullBatchRequest
+    def __init__(self, push: _Optional[_Union[PushRequest, _Mapping]] = ..., push_dense: _Optional[_Union[PushDenseRequest, _Mapping]] = ..., push_batch: _Optional[_Union[PushBatchRequest, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., pull_dense: _Optional[_Union[PullDenseRequest, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchRequest, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("push", "push_dense", "push_batch", "pull", "pull_dense", "pull_batch", "error")
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PUSH_DENSE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BATCH_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PULL_DENSE_FIELD_NUMBER: _ClassVar[int]
+    PULL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    push: PushResponse
+    push_dense: PushResponse
+    push_batch: PushBatchResponse
+    pull: PullResponse
+    pull_dense: PullResponse
+    pull_batch: PullBatchResponse
+    error: StreamError
+    def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., push_dense: _Optional[_Union[PushResponse, _Mapping]] = ..., push_batch: _Optional[_Union[PushBatchResponse, _Mapping]] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., pull_dense: _Optional[_Union[PullResponse, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
 class ShardInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

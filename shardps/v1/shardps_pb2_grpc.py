@@ -85,6 +85,11 @@ class ShardStub:
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.PushBatchRequest.SerializeToString,
                 response_deserializer=shardps_dot_v1_dot_shardps__pb2.PushBatchResponse.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/shardps.v1.Shard/Stream',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.StreamRequest.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.StreamResponse.FromString,
+                _registered_method=True)
         self.ShardInfo = channel.unary_unary(
                 '/shardps.v1.Shard/ShardInfo',
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.ShardInfoRequest.SerializeToString,
@@ -176,6 +181,14 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stream(self, request_iterator, context):
+        """Pulls and pushes pipelined on one stream: served in the order sent, one response each,
+        in order (a pull sees every push sent before it on the stream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ShardInfo(self, request, context):
         """Identity, version, contents and counters.
         """
@@ -249,6 +262,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.PushBatch,
                     request_deserializer=shardps_dot_v1_dot_shardps__pb2.PushBatchRequest.FromString,
                     response_serializer=shardps_dot_v1_dot_shardps__pb2.PushBatchResponse.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.StreamRequest.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.StreamResponse.SerializeToString,
             ),
             'ShardInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ShardInfo,
@@ -537,6 +555,33 @@ class Shard:
             '/shardps.v1.Shard/PushBatch',
             shardps_dot_v1_dot_shardps__pb2.PushBatchRequest.SerializeToString,
             shardps_dot_v1_dot_shardps__pb2.PushBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shardps.v1.Shard/Stream',
+            shardps_dot_v1_dot_shardps__pb2.StreamRequest.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,248 @@
+"""One shard's lane: this client's pulls and pushes to the shard, in order, pipelined.
+
+Optimizers such as Adam are not commutative, so a client's pushes must reach a
+shard in the order they were made, and a pull should see the client's earlier
+pushes. Separate unary calls give no such order (the shard's handler threads
+may run them in any order), so the lane sends every call on one ``Stream``:
+the shard serves the messages in the order they arrive and answers each in
+order. Pushes need no round trip each (many stay in flight), a pull needs no
+wait for earlier pushes to be acknowledged, and a message on an open stream
+costs both sides about half the CPU of a unary call (measured with 563 KB
+replies on loopback: 0.60 ms round trip against 1.1 ms).
+
+When the stream breaks (the shard restarts, or stops and cancels it), the
+lane opens a new one and resends every call not yet answered, in order, with
+backoff for up to ``retry_timeout`` seconds; (client id, seq) dedup on the
+shard makes a resent push that was already applied a no-op, and pulls are
+idempotent. A shard that refuses streams (RESOURCE_EXHAUSTED: too many open;
+UNIMPLEMENTED: an older server) gets unary calls, one at a time, for the rest
+of the client's life.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Optional
+
+import grpc
+
+from shardps import wire
+from shardps.v1 import shardps_pb2 as pb
+from shardps_client.errors import ShardpsError, ShardTimeoutError, ShardUnavailableError, from_rpc_error, from_status
+
+log = logging.getLogger(__name__)
+
+#: StreamRequest's oneof field for each unary method (StreamResponse uses the same numbers).
+FIELDS = {"Push": 1, "PushDense": 2, "PushBatch": 3, "Pull": 4, "PullDense": 5, "PullBatch": 6}
+_ERROR = 7  # StreamResponse.error
+_RESEND = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_UNSUPPORTED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _reply(field: int, view: memoryview) -> Any:
+    """A StreamResponse's reply, as the unary call's stub returns it."""
+    if field in (1, 2):
+        return pb.PushResponse.FromString(bytes(view))
+    if field == 3:
+        return pb.PushBatchResponse.FromString(bytes(view))
+    if field in (4, 5):
+        return wire.decode_pull_response(view)
+    if field == 6:
+        return wire.decode_repeated(view)
+    raise ShardpsError(f"unexpected StreamResponse field {field}")
+
+
+class _Item:
+    __slots__ = ("future", "method", "request", "sent_at")
+
+    def __init__(self, method: str, request: bytes) -> None:
+        self.future: Future = Future()
+        self.method = method
+        self.request = request  # framed as a StreamRequest
+        self.sent_at = 0.0
+
+
+class _Deadline(Exception):
+    """Raised by a request iterator to make gRPC cancel its stream."""
+
+
+class Lane:
+    """Ordered, pipelined calls to one shard (see the module docstring).
+
+    Args:
+        channel: the shard's channel.
+        address: the shard's address (for errors).
+        unary: ``unary(method, request_bytes)`` makes one unary call with the
+            client's deadline and retries (the fallback when streams are refused).
+        timeout: seconds a call may wait for its answer before the stream is
+            cancelled and it fails with ShardTimeoutError.
+        retry_timeout: seconds to keep reopening a broken stream.
+    """
+
+    def __init__(self, channel: grpc.Channel, address: str, unary: Callable[[str, bytes], Any],
+                 timeout: float, retry_timeout: float) -> None:
+        self._open = channel.stream_stream("/shardps.v1.Shard/Stream", request_serializer=_request_bytes,
+                                           response_deserializer=wire.unframe)
+        self.address = address
+        self._unary = unary
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Item] = collections.deque()  # not yet handed to a stream
+        self._unacked: collections.deque[_Item] = collections.deque()  # handed to the current stream, unanswered
+        self._generation = 0  # bumped whenever a stream ends: its request iterator must stop
+        self._closed = False
+        self._timed_out = False
+        self._answered = False  # the current stream answered at least once
+        self.streaming = True  # False once the shard refused streams: unary calls from then on
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, method: str, request: bytes) -> Future:
+        """Queue a call: ``request`` is its request framed as StreamRequest field ``FIELDS[method]``.
+
+        The future gets the reply the unary call's stub would return, or its error.
+        """
+        item = _Item(method, request)
+        with self._cv:
+            if self._closed:
+                raise ShardpsError(f"the client's lane to {self.address} is closed", address=self.address)
+            self._queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"shardps-lane-{self.address}", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return item.future
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued, then end the stream and the lane's thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    # ---- the lane's thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        failing_since: Optional[float] = None
+        delay = 0.05
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return  # closed and everything answered
+            if not self.streaming:
+                self._run_unary()
+                continue
+            error = self._stream_once()
+            if error is None:
+                failing_since, delay = None, 0.05
+                continue
+            code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+            if code in _UNSUPPORTED and not self._answered:
+                log.info("shard at %s refused a stream (%s: %s); using unary calls",
+                         self.address, code.name, error.details() if hasattr(error, "details") else error)
+                self.streaming = False
+                continue
+            if self._answered:
+                failing_since, delay = None, 0.05  # the stream worked before it broke: a fresh retry window
+            now = time.monotonic()
+            failing_since = failing_since or now
+            if code in _RESEND and not self._timed_out and now - failing_since + delay < self.retry_timeout:
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 1.0)
+                continue
+            if self._timed_out:
+                exc: ShardpsError = ShardTimeoutError(
+                    f"Stream to shard at {self.address}: no answer within {self.timeout}s", address=self.address,
+                    code=grpc.StatusCode.DEADLINE_EXCEEDED)
+            elif code in _RESEND:
+                exc = ShardUnavailableError(
+                    f"Stream to shard at {self.address} failed ({code.name}) and could not be reopened within "
+                    f"{self.retry_timeout}s", address=self.address, code=code)
+            else:
+                exc = from_rpc_error(error, self.address, "Stream")
+            self._fail_all(exc)
+            failing_since, delay, self._timed_out = None, 0.05, False
+
+    def _stream_once(self) -> Optional[grpc.RpcError]:
+        """Open a stream and run it until it ends; unanswered calls go back to the front of the queue."""
+        with self._cv:
+            self._generation += 1
+            generation = self._generation
+        self._answered = False
+        call = self._open(self._requests(generation))
+        error: Optional[grpc.RpcError] = None
+        try:
+            for field, view in call:
+                with self._cv:
+                    item = self._unacked.popleft()
+                self._answered = True
+                if field == _ERROR:
+                    err = pb.StreamError.FromString(bytes(view))
+                    item.future.set_exception(from_status(err.code, err.message, self.address, item.method))
+                    continue
+                try:
+                    reply = _reply(field, view)
+                except BaseException as e:  # noqa: BLE001 - a malformed reply fails its call alone
+                    item.future.set_exception(e)
+                    continue
+                item.future.set_result(reply)
+        except grpc.RpcError as e:
+            error = e
+        finally:
+            call.cancel()
+            with self._cv:
+                self._generation += 1  # stops this stream's request iterator
+                self._queue.extendleft(reversed(self._unacked))
+                self._unacked.clear()
+                self._cv.notify_all()
+        return error
+
+    def _requests(self, generation: int) -> Iterator[_Item]:
+        """The current stream's requests: queued calls, moved to unacked as they are handed over."""
+        while True:
+            with self._cv:
+                while True:
+                    if generation != self._generation:
+                        return
+                    if self._unacked and time.monotonic() - self._unacked[0].sent_at > self.timeout:
+                        self._timed_out = True
+                        self._generation += 1
+                        self._cv.notify_all()
+                        raise _Deadline()  # gRPC cancels the call when its request iterator raises
+                    if self._queue:
+                        item = self._queue.popleft()
+                        item.sent_at = time.monotonic()
+                        self._unacked.append(item)
+                        break
+                    if self._closed:
+                        return  # half-close: the shard answers what it has, then ends the stream
+                    self._cv.wait(min(1.0, self.timeout))
+            yield item
+
+    def _run_unary(self) -> None:
+        with self._cv:
+            item = self._queue.popleft()
+        try:
+            item.future.set_result(self._unary(item.method, bytes(wire.unframe(item.request)[1])))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the call
+            item.future.set_exception(e)
+
+    def _fail_all(self, exc: ShardpsError) -> None:
+        with self._cv:
+            items = list(self._queue)
+            self._queue.clear()
+        for item in items:
+            item.future.set_exception(exc)
+
+
+def _request_bytes(item: _Item) -> bytes:
+    return item.request
