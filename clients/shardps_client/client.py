@@ -87,8 +87,10 @@ class Client:
         max_message_bytes: requests and replies are split to stay below this
             (keep it under the shards' --max-message-mb).
         max_inflight_pushes: asynchronous pushes in flight before push() blocks.
-        read_your_writes: a pull of a table first waits for this client's
-            pushes to that table (so one worker sees its own updates).
+        read_your_writes: a pull of a table sees this client's earlier pushes
+            to it (so one worker sees its own updates). On streams a pull is
+            served after them anyway; over unary calls (a shard that refused
+            streams) the pull first waits for them.
         check_shard_map: verify each shard's (index, count) on connect.
         client_id: identity for exactly-once pushes (default: random).
         rank: this worker's rank (default: the RANK environment variable that
@@ -640,7 +642,7 @@ class Client:
         self._submit_pushes(work, wait=False)
 
     def _submit_pushes(self, work: list[tuple[list[str], tuple[int, str, Any]]], wait: bool) -> None:
-        """Send each call on its shard's push lane; ``keys`` are the tables (in entry order) it carries."""
+        """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries."""
         futures = []
         for keys, call in work:
             self._inflight.acquire()
