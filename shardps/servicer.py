@@ -55,14 +55,8 @@ def _rpc(method: F) -> F:
     def wrapper(self: ShardServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
-        except ShardError as e:
-            with self.shard.stats.lock:
-                self.shard.stats.errors += 1
-            code = _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
-            context.abort(code, f"shard {self.shard.index}: {e}")
-        except Exception:
-            log.exception("internal error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method.__name__}")
+        except Exception as e:  # noqa: BLE001 - every error becomes a status (see _status)
+            context.abort(*self._status(e, method.__name__))
 
     return wrapper  # type: ignore[return-value]
 
@@ -131,12 +125,31 @@ class ShardServicer(pb_grpc.ShardServicer):
         rows, version = self.shard.pull(request.table, _ids(request.ids))
         return wire.encode_pull_response(rows, wire_dtype, version, frame)
 
+    def _status(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+        """The status code and message of an error in ``method`` (counted; internal errors logged)."""
+        if isinstance(e, ShardError):
+            with self.shard.stats.lock:
+                self.shard.stats.errors += 1
+            return _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), f"shard {self.shard.index}: {e}"
+        log.error("internal error in %s", method, exc_info=e)
+        return grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method}"
+
     @_rpc
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
-        d = wire.decode_push(request, dense=False)
+        return self._push(request, dense=False)
+
+    def _push(self, request: Buffer, dense: bool) -> pb.PushResponse:
+        """A serialized PushRequest (or PushDenseRequest), applied; ``request`` becomes the WAL record."""
+        d = wire.decode_push(request, dense=dense)
         self.shard.check_shard_map(d.shard_map)
-        assert d.ids is not None and d.grads is not None
-        r = self.shard.push(d.name, d.ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync), raw=request)
+        assert d.grads is not None
+        if dense:
+            r = self.shard.push_dense(d.name, d.row_start, d.grads, d.pulled_version, d.client_id, d.seq,
+                                      _sync(d.sync), raw=request)
+        else:
+            assert d.ids is not None
+            r = self.shard.push(d.name, d.ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync),
+                                raw=request)
         return _push_response(r)
 
     @_rpc
@@ -158,12 +171,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def PushDense(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
-        d = wire.decode_push(request, dense=True)
-        self.shard.check_shard_map(d.shard_map)
-        assert d.grads is not None
-        r = self.shard.push_dense(d.name, d.row_start, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync),
-                                  raw=request)
-        return _push_response(r)
+        return self._push(request, dense=True)
 
     @_rpc
     def PullBatch(self, request: pb.PullBatchRequest, context: grpc.ServicerContext) -> bytes:
@@ -230,18 +238,10 @@ class ShardServicer(pb_grpc.ShardServicer):
     def _stream_one(self, request: bytes) -> bytes:
         try:
             field, view = wire.unframe(request)
-            if field in (1, 2):
-                d = wire.decode_push(view, dense=field == 2)
-                self.shard.check_shard_map(d.shard_map)
-                assert d.grads is not None
-                if field == 1:
-                    assert d.ids is not None
-                    r = self.shard.push(d.name, d.ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync),
-                                        raw=view)
-                    return pb.StreamResponse(push=_push_response(r)).SerializeToString()
-                r = self.shard.push_dense(d.name, d.row_start, d.grads, d.pulled_version, d.client_id, d.seq,
-                                          _sync(d.sync), raw=view)
-                return pb.StreamResponse(push_dense=_push_response(r)).SerializeToString()
+            if field == 1:
+                return pb.StreamResponse(push=self._push(view, dense=False)).SerializeToString()
+            if field == 2:
+                return pb.StreamResponse(push_dense=self._push(view, dense=True)).SerializeToString()
             if field == 3:
                 return pb.StreamResponse(push_batch=self._push_batch(view)).SerializeToString()
             if field == 4:
@@ -251,14 +251,8 @@ class ShardServicer(pb_grpc.ShardServicer):
             if field == 6:
                 return self._pull_batch(pb.PullBatchRequest.FromString(bytes(view)), frame=6)
             raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
-        except ShardError as e:
-            with self.shard.stats.lock:
-                self.shard.stats.errors += 1
-            code = _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT)
-            message = f"shard {self.shard.index}: {e}"
-        except Exception:
-            log.exception("internal error in Stream")
-            code, message = grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in Stream"
+        except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
+            code, message = self._status(e, "Stream")
         return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message)).SerializeToString()
 
     def end_streams(self) -> None:

@@ -73,14 +73,13 @@ def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame:
     return b"".join(_len_field(frame, parts) if frame else parts)
 
 
-def frame(field: int, message: Buffer) -> bytes:
-    """``message`` as field ``field`` of an enclosing message (tag, length, bytes)."""
-    return b"".join(_len_field(field, [message]))
+def frame(field: int, *messages: Buffer) -> bytes:
+    """``messages``, concatenated, as field ``field`` of an enclosing message (tag, length, bytes).
 
-
-def join_framed(messages: list[bytes], frame: int) -> bytes:
-    """Already framed fields, concatenated as one message, itself framed as field ``frame``."""
-    return b"".join(_len_field(frame, messages))
+    Several already framed fields concatenate to one message: framed pushes make a
+    PushBatchRequest that way.
+    """
+    return b"".join(_len_field(field, list(messages)))
 
 
 def unframe(buf: Buffer) -> tuple[int, memoryview]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from shardps_client import SGD, Adam, Client, ShardTimeoutError, TableNotFoundError
 
-from shardps import wire
+from shardps import codec, wire
 from shardps.routing import shard_of_ids
 from shardps.specs import Initializer
 from shardps.v1 import shardps_pb2 as pb
@@ -80,8 +80,6 @@ def test_a_refused_call_is_answered_in_order_and_the_stream_goes_on(cluster2, cl
 
 
 def wire_ids(ids: np.ndarray) -> pb.Tensor:
-    from shardps import codec
-
     return codec.encode(np.asarray(ids, np.int64))
 
 

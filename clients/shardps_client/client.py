@@ -24,7 +24,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import grpc
 import numpy as np
@@ -215,21 +215,16 @@ class Client:
         if len(calls) == 1:
             return [self._call(*calls[0])]
         futures = [getattr(self._stubs[s], method).future(req, timeout=self.timeout) for s, method, req in calls]
-        results, first_error = [], None
-        for (s, method, req), f in zip(calls, futures):
+
+        def result(call: tuple[int, str, Any], f: Any) -> Any:
             try:
-                results.append(f.result())
+                return f.result()
             except grpc.RpcError as e:
-                try:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise from_rpc_error(e, self.addresses[s], method) from None
-                    results.append(self._call(s, method, req))
-                except ShardpsError as err:
-                    first_error = first_error or err
-                    results.append(None)
-        if first_error is not None:
-            raise first_error
-        return results
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(e, self.addresses[call[0]], call[1]) from None
+                return self._call(*call)
+
+        return _results([functools.partial(result, call, f) for call, f in zip(calls, futures)])
 
     def _lane_calls(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
         """Run pull calls on their shards' lanes (in order after this client's earlier pushes).
@@ -238,16 +233,7 @@ class Client:
         """
         futures = [self._lanes[s].submit(method, wire.frame(FIELDS[method], req.SerializeToString()))
                    for s, method, req in calls]
-        results, first_error = [], None
-        for f in futures:
-            try:
-                results.append(f.result())
-            except ShardpsError as e:
-                first_error = first_error or e
-                results.append(None)
-        if first_error is not None:
-            raise first_error
-        return results
+        return _results([f.result for f in futures])
 
     def _see_own_pushes(self, key: str) -> None:
         """Before a pull of ``key`` (read_your_writes): make it see this client's pushes.
@@ -633,7 +619,7 @@ class Client:
                     rows = [g for g in group if g[1] == "Push"]
                     dense = [g for g in group if g[1] == "PushDense"]
                     # Framed pushes are PushBatchRequest entries as they are (same field numbers).
-                    body = wire.join_framed([g[2] for g in rows + dense], FIELDS["PushBatch"])
+                    body = wire.frame(FIELDS["PushBatch"], *[g[2] for g in rows + dense])
                     work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
                     group, size = [], 0
                 if entry is not None:
@@ -896,6 +882,20 @@ class Client:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _results(getters: list[Callable[[], Any]]) -> list[Any]:
+    """Every getter's result, in order; once all have finished, raise the first ShardpsError any raised."""
+    results, first_error = [], None
+    for get in getters:
+        try:
+            results.append(get())
+        except ShardpsError as e:
+            first_error = first_error or e
+            results.append(None)
+    if first_error is not None:
+        raise first_error
+    return results
 
 
 def _serialize(request: Any) -> bytes:
