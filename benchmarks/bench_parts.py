@@ -5,8 +5,8 @@
 - gather rows per second (numpy.take), against torch.index_select;
 - optimizer apply rows per second (SGD, Adagrad, Adam on 64-dim rows), against torch.optim on the
   same rows as a dense parameter;
-- shard memory: RSS of a real shard process after 1M rows of 64 float32 are touched, against
-  rows x dim x 4 plus optimizer state.
+- shard memory: RSS growth of a real shard process after 2M rows of 64 float32 are touched
+  (right after loading, at rest, and per row), against rows x dim x 4 plus optimizer state.
 
     python benchmarks/bench_parts.py [--quick]
 Writes benchmarks/results/parts.json and parts.png.
@@ -106,9 +106,22 @@ def gather_and_apply(args: argparse.Namespace) -> list[dict]:
 
 
 def memory(args: argparse.Namespace) -> list[dict]:
+    """RSS growth of a real shard holding ``memory_rows`` rows, against the raw payload.
+
+    Measured three ways: right after the last push (message buffers still in the
+    heap), at rest (the shard returns free heap pages once idle), and per row:
+    the growth at rest between half and all of the rows, which leaves out what a
+    shard spends once whatever its size (interpreter, gRPC, buffers).
+    """
     from shardps_client import Client
 
     from shardps.launcher import LocalCluster
+    from shardps.server import IDLE_TRIM_S
+
+    def load(c: Client, ids: torch.Tensor, dim: int) -> None:
+        for part in torch.split(ids, 250_000):
+            c.push("m", part, torch.full((len(part), dim), 0.01))
+        c.flush()
 
     out = []
     rows, dim = args.memory_rows, 64
@@ -120,15 +133,21 @@ def memory(args: argparse.Namespace) -> list[dict]:
                 c.create_table("m", dim=dim, num_embeddings=rows if fixed else None, optimizer=opt,
                                initializer=Initializer("zeros"))
                 ids = torch.arange(rows) * (1 if fixed else 7919)
-                for part in torch.split(ids, 250_000):
-                    c.push("m", part, torch.full((len(part), dim), 0.01))
-                c.flush()
-                used = rss_bytes(pid) - before
+                load(c, ids[: rows // 2], dim)
+                time.sleep(2.5 * IDLE_TRIM_S)
+                half = rss_bytes(pid)
+                load(c, ids[rows // 2 :], dim)
+                loaded = rss_bytes(pid)
+                time.sleep(2.5 * IDLE_TRIM_S)
+                rest = rss_bytes(pid)
                 info = c.describe_table("m")[0]
             payload = rows * dim * 4 * (1 + state)
             out.append({"part": "memory", "what": f"{type(opt).__name__}, {'fixed' if fixed else 'unbounded'} table",
-                        "batch": rows, "rss_bytes": used, "reported_bytes": info.bytes, "payload_bytes": payload,
-                        "ratio_rss": used / payload, "ratio_reported": info.bytes / payload})
+                        "batch": rows, "payload_bytes": payload, "rss_loaded": loaded - before, "rss_rest": rest - before,
+                        "reported_bytes": info.bytes, "ratio_loaded": (loaded - before) / payload,
+                        "ratio_rest": (rest - before) / payload,
+                        "ratio_per_row": (rest - half) / ((rows - rows // 2) * dim * 4 * (1 + state)),
+                        "ratio_reported": info.bytes / payload})
     return out
 
 
@@ -136,7 +155,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--index-rows", type=int, default=10_000_000, help="ids in the lookup benchmark's index")
-    p.add_argument("--memory-rows", type=int, default=1_000_000, help="rows touched in the memory benchmark")
+    p.add_argument("--memory-rows", type=int, default=2_000_000, help="rows touched in the memory benchmark")
     p.add_argument("--quick", action="store_true", help="small sizes, short budget (smoke run)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -157,8 +176,9 @@ def main() -> int:
                        ("baseline_per_s", "baseline /s", ",.0f"), ("x_baseline", "x baseline", ".2f")]))
     print()
     print(table(mem, [("what", "shard memory", ""), ("batch", "rows", ",d"), ("payload_bytes", "raw payload B", ",d"),
-                      ("rss_bytes", "RSS growth B", ",d"), ("ratio_rss", "RSS / payload", ".3f"),
-                      ("reported_bytes", "reported B", ",d"), ("ratio_reported", "reported / payload", ".3f")]))
+                      ("rss_rest", "RSS growth B", ",d"), ("ratio_loaded", "x payload, loaded", ".3f"),
+                      ("ratio_rest", "x payload, at rest", ".3f"), ("ratio_per_row", "x payload, per row", ".3f"),
+                      ("ratio_reported", "x payload, reported", ".3f")]))
     import pathlib
 
     out = pathlib.Path(args.out)

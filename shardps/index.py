@@ -1,38 +1,70 @@
 """Vectorised id -> slot indexes.
 
-``HashIndex`` is an open-addressing (linear probing) hash table over numpy
-arrays: every probe round is one vectorised pass over the ids still looking
-for their slot, so lookups run at numpy speed instead of a Python dict's 1-2M/s.
-``DirectIndex`` maps ids of a fixed table through a flat array. Both share one
-contract: ``lookup`` returns -1 for absent ids and ``insert`` takes ids that
-are absent and unique.
+Slots are numbered in insertion order (0, 1, 2, ...), and both indexes keep
+the id of every slot in ``ids`` (the table's row order, what snapshots save).
+
+``HashIndex`` is laid out like CPython's compact dict: the dense ``ids`` array
+plus a sparse open-addressing (linear probing) array holding only int32 slot
+numbers, so a row costs 8 bytes of id plus 8-16 bytes of probe table (load
+kept between 1/4 and 1/2) instead of 24-48 bytes for a table of (key, value)
+pairs. Every probe round is one vectorised pass over the ids still looking for
+their slot, so lookups run at numpy speed instead of a Python dict's 1-2M/s.
+``DirectIndex`` maps ids of a fixed table through a flat int32 array.
+
+One contract: ``lookup`` returns -1 for absent ids; ``insert`` takes ids that
+are absent and unique, with the next slots in order.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from shardps.memory import full, grown, zeros
 from shardps.routing import mix64
 
 _INDEX_SEED = np.uint64(0x1D3A5EED00000002)
 
 
-class HashIndex:
-    """Open-addressing id -> slot map for any int64 ids; load factor kept <= 1/2."""
+class _SlotIds:
+    """The id of each slot, in a growable array."""
 
-    def __init__(self, capacity: int = 1024) -> None:
-        cap = 1 << max(4, int(np.ceil(np.log2(max(2 * capacity, 16)))))
-        self._keys = np.zeros(cap, dtype=np.int64)
-        self._vals = np.full(cap, -1, dtype=np.int32)  # slots of a shard's rows fit in 31 bits
-        self._mask = np.uint64(cap - 1)
+    def __init__(self, capacity: int) -> None:
+        self._ids = zeros(max(16, capacity), np.int64)
         self._count = 0
 
     def __len__(self) -> int:
         return self._count
 
     @property
+    def ids(self) -> np.ndarray:
+        """Id of each slot (a view; slot i holds ids[i])."""
+        return self._ids[: self._count]
+
+    def _append_ids(self, ids: np.ndarray, values: np.ndarray) -> None:
+        k = ids.shape[0]
+        if k and not (values[0] == self._count and np.array_equal(values, np.arange(self._count, self._count + k))):
+            raise ValueError(f"slots are assigned in insertion order: expected {self._count}.., got {values[:3]}..")
+        if self._count + k > self._ids.shape[0]:
+            self._ids = grown(self._ids, max(self._count + k, self._ids.shape[0] * 3 // 2))
+        self._ids[self._count : self._count + k] = ids
+        self._count += k
+
+
+class HashIndex(_SlotIds):
+    """Open-addressing id -> slot map for any int64 ids; 4 bytes per probe slot, load kept <= 1/2."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        super().__init__(capacity)
+        self._table = full(self._table_size(capacity), -1, np.int32)  # slots fit in 31 bits
+        self._mask = np.uint64(self._table.shape[0] - 1)
+
+    @staticmethod
+    def _table_size(count: int) -> int:
+        return 1 << max(4, int(np.ceil(np.log2(max(2 * count, 16)))))
+
+    @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._vals.nbytes
+        return 8 * self._count + self._table.nbytes  # ids past the count are never touched
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (mix64(ids, _INDEX_SEED) & self._mask).astype(np.int64)
@@ -42,77 +74,70 @@ class HashIndex:
         ids = np.asarray(ids, dtype=np.int64)
         out = np.full(ids.shape[0], -1, dtype=np.int64)
         pending = np.arange(ids.shape[0])
-        slots = self._home(ids)
+        pos = self._home(ids)
         want = ids
         mask = int(self._mask)
+        slot_ids = self._ids
         while pending.size:
-            vals = self._vals[slots]
-            occupied = vals >= 0
-            hit = occupied & (self._keys[slots] == want)
-            out[pending[hit]] = vals[hit]  # widened to int64 by the assignment
+            slots = self._table[pos]
+            occupied = slots >= 0
+            # An empty position (-1) reads slot_ids[-1]: any value, masked out by ``occupied``.
+            hit = occupied & (slot_ids[slots] == want)
+            out[pending[hit]] = slots[hit]  # widened to int64 by the assignment
             go_on = occupied & ~hit
             if not go_on.any():
                 break
             pending = pending[go_on]
             want = want[go_on]
-            slots = (slots[go_on] + 1) & mask
+            pos = (pos[go_on] + 1) & mask
         return out
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Insert absent, unique ``ids`` mapping to ``values``."""
+        """Insert absent, unique ``ids`` as slots ``values`` (the next ones in order)."""
         ids = np.asarray(ids, dtype=np.int64)
         values = np.asarray(values, dtype=np.int64)
-        if self._count + ids.shape[0] > (self._vals.shape[0] >> 1):
-            self._grow(self._count + ids.shape[0])
+        self._append_ids(ids, values)
+        if self._count > (self._table.shape[0] >> 1):
+            self._table = full(self._table_size(self._count), -1, np.int32)
+            self._mask = np.uint64(self._table.shape[0] - 1)
+            self._place(self._ids[: self._count], np.arange(self._count))
+        else:
+            self._place(ids, values)
+
+    def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
         mask = int(self._mask)
-        slots = self._home(ids)
-        self._count += ids.shape[0]
+        pos = self._home(ids)
         while ids.size:
-            free = self._vals[slots] < 0
+            free = self._table[pos] < 0
             cand = np.flatnonzero(free)
-            # Several ids may want the same free slot: the first of each wins this round.
-            won_slots, first = np.unique(slots[cand], return_index=True)
+            # Several ids may want the same free position: the first of each wins this round.
+            won, first = np.unique(pos[cand], return_index=True)
             winners = cand[first]
-            self._keys[won_slots] = ids[winners]
-            self._vals[won_slots] = values[winners]
+            self._table[won] = values[winners]
             keep = np.ones(ids.shape[0], dtype=bool)
             keep[winners] = False
-            # Ids that met an occupied slot probe on; losers retry (the slot is now taken).
-            slots = np.where(free, slots, (slots + 1) & mask)[keep]
+            # Ids that met an occupied position probe on; losers retry (the position is now taken).
+            pos = np.where(free, pos, (pos + 1) & mask)[keep]
             ids = ids[keep]
             values = values[keep]
 
-    def _grow(self, need: int) -> None:
-        keys, vals = self._keys, self._vals
-        live = vals >= 0
-        cap = self._vals.shape[0]
-        while need > (cap >> 1):
-            cap <<= 1
-        self._keys = np.zeros(cap, dtype=np.int64)
-        self._vals = np.full(cap, -1, dtype=np.int32)
-        self._mask = np.uint64(cap - 1)
-        self._count = 0
-        if live.any():
-            self.insert(keys[live], vals[live])
 
-
-class DirectIndex:
+class DirectIndex(_SlotIds):
     """id -> slot through a flat int32 array of length num_embeddings (fixed tables)."""
 
-    def __init__(self, num_embeddings: int) -> None:
-        self._map = np.full(num_embeddings, -1, dtype=np.int32)
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
+    def __init__(self, num_embeddings: int, capacity: int = 1024) -> None:
+        super().__init__(capacity)
+        self._map = full(num_embeddings, -1, np.int32)
 
     @property
     def nbytes(self) -> int:
-        return self._map.nbytes
+        return 8 * self._count + self._map.nbytes
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self._map[ids].astype(np.int64)
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        values = np.asarray(values, dtype=np.int64)
+        self._append_ids(ids, values)
         self._map[ids] = values
-        self._count += len(ids)

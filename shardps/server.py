@@ -1,7 +1,8 @@
 """Start and stop a shard server.
 
 ``ShardServer`` wires a ``Shard`` to a gRPC server with the standard health
-service, a periodic checkpoint thread and graceful shutdown. ``serve`` runs
+service, a periodic checkpoint thread, a thread that gives free heap memory
+back when the shard falls idle, and graceful shutdown. ``serve`` runs
 one until SIGTERM or SIGINT (the ``shardps serve`` command).
 """
 
@@ -17,13 +18,14 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardps.malloc_tuning import tune_malloc
+from shardps.memory import release_free_memory, tune_malloc
 from shardps.servicer import ShardServicer, add_to_server
 from shardps.shard import Shard, ShardConfig
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "shardps.v1.Shard"
+IDLE_TRIM_S = 1.0  # a shard quiet this long after traffic returns its free heap pages to the OS
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class ShardServer:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._ckpt_thread: Optional[threading.Thread] = None
+        self._trim_thread = threading.Thread(target=self._trim_when_idle, name="trimmer", daemon=True)
         self._started = False
 
     @property
@@ -97,6 +100,7 @@ class ShardServer:
         if self.config.checkpoint_interval_s > 0 and self.shard.data_dir is not None:
             self._ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="checkpointer", daemon=True)
             self._ckpt_thread.start()
+        self._trim_thread.start()
         log.info("shard %d of %d serving on %s", self.shard.index, self.shard.num_shards, self.address)
         return self
 
@@ -106,6 +110,20 @@ class ShardServer:
                 self.shard.checkpoint()
             except Exception:
                 log.exception("periodic checkpoint failed")
+
+    def _trim_when_idle(self) -> None:
+        """Message buffers stay in the heap while traffic flows (``tune_malloc``); once calls
+        stop for IDLE_TRIM_S, hand the free pages back, so a shard's memory after a burst
+        (a bulk load, say) is what its tables hold."""
+        stats = self.shard.stats
+        seen = trimmed = 0
+        while not self._stop.wait(IDLE_TRIM_S):
+            with stats.lock:
+                calls = stats.pulls + stats.pushes
+            if calls == seen and calls != trimmed:
+                release_free_memory()
+                trimmed = calls
+            seen = calls
 
     def stop(self, checkpoint: bool = True) -> None:
         """Stop serving: refuse new calls, let in-flight ones finish, then checkpoint."""
@@ -118,6 +136,8 @@ class ShardServer:
         stopped.wait()
         if self._ckpt_thread is not None:
             self._ckpt_thread.join()
+        if self._trim_thread.is_alive():
+            self._trim_thread.join()
         if checkpoint and self.shard.data_dir is not None and self.shard.config.durability != "none":
             self.shard.checkpoint("shutdown")
         self.shard.close()

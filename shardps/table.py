@@ -1,7 +1,7 @@
 """Row storage of one table (or dense tensor) on one shard.
 
 A ``Table`` owns rows, per-row optimizer state and per-row step counts in
-growable numpy arrays, plus an id -> slot index. It knows nothing of gRPC or
+growable numpy arrays, plus an id -> slot index (which also holds each slot's id). It knows nothing of gRPC or
 versions: the shard validates ownership and staleness, the table validates
 shapes and values, gathers and applies the optimizer. Every method that reads
 or writes rows holds the table's lock, so no pull sees a half-written row.
@@ -16,6 +16,7 @@ import numpy as np
 
 from shardps.errors import InvalidArgument, OutOfRange, WrongShard
 from shardps.index import DirectIndex, HashIndex
+from shardps.memory import grown, zeros
 from shardps.optim import Optimizer
 from shardps.specs import DenseSpec, Initializer, TableSpec
 
@@ -43,18 +44,18 @@ class Table:
         self.optimizer: Optimizer = spec.optimizer
         self.initializer: Optional[Initializer] = None if isinstance(spec, DenseSpec) else spec.initializer
         cap = max(16, int(expected_rows))
-        self.index: Union[HashIndex, DirectIndex] = (
-            DirectIndex(self.num_embeddings)
-            if self.num_embeddings is not None and self._direct_index_pays(cap)
-            else HashIndex(cap)
-        )
+        self.index = self._new_index(cap)
         self.n = 0
-        self.ids = np.zeros(cap, dtype=np.int64)
-        self.rows = np.zeros((cap, self.dim), dtype=np.float32)
-        self.steps = np.zeros(cap, dtype=np.int32)
-        self.state = {name: np.zeros((cap, self.dim), dtype=np.float32) for name in self.optimizer.state_names()}
+        self.rows = zeros((cap, self.dim), np.float32)
+        self.steps = zeros(cap, np.int32)
+        self.state = {name: zeros((cap, self.dim), np.float32) for name in self.optimizer.state_names()}
 
     # ---- validation (no lock needed) -------------------------------------------------
+
+    def _new_index(self, cap: int) -> Union[HashIndex, DirectIndex]:
+        if self.num_embeddings is not None and self._direct_index_pays(cap):
+            return DirectIndex(self.num_embeddings, cap)
+        return HashIndex(cap)
 
     def _direct_index_pays(self, cap: int) -> bool:
         """A flat map costs 4 bytes per id of the whole table; use it when that is cheap."""
@@ -97,17 +98,20 @@ class Table:
         if need <= cap:
             return
         new_cap = max(need, cap + cap // 2)
-        self.ids = _grown(self.ids, new_cap)
-        self.rows = _grown(self.rows, new_cap)
-        self.steps = _grown(self.steps, new_cap)
-        self.state = {k: _grown(v, new_cap) for k, v in self.state.items()}
+        self.rows = grown(self.rows, new_cap)
+        self.steps = grown(self.steps, new_cap)
+        self.state = {k: grown(v, new_cap) for k, v in self.state.items()}
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Id of each materialised row, in slot order (a view)."""
+        return self.index.ids
 
     def _append(self, new_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Materialise rows for absent, unique ids; returns their slots."""
         k = new_ids.shape[0]
         self._reserve(k)
         slots = np.arange(self.n, self.n + k, dtype=np.int64)
-        self.ids[self.n : self.n + k] = new_ids
         self.rows[self.n : self.n + k] = values
         for name, arr in self.state.items():
             init = self.optimizer.initial_state(name)
@@ -158,8 +162,8 @@ class Table:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes per materialised row: value, optimizer state, step, id."""
-        return self.dim * 4 * (1 + len(self.state)) + 4 + 8
+        """Bytes per materialised row: value, optimizer state, step (the index holds the id)."""
+        return self.dim * 4 * (1 + len(self.state)) + 4
 
     def nbytes(self) -> int:
         return self.n * self.row_bytes + self.index.nbytes
@@ -176,6 +180,7 @@ class Table:
         with self.lock:
             ids = arrays["ids"]
             self.n = 0
+            self.index = self._new_index(max(16, ids.shape[0]))
             self._reserve(ids.shape[0])
             slots = self._append(ids, arrays["rows"])
             self.steps[slots] = arrays["steps"]
@@ -202,9 +207,3 @@ def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray
     starts = np.flatnonzero(first)
     summed = np.add.reduceat(np.take(grads, order, axis=0).astype(np.float32, copy=False), starts, axis=0)
     return sorted_ids[starts], summed
-
-
-def _grown(arr: np.ndarray, cap: int) -> np.ndarray:
-    out = np.zeros((cap,) + arr.shape[1:], dtype=arr.dtype)
-    out[: arr.shape[0]] = arr
-    return out

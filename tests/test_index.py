@@ -1,9 +1,12 @@
-"""One contract, checked for every index implementation against a dict."""
+"""One contract, checked for every index implementation against a dict; tables reloaded from snapshots."""
 
 import numpy as np
 import pytest
 
 from shardps.index import DirectIndex, HashIndex
+from shardps.optim import Adam
+from shardps.specs import Initializer, TableSpec
+from shardps.table import Table
 
 IMPLS = {
     "hash": lambda: HashIndex(capacity=16),
@@ -42,3 +45,36 @@ def test_hash_index_any_int64_and_colliding_ids():
     index.insert(many, np.arange(5, 100_005))
     np.testing.assert_array_equal(index.lookup(many[::997]), np.arange(5, 100_005)[::997])
     assert index.lookup(np.array([12345678901])).tolist() == [-1]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_index_keeps_ids_in_slot_order_and_refuses_other_slots(impl):
+    index = IMPLS[impl]()
+    index.insert(np.array([50, 7, 900]), np.arange(3))
+    index.insert(np.array([3]), np.array([3]))
+    np.testing.assert_array_equal(index.ids, [50, 7, 900, 3])
+    with pytest.raises(ValueError, match="insertion order"):
+        index.insert(np.array([11, 12]), np.array([5, 6]))
+    np.testing.assert_array_equal(index.lookup(np.array([11, 3])), [-1, 3])
+
+
+@pytest.mark.parametrize("num_embeddings", [None, 10**6])
+def test_table_snapshot_loads_into_a_used_table(num_embeddings):
+    spec = TableSpec(name="t", dim=4, num_embeddings=num_embeddings, optimizer=Adam(lr=0.1),
+                     initializer=Initializer("normal", std=0.1, seed=1))
+    src = Table(spec, owns=lambda ids: np.ones(len(ids), bool), expected_rows=16)
+    rng = np.random.default_rng(0)
+    for _ in range(5):  # grows the arrays past their first capacity
+        ids = rng.integers(0, 10**6, 40)
+        src.apply(ids, rng.standard_normal((40, 4)).astype(np.float32), 1.0)
+    snap = src.snapshot()
+    dst = Table(spec, owns=lambda ids: np.ones(len(ids), bool))
+    dst.apply(np.array([1, 2, 3]), np.ones((3, 4), np.float32), 1.0)  # rows the snapshot replaces
+    dst.load(snap)
+    assert dst.n == src.n
+    probe = np.concatenate([src.ids[::3], [1, 2, 3]])
+    with src.lock, dst.lock:
+        np.testing.assert_array_equal(dst.rows[dst._slots(probe, create=True)], src.rows[src._slots(probe, create=True)])
+        for k in src.state:
+            np.testing.assert_array_equal(dst.state[k][dst._slots(probe, create=True)],
+                                          src.state[k][src._slots(probe, create=True)])

@@ -32,7 +32,7 @@ import torch
 
 from shardps import codec, wire
 from shardps.errors import InvalidArgument as _ServerInvalidArgument
-from shardps.malloc_tuning import tune_malloc
+from shardps.memory import tune_malloc
 from shardps.optim import SGD, Optimizer
 from shardps.routing import dense_row_ranges, name_hash, split_by_shard
 from shardps.specs import (
@@ -123,7 +123,7 @@ class Client:
             raise InvalidArgumentError("Client needs at least one shard address")
         if wire_dtype not in _WIRE:
             raise InvalidArgumentError(f"wire_dtype must be one of {sorted(_WIRE)}, got {wire_dtype!r}")
-        tune_malloc()  # message-sized buffers stay in the heap (see shardps.malloc_tuning)
+        tune_malloc()  # message-sized buffers stay in the heap (see shardps.memory)
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.timeout = timeout

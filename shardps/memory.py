@@ -1,0 +1,103 @@
+"""The C heap and growable arrays: keep message buffers in the heap, give free memory back.
+
+``tune_malloc``: glibc serves allocations above M_MMAP_THRESHOLD (128 KiB at
+first) with fresh mmap'd pages and returns them on free, so every ~1 MB request
+or reply costs hundreds of page faults when its buffers are touched. Measured
+on a 2-core machine: a 4,400-row pull went from 5.7 ms to 2.2 ms with the
+threshold at 32 MiB (glibc's maximum) and trimming at 16 MiB (so freed
+temporaries do not pile up). Set SHARDPS_TUNE_MALLOC=0 to leave malloc alone.
+
+``zeros`` / ``full`` / ``grown``: a shard's long-lived arrays (rows, optimizer
+state, ids, index) get pages of their own from ``mmap`` instead of the heap.
+In the heap, a long-lived array allocated among message buffers keeps every
+freed buffer around it resident; measured on a 1M-row unbounded table, the
+halves-again growth of those arrays left 50 MB (0.2x of the rows) resident.
+Their own mapping is untouched (so costs nothing) until written, and returned
+whole when the array is freed.
+
+``release_free_memory``: shards hand the heap's free pages back to the OS
+(``malloc_trim``) when they fall idle after traffic; a no-op where the C
+library has no such call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import sys
+from typing import Any, Optional, Union
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_done = False
+
+
+def _libc() -> Optional[Any]:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+_TRIM = getattr(_LIBC, "malloc_trim", None)
+if _TRIM is not None:
+    _TRIM.argtypes = [ctypes.c_size_t]
+    _TRIM.restype = ctypes.c_int
+
+
+def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 16 << 20) -> bool:
+    """Apply the settings once per process (Linux with glibc only); True if applied."""
+    global _done
+    if _done or os.environ.get("SHARDPS_TUNE_MALLOC", "1") == "0":
+        return _done
+    _done = True
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is None:
+        return False
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    log.debug("malloc tuning %s", "applied" if ok else "refused")
+    return ok
+
+
+def release_free_memory() -> None:
+    """Return the C heap's free pages to the OS (glibc); otherwise do nothing."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+_OWN_PAGES = 1 << 20  # arrays from this size up get a mapping of their own
+
+
+def zeros(shape: Union[int, tuple[int, ...]], dtype: Any) -> np.ndarray:
+    """``np.zeros``, on pages of its own (from mmap) when 1 MiB or larger."""
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    if nbytes < _OWN_PAGES:
+        return np.zeros(dims, dtype=dt)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(pages, dtype=dt, count=nbytes // dt.itemsize).reshape(dims)
+
+
+def full(shape: Union[int, tuple[int, ...]], value: Any, dtype: Any) -> np.ndarray:
+    """``np.full``, on pages of its own when 1 MiB or larger."""
+    out = zeros(shape, dtype)
+    out.fill(value)
+    return out
+
+
+def grown(arr: np.ndarray, cap: int) -> np.ndarray:
+    """A zeroed array of ``cap`` rows holding ``arr``'s rows first (pages past them stay untouched)."""
+    out = zeros((cap,) + arr.shape[1:], arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
