@@ -422,7 +422,13 @@ class Shard:
     # ---- synchronous steps and membership --------------------------------------------
 
     def _push_sync(self, t: Table, ids: np.ndarray, grads: np.ndarray, part: SyncPart) -> PushResult:
-        """Add one worker's part of a step; return once the step is applied (or failed)."""
+        """Add one worker's part of a step.
+
+        The part that completes the worker's contribution returns once the step
+        is applied (or failed); earlier parts return once recorded. They must:
+        a worker's parts arrive in order on one stream, so a part that waited for
+        the step would hold back the worker's remaining parts, and the step with them.
+        """
         policy = t.spec.sync
         assert policy is not None
         self.membership.touch(part.rank, policy.workers)
@@ -433,6 +439,8 @@ class Shard:
             buf = st.add(part.step, part.rank, part.part, part.parts, ids, np.asarray(grads, dtype=np.float32))
             if buf is None:
                 return PushResult(self.version, 0, False, late=True)
+            if part.rank not in buf.complete_ranks():
+                return PushResult(self.version, 0, False)
             while not buf.done:
                 self._try_finish_step(t, st, part.step, buf)
                 if not buf.done:

@@ -65,9 +65,11 @@ def test_two_workers_mean_equals_one_worker_on_both_batches():
             opt.zero_grad()
             ((emb[ids] @ w.T).tanh() ** 2).mean().backward()
             opt.step()
+        # The mean of two 16-sample means against one 32-sample mean: the same math, summed in
+        # another order; 4 steps through tanh drift by a few 1e-6 (seen once in 26 runs at 1e-6).
         with Client(addresses) as c:
-            torch.testing.assert_close(c.pull("e", torch.arange(100)), emb.detach(), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(c.pull_dense("w")[0], w.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(c.pull("e", torch.arange(100)), emb.detach(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(c.pull_dense("w")[0], w.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_median_ignores_one_wild_worker():
@@ -189,3 +191,31 @@ def test_ssp_never_lets_a_worker_run_more_than_k_ahead():
 
         assert not _run_workers(addresses, 2, body, ssp_bound=k)
         assert 1 <= worst[0] <= k  # the fast worker did run ahead, but never by more than k
+
+
+def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out_the_timeout():
+    """Pushes over the message limit go in several parts per shard, in order on one stream:
+    only a rank's last part may wait for the step, or its later parts never arrive."""
+    dim, rows = 32, 4000
+    with running_cluster(2) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.create_table("big", dim=dim, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           sync=SyncPolicy(workers=2, aggregator="sum", timeout_s=20, on_timeout="fail"))
+        ids = torch.arange(rows)
+        parts_seen: list[int] = []
+
+        def body(c: Client, rank: int) -> None:
+            parts_seen.append(-(-rows // 2 // c._rows_per_message(dim, c.wire_dtype)))
+            for step in range(2):
+                c.push("big", ids, torch.full((rows, dim), float(rank + 1)))
+                c.flush()
+
+        t0 = time.monotonic()
+        # ~64 KB messages: each rank's 2,000 rows per shard go in 4 parts.
+        assert not _run_workers(addresses, 2, body, max_message_bytes=64 * 1024)
+        assert min(parts_seen) >= 3
+        assert time.monotonic() - t0 < 10, "a step waited for its straggler timeout"
+        with Client(addresses) as c:
+            # Two steps, each the sum of both ranks' gradients (1 + 2), at lr 1.
+            torch.testing.assert_close(c.pull("big", ids), torch.full((rows, dim), -6.0))
