@@ -68,6 +68,15 @@ def worker_identity() -> Optional[tuple[int, int]]:
     return None
 
 
+def worker_threads(addresses: list[str], world: int) -> int:
+    """torch threads for one worker: this host's cores shared among the workers, and among
+    the shards too when they run here (loopback addresses). An idle torch thread spins for
+    a while after each op, so more threads than free cores takes CPU from the shards: with
+    2 threads on 2 cores beside 2 shards, a DLRM worker used twice the CPU per step."""
+    local_shards = sum(a.startswith(("127.", "localhost", "[::1]")) for a in addresses)
+    return max(1, (os.cpu_count() or 2) // (max(world, 1) + local_shards))
+
+
 def worker_addresses(args: argparse.Namespace) -> list[str]:
     if os.environ.get("SHARDPS_ADDRESSES"):
         return os.environ["SHARDPS_ADDRESSES"].split(",")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Progress, add_cluster_args, cluster, run_workers, worker_addresses, worker_identity  # noqa: E402
+from common import Progress, add_cluster_args, cluster, run_workers, worker_addresses, worker_identity, worker_threads  # noqa: E402
 from shardps_client import (  # noqa: E402
     Adagrad,
     Adam,
@@ -142,7 +142,7 @@ def evaluate(model: nn.Module, ids: np.ndarray, dense: np.ndarray, labels: np.nd
 
 def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int) -> int:
     torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(world, 1)))
+    torch.set_num_threads(worker_threads(addresses, world))
     ids, dense, labels, _ = click_log(args.train // world, args.rows, args.seed, stream=1 + rank)
     ssp = args.ssp_bound if args.mode == "ssp" else None
     with Client(addresses, rank=rank, world_size=world, ssp_bound=ssp) as client:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Progress, add_cluster_args, launch  # noqa: E402
+from common import Progress, add_cluster_args, launch, worker_threads  # noqa: E402
 from shardps_client import Adam, Client, RemoteEmbedding, ShardedOptimizer, SyncPolicy  # noqa: E402
 
 from shardps.specs import Initializer  # noqa: E402
@@ -54,7 +54,7 @@ class CharLM(nn.Module):
 
 def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int) -> int:
     torch.manual_seed(args.seed)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(worker_threads(addresses, world))
     text = corpus()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
