@@ -202,7 +202,41 @@ def test_two_sync_workers_with_modules_equal_one_worker_on_both_batches():
             opt.step()
         with Client(addresses) as c:
             torch.testing.assert_close(c.pull("t", torch.arange(ROWS)), init_model.emb.weight.detach(), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(c.pull_dense("m.fc2.weight")[0], init_model.fc2.weight.detach(), rtol=1e-5, atol=1e-6)
+            fresh = TinyModel(RemoteEmbedding(c, "t"))
+            ShardedOptimizer(c, fresh, optimizer=SGD(lr=0.5), prefix="m.", sync=sync)  # registered: pulls the shards' values
+            torch.testing.assert_close(fresh.fc2.weight.detach(), init_model.fc2.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_buckets_train_exactly_as_one_tensor_per_parameter(caplog):
+    """Small parameters share flat tensors on the shards; elementwise optimizers make that exact."""
+    torch.manual_seed(0)
+    init = TinyModel(nn.Embedding(ROWS, DIM))
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, ROWS, (8, 3), generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(5)]
+    results = {}
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("b", dim=DIM, num_embeddings=ROWS, optimizer=SGD(lr=0.1), initializer=Initializer(seed=4))
+        for bucket_bytes in (0, 448):
+            model = TinyModel(nn.Embedding(ROWS, DIM))
+            model.load_state_dict(init.state_dict())
+            model.emb.requires_grad_(False)
+            opt = ShardedOptimizer(c, model, optimizer=Adam(lr=0.05), prefix=f"k{bucket_bytes}.", bucket_bytes=bucket_bytes)
+            assert len(opt.tensors) == (4 if bucket_bytes == 0 else 2)  # fc1.weight + fc1.bias (448 B) | fc2.*
+            for step, (ids, y) in enumerate(batches):
+                opt.zero_grad()
+                h = model.emb(ids).mean(1)
+                # The last step leaves fc1.bias out: in a bucket with gradients it gets zeros (and a warning).
+                out = model.fc2(torch.relu(F.linear(h, model.fc1.weight) if step == 4 else model.fc1(h)))
+                F.cross_entropy(out, y).backward()
+                opt.step()
+            opt.flush()
+            opt.zero_grad()
+            results[bucket_bytes] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert any("got no gradient this step" in r.message for r in caplog.records)
+    for name in ("fc1.weight", "fc2.weight", "fc2.bias"):
+        torch.testing.assert_close(results[448][name], results[0][name], rtol=0, atol=0)
+    # fc1.bias was skipped at the last step when alone; in its bucket it took a zero-gradient Adam step.
+    assert not torch.equal(results[448]["fc1.bias"], results[0]["fc1.bias"])
 
 
 def test_prefetcher_hides_pulls_and_gives_the_same_rows(table):

@@ -207,7 +207,7 @@ def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out
 
         def body(c: Client, rank: int) -> None:
             parts_seen.append(-(-rows // 2 // c._rows_per_message(dim, c.wire_dtype)))
-            for step in range(2):
+            for _step in range(2):
                 c.push("big", ids, torch.full((rows, dim), float(rank + 1)))
                 c.flush()
 
