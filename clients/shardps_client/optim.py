@@ -112,6 +112,7 @@ class ShardedOptimizer:
             if all(g is None for g in grads):
                 continue
             if not _is_bucket(name):
+                assert grads[0] is not None  # the only member, and not all are None
                 self.client.push_dense(name, grads[0], versions=self._versions.get(name))
                 continue
             missing = [m for m, g in zip(members, grads) if g is None]
