@@ -76,6 +76,9 @@ def release_free_memory() -> None:
 
 
 _OWN_PAGES = 1 << 20  # arrays from this size up get a mapping of their own
+# Anonymous private mappings (Linux, macOS); elsewhere arrays come from numpy's allocator.
+_MAP_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_CAN_MAP = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
 def zeros(shape: Union[int, tuple[int, ...]], dtype: Any) -> np.ndarray:
@@ -83,9 +86,9 @@ def zeros(shape: Union[int, tuple[int, ...]], dtype: Any) -> np.ndarray:
     dt = np.dtype(dtype)
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
-    if nbytes < _OWN_PAGES:
+    if nbytes < _OWN_PAGES or not _CAN_MAP:
         return np.zeros(dims, dtype=dt)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)
     return np.frombuffer(pages, dtype=dt, count=nbytes // dt.itemsize).reshape(dims)
 
 

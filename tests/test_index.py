@@ -78,3 +78,15 @@ def test_table_snapshot_loads_into_a_used_table(num_embeddings):
         for k in src.state:
             np.testing.assert_array_equal(dst.state[k][dst._slots(probe, create=True)],
                                           src.state[k][src._slots(probe, create=True)])
+
+
+def test_arrays_on_pages_of_their_own_behave_as_numpy_arrays():
+    from shardps.memory import full, grown, zeros
+
+    big = zeros((70_000, 4), np.float32)  # 1.1 MB: its own mapping
+    assert big.flags.writeable and big.flags.c_contiguous and not big.any()
+    big[123] = 7.0
+    more = grown(big, 100_000)
+    assert more.shape == (100_000, 4) and more[123].tolist() == [7.0] * 4 and not more[70_000:].any()
+    np.testing.assert_array_equal(full(300_000, -1, np.int32), np.full(300_000, -1, np.int32))
+    assert zeros(10, np.int64).tolist() == [0] * 10  # small: numpy's own allocation
