@@ -1,10 +1,11 @@
 """Row storage of one table (or dense tensor) on one shard.
 
 A ``Table`` owns rows, per-row optimizer state and per-row step counts in
-growable numpy arrays, plus an id -> slot index (which also holds each slot's id). It knows nothing of gRPC or
-versions: the shard validates ownership and staleness, the table validates
-shapes and values, gathers and applies the optimizer. Every method that reads
-or writes rows holds the table's lock, so no pull sees a half-written row.
+growable numpy arrays, plus an id -> slot index (which also holds each slot's
+id). It knows nothing of gRPC or versions: the shard validates ownership and
+staleness, the table validates shapes and values, gathers and applies the
+optimizer. Every method that reads or writes rows holds the table's lock, so no
+pull sees a half-written row.
 """
 
 from __future__ import annotations
