@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardps.table import unique_ids
+
 
 def stack(contributions: list[tuple[np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Union of ids (sorted) and a [workers, len(union), dim] array of zero-filled gradients."""
     nonempty = [ids for ids, _ in contributions if ids.size]
-    union = np.unique(np.concatenate(nonempty)) if nonempty else np.zeros(0, dtype=np.int64)
+    union = unique_ids(np.concatenate(nonempty)) if nonempty else np.zeros(0, dtype=np.int64)
     out = np.zeros((len(contributions), union.shape[0], dim), dtype=np.float32)
     for w, (ids, grads) in enumerate(contributions):
         if ids.size:

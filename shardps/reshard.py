@@ -22,6 +22,7 @@ from shardps import checkpoint as ckpt
 from shardps.routing import dense_rows_owned, shard_of_ids
 from shardps.shard import Shard, ShardConfig
 from shardps.specs import dense_spec_from_pb
+from shardps.table import unique_ids
 from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
                     parts.setdefault(key[len(prefix):], []).append(arr)
         merged[name] = {k: np.concatenate(v) for k, v in parts.items()}
         ids = merged[name]["ids"]
-        if np.unique(ids).shape[0] != ids.shape[0]:
+        if unique_ids(ids).shape[0] != ids.shape[0]:
             raise ValueError(f"table {name!r}: an id is held by more than one old shard; refusing to reshard")
     version = max(int(m["version"]) for m, _ in snapshots)
     stamp = time.strftime("reshard-%Y%m%d-%H%M%S")

@@ -90,3 +90,11 @@ def test_arrays_on_pages_of_their_own_behave_as_numpy_arrays():
     assert more.shape == (100_000, 4) and more[123].tolist() == [7.0] * 4 and not more[70_000:].any()
     np.testing.assert_array_equal(full(300_000, -1, np.int32), np.full(300_000, -1, np.int32))
     assert zeros(10, np.int64).tolist() == [0] * 10  # small: numpy's own allocation
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 1000])
+def test_unique_ids_is_np_unique(n):
+    from shardps.table import unique_ids
+
+    ids = np.random.default_rng(n).zipf(1.2, n).astype(np.int64) - 5
+    np.testing.assert_array_equal(unique_ids(ids), np.unique(ids))

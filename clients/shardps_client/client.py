@@ -46,7 +46,7 @@ from shardps.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.table import coalesce, is_sorted_unique
+from shardps.table import coalesce, is_sorted_unique, unique_ids
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from shardps_client.errors import (
@@ -510,7 +510,7 @@ class Client:
             spec = self.table_spec(table)
             ids_np = _ids_to_numpy(ids)
             self._check_ids(spec, ids_np)
-            uniq = np.unique(ids_np.reshape(-1))
+            uniq = unique_ids(ids_np.reshape(-1))
             items.append((spec, uniq))
             f: Future = Future()
             futures.append(f)
