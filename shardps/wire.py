@@ -25,7 +25,7 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 Buffer = Union[bytes, bytearray, memoryview]
 
 
-def _varint(n: int) -> bytes:
+def _encode_varint(n: int) -> bytes:
     if n < 0:
         n += 1 << 64
     out = bytearray()
@@ -39,13 +39,21 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+# Tags, dtypes, shape entries, lengths and sequence numbers are mostly small: look them up.
+_SMALL_VARINTS = tuple(_encode_varint(n) for n in range(1 << 14))
+
+
+def _varint(n: int) -> bytes:
+    return _SMALL_VARINTS[n] if 0 <= n < 16384 else _encode_varint(n)
+
+
 def _tag(field: int, wire_type: int) -> bytes:
     return _varint((field << 3) | wire_type)
 
 
 def _len_field(field: int, parts: list) -> list:
-    size = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
-    return [_tag(field, _LEN), _varint(size), *parts]
+    # Every part is bytes or a 1-D byte view (format "B"), so len() is its size in bytes.
+    return [_varint((field << 3) | _LEN), _varint(sum(map(len, parts))), *parts]
 
 
 def _tensor_parts(array: np.ndarray, dtype: int) -> list:
@@ -79,7 +87,7 @@ def frame(field: int, *messages: Buffer) -> bytes:
     Several already framed fields concatenate to one message: framed pushes make a
     PushBatchRequest that way.
     """
-    return b"".join(_len_field(field, list(messages)))
+    return b"".join(_len_field(field, [m.cast("B") if isinstance(m, memoryview) else m for m in messages]))
 
 
 def unframe(buf: Buffer) -> tuple[int, memoryview]:
@@ -135,6 +143,8 @@ def encode_push(
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    if pos < len(buf) and buf[pos] < 0x80:  # one byte: most tags, dtypes and small numbers
+        return buf[pos], pos + 1
     result = shift = 0
     while True:
         if pos >= len(buf):

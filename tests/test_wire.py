@@ -11,7 +11,7 @@ RNG = np.random.default_rng(0)
 
 
 @pytest.mark.parametrize("dtype", [pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16])
-@pytest.mark.parametrize("shape,version", [((5, 3), 7), ((0, 4), 0), ((1, 1), 2**63 + 5)])
+@pytest.mark.parametrize("shape,version", [((5, 3), 7), ((0, 4), 0), ((1, 1), 2**63 + 5), ((16383, 1), 16383), ((16384, 1), 16384)])
 def test_pull_response_matches_protobuf(dtype, shape, version):
     rows = RNG.standard_normal(shape).astype(np.float32)
     ours = wire.encode_pull_response(rows, dtype, version)
