@@ -24,7 +24,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import grpc
 import numpy as np
@@ -437,13 +437,21 @@ class Client:
                     req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire_dtype,
                                          shard_map=self._map(s))
                     per_shard[s].append((k, part, req, len(part) * (spec.dim * _WIRE_BYTES[wire_dtype] + 8)))
-        calls, metas = self._batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs))
-        for (s, method, _), meta, reply in zip(calls, metas, self._lane_calls(calls)):
-            blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(1, [])]
-            for (k, part), (rows, version) in zip(meta, blocks):
-                outs[k][part] = rows
-                versions[k][s] = min(version, versions[k].get(s, version))
+        pulled = self._pulled(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs), 1)
+        for s, k, part, rows, version in pulled:
+            outs[k][part] = rows
+            versions[k][s] = min(version, versions[k].get(s, version))
         return [(o, Versions(v)) for o, v in zip(outs, versions)]
+
+    def _pulled(self, per_shard: list[list[tuple]], single: str, make_batch, field: int) -> Iterator[tuple]:
+        """Run each shard's pull requests (grouped by ``_batches``) on the lanes; yield
+        (shard, key, part, rows, version) per request. ``field``: the PullBatchResponse
+        field that holds this kind of reply."""
+        calls, metas = self._batches(per_shard, single, make_batch)
+        for (s, method, _), meta, reply in zip(calls, metas, self._lane_calls(calls)):
+            blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(field, [])]
+            for (key, part), (rows, version) in zip(meta, blocks):
+                yield s, key, part, rows, version
 
     def _batches(self, per_shard: list[list[tuple]], single: str, make_batch) -> tuple[list, list]:
         """Group each shard's requests into calls below the message limit.
@@ -459,16 +467,9 @@ class Client:
                 calls.append((s, single, req))
                 metas.append([(k, part)])
                 continue
-            group: list = []
-            size = 0
-            for entry in entries + [None]:
-                if group and (entry is None or size + entry[3] > self.max_message_bytes):
-                    calls.append((s, "PullBatch", make_batch([e[2] for e in group])))
-                    metas.append([(e[0], e[1]) for e in group])
-                    group, size = [], 0
-                if entry is not None:
-                    group.append(entry)
-                    size += entry[3]
+            for group in _groups(entries, lambda e: e[3], self.max_message_bytes):
+                calls.append((s, "PullBatch", make_batch([e[2] for e in group])))
+                metas.append([(e[0], e[1]) for e in group])
         return calls, metas
 
     def pull_many(
@@ -612,19 +613,12 @@ class Client:
                 key, method, req = entries[0]
                 work.append(([key], (s, method, req)))
                 continue
-            group: list[tuple[str, str, bytes]] = []
-            size = 0
-            for entry in entries + [None]:  # type: ignore[list-item]
-                if group and (entry is None or size + len(entry[2]) > self.max_message_bytes):
-                    rows = [g for g in group if g[1] == "Push"]
-                    dense = [g for g in group if g[1] == "PushDense"]
-                    # Framed pushes are PushBatchRequest entries as they are (same field numbers).
-                    body = wire.frame(FIELDS["PushBatch"], *[g[2] for g in rows + dense])
-                    work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
-                    group, size = [], 0
-                if entry is not None:
-                    group.append(entry)
-                    size += len(entry[2])
+            for group in _groups(entries, lambda e: len(e[2]), self.max_message_bytes):
+                rows = [g for g in group if g[1] == "Push"]
+                dense = [g for g in group if g[1] == "PushDense"]
+                # Framed pushes are PushBatchRequest entries as they are (same field numbers).
+                body = wire.frame(FIELDS["PushBatch"], *[g[2] for g in rows + dense])
+                work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
         self._submit_pushes(work, wait=False)
 
     def _submit_pushes(self, work: list[tuple[list[str], tuple[int, str, Any]]], wait: bool) -> None:
@@ -775,15 +769,13 @@ class Client:
             for s, a, b in self._dense_pieces(spec, wire_code):
                 req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire_code, shard_map=self._map(s))
                 per_shard[s].append((name, (a, b), req, (b - a) * spec.cols * _WIRE_BYTES[wire_code]))
-        calls, metas = self._batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs))
         outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
         versions: dict[str, dict[int, int]] = {name: {} for name in specs}
-        for (s, method, _), meta, reply in zip(calls, metas, self._lane_calls(calls)):
-            blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(2, [])]
-            for (name, (a, b)), (block, version) in zip(meta, blocks):
-                outs[name][a:b] = block
-                v = versions[name]
-                v[s] = min(version, v.get(s, version))
+        pulled = self._pulled(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs), 2)
+        for s, name, (a, b), block, version in pulled:
+            outs[name][a:b] = block
+            v = versions[name]
+            v[s] = min(version, v.get(s, version))
         return {
             name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
             for name, spec in specs.items()
@@ -882,6 +874,21 @@ class Client:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _groups(entries: list, size_of: Callable[[Any], int], limit: int) -> Iterator[list]:
+    """Consecutive runs of ``entries`` whose sizes add up to at most ``limit`` (a larger entry goes alone)."""
+    group: list = []
+    size = 0
+    for entry in entries:
+        n = size_of(entry)
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append(entry)
+        size += n
+    if group:
+        yield group
 
 
 def _results(getters: list[Callable[[], Any]]) -> list[Any]:
