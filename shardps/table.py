@@ -204,10 +204,15 @@ def unique_ids(ids: np.ndarray) -> np.ndarray:
     if ids.shape[0] < 2:
         return ids.copy()
     s = np.sort(ids)
-    keep = np.empty(s.shape[0], dtype=bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
+    return s[_first_of_runs(s)]
+
+
+def _first_of_runs(sorted_ids: np.ndarray) -> np.ndarray:
+    """True where a non-empty sorted id array holds an id for the first time."""
+    first = np.empty(sorted_ids.shape[0], dtype=bool)
+    first[0] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    return first
 
 
 def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -216,9 +221,7 @@ def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray
         return ids, grads.astype(np.float32, copy=False)
     order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
-    first = np.empty(sorted_ids.shape[0], dtype=bool)
-    first[0] = True
-    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    first = _first_of_runs(sorted_ids)
     if first.all():
         return sorted_ids, np.take(grads, order, axis=0).astype(np.float32, copy=False)
     starts = np.flatnonzero(first)

@@ -53,7 +53,7 @@ def _tag(field: int, wire_type: int) -> bytes:
 
 def _len_field(field: int, parts: list) -> list:
     # Every part is bytes or a 1-D byte view (format "B"), so len() is its size in bytes.
-    return [_varint((field << 3) | _LEN), _varint(sum(map(len, parts))), *parts]
+    return [_tag(field, _LEN), _varint(sum(map(len, parts))), *parts]
 
 
 def _tensor_parts(array: np.ndarray, dtype: int) -> list:

@@ -77,9 +77,8 @@ class ShardedOptimizer:
         self._versions: dict[str, Versions] = {}
         self._warned_partial = False
         for name, members in self.tensors.items():
-            with torch.no_grad():
-                value = _flat([self.params[m].detach() for m in members]) if _is_bucket(name) else self.params[name]
-            client.register_dense(name, value.detach(), optimizer=optimizer or SGD(), staleness=staleness, sync=sync,
+            value = _flat([self.params[m] for m in members]) if _is_bucket(name) else self.params[name].detach()
+            client.register_dense(name, value, optimizer=optimizer or SGD(), staleness=staleness, sync=sync,
                                   chunk_bytes=chunk_bytes)
         self.pull()
 
@@ -89,11 +88,12 @@ class ShardedOptimizer:
         with torch.no_grad():
             for name, (value, versions) in values.items():
                 self._versions[name] = versions
+                flat = value.reshape(-1)
                 offset = 0
                 for member in self.tensors[name]:
                     p = self.params[member]
                     n = p.numel()
-                    p.copy_(value.reshape(-1)[offset : offset + n].to(p.device).view_as(p))
+                    p.copy_(flat[offset : offset + n].to(p.device).view_as(p))
                     offset += n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
