@@ -140,17 +140,23 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def _push(self, request: Buffer, dense: bool) -> pb.PushResponse:
         """A serialized PushRequest (or PushDenseRequest), applied; ``request`` becomes the WAL record."""
+        t, ids, d = self._validated_push(request, dense)
+        return _push_response(self._apply(t, ids, d, request))
+
+    def _validated_push(self, request: Buffer, dense: bool) -> tuple[Any, Any, Any]:
+        """Decode and check a push without applying it: (table, row ids, decoded push)."""
         d = wire.decode_push(request, dense=dense)
         self.shard.check_shard_map(d.shard_map)
         assert d.grads is not None
         if dense:
-            r = self.shard.push_dense(d.name, d.row_start, d.grads, d.pulled_version, d.client_id, d.seq,
-                                      _sync(d.sync), raw=request)
+            t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads)
         else:
             assert d.ids is not None
-            r = self.shard.push(d.name, d.ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync),
-                                raw=request)
-        return _push_response(r)
+            t, ids = self.shard.validate_push(d.name, d.ids, d.grads, _sync(d.sync)), d.ids
+        return t, ids, d
+
+    def _apply(self, t: Any, ids: Any, d: Any, raw: Buffer) -> PushResult:
+        return self.shard.apply_push(t, ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync), raw=raw)
 
     @_rpc
     def RegisterDense(self, request: pb.RegisterDenseRequest, context: grpc.ServicerContext) -> pb.RegisterDenseResponse:
@@ -191,20 +197,12 @@ class ShardServicer(pb_grpc.ShardServicer):
         entries = []
         for field, dense in ((1, False), (2, True)):  # validate everything before applying anything
             for view in groups.get(field, []):
-                d = wire.decode_push(view, dense=dense)
-                self.shard.check_shard_map(d.shard_map)
-                assert d.grads is not None
-                if dense:
-                    t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads)
-                else:
-                    assert d.ids is not None
-                    t, ids = self.shard.validate_push(d.name, d.ids, d.grads, _sync(d.sync)), d.ids
-                entries.append((dense, t, ids, d, view))
+                entries.append((dense, *self._validated_push(view, dense), view))
         out = pb.PushBatchResponse()
         first_error: Any = None
         for dense, t, ids, d, view in entries:
             try:
-                r = self.shard.apply_push(t, ids, d.grads, d.pulled_version, d.client_id, d.seq, _sync(d.sync), raw=view)
+                r = self._apply(t, ids, d, view)
             except (StaleUpdate, SyncStepFailed) as e:  # this entry alone is refused, as a push of its own would be
                 first_error = first_error or e
                 continue

@@ -317,22 +317,6 @@ class Shard:
             self.stats.rows_pulled += ids.shape[0]
         return rows, version
 
-    def push(
-        self, name: str, ids: np.ndarray, grads: np.ndarray,
-        pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
-        sync: Optional[SyncPart] = None, raw: Optional[bytes] = None,
-    ) -> PushResult:
-        """Apply gradients of ``ids`` (duplicates summed) with the table's optimizer.
-
-        ``raw`` is the serialized PushRequest when the caller has it: it becomes
-        the write-ahead log record as is.
-
-        For a table with a SyncPolicy, ``sync`` is required and the call
-        returns once the step it belongs to is applied (or failed).
-        """
-        t = self.validate_push(name, ids, grads, sync)
-        return self.apply_push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
-
     def validate_push(self, name: str, ids: np.ndarray, grads: np.ndarray, sync: Optional[SyncPart] = None) -> Table:
         """Check a row push without applying it; returns its table."""
         t = self._table(name, dense=False)
@@ -360,7 +344,13 @@ class Shard:
         self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int], client_id: str, seq: int,
         sync: Optional[SyncPart] = None, raw: Optional[Any] = None,
     ) -> PushResult:
-        """Apply a validated push (``validate_push`` / ``validate_push_dense``)."""
+        """Apply a validated push (``validate_push`` / ``validate_push_dense``): the gradients
+        of ``ids`` (duplicates summed) with the table's optimizer.
+
+        ``raw`` is the serialized PushRequest when the caller has it: it becomes
+        the write-ahead log record as is. For a table with a SyncPolicy, ``sync``
+        is required (see ``_push_sync`` for when the call returns).
+        """
         policy = t.spec.sync
         if policy is not None and sync is None:
             raise InvalidArgument(f"{t.spec.name} is synchronous: pushes must carry a step and rank")
@@ -537,14 +527,6 @@ class Shard:
     def pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[np.ndarray, int]:
         t = self._table(name, dense=True)
         return self._pull(t, self._dense_rows(t, row_start, row_end))
-
-    def push_dense(
-        self, name: str, row_start: int, grads: np.ndarray,
-        pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
-        sync: Optional[SyncPart] = None, raw: Optional[bytes] = None,
-    ) -> PushResult:
-        t, ids = self.validate_push_dense(name, row_start, grads)
-        return self.apply_push(t, ids, grads, pulled_version, client_id, seq, sync, raw)
 
     def validate_push_dense(self, name: str, row_start: int, grads: np.ndarray) -> tuple[Table, np.ndarray]:
         """Check a dense push without applying it; returns its table and row ids."""
