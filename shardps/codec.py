@@ -35,16 +35,19 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def wire_elements(array: np.ndarray, dtype: int) -> np.ndarray:
+    """``array`` as the C-contiguous elements of wire ``dtype`` (bfloat16: rounded uint16 bit patterns)."""
+    if dtype == pb.BFLOAT16:
+        return float32_to_bfloat16_bits(array)
+    return np.ascontiguousarray(array, dtype=_NP_OF[dtype])
+
+
 def encode(array: np.ndarray, dtype: int = pb.DTYPE_UNSPECIFIED) -> pb.Tensor:
     """Encode ``array`` as a Tensor, converting float data to ``dtype`` if given."""
     array = np.asarray(array)
     if dtype == pb.DTYPE_UNSPECIFIED:
         dtype = pb.INT64 if array.dtype.kind in "iu" else pb.FLOAT32
-    if dtype == pb.BFLOAT16:
-        data = float32_to_bfloat16_bits(array.astype(np.float32, copy=False))
-    else:
-        data = np.ascontiguousarray(array, dtype=_NP_OF[dtype])
-    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=data.tobytes())
+    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=wire_elements(array, dtype).tobytes())
 
 
 def decode(t: pb.Tensor, what: str, as_float32: bool = True) -> np.ndarray:

@@ -58,10 +58,7 @@ def _len_field(field: int, parts: list) -> list:
 
 def _tensor_parts(array: np.ndarray, dtype: int) -> list:
     """Fields of a Tensor message (dtype, packed shape, data) around the array's own buffer."""
-    if dtype == pb.BFLOAT16:
-        data = codec.float32_to_bfloat16_bits(array)
-    else:
-        data = np.ascontiguousarray(array, dtype=codec.NP_DTYPES[dtype])
+    data = codec.wire_elements(array, dtype)
     parts: list = []
     if dtype:
         parts += [_tag(1, _VARINT), _varint(dtype)]
