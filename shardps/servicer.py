@@ -170,9 +170,18 @@ class ShardServicer(pb_grpc.ShardServicer):
         return self._pull_dense(request)
 
     def _pull_dense(self, request: pb.PullDenseRequest, frame: int = 0) -> bytes:
+        return self._read_dense(self._validated_pull_dense(request), frame)
+
+    def _validated_pull_dense(self, request: pb.PullDenseRequest) -> tuple[Any, Any, int]:
+        """Check a dense pull without reading it: (table, row ids, wire dtype)."""
         self.shard.check_shard_map(request.shard_map)
         wire_dtype = _wire(request.wire_dtype)
-        rows, version = self.shard.pull_dense(request.name, request.row_start, request.row_end)
+        t, ids = self.shard.validate_pull_dense(request.name, request.row_start, request.row_end)
+        return t, ids, wire_dtype
+
+    def _read_dense(self, pull: tuple[Any, Any, int], frame: int = 0) -> bytes:
+        t, ids, wire_dtype = pull
+        rows, version = self.shard.read_rows(t, ids)
         return wire.encode_pull_response(rows, wire_dtype, version, frame)
 
     @_rpc
@@ -189,15 +198,17 @@ class ShardServicer(pb_grpc.ShardServicer):
         return wire.encode_repeated([(1, replies), (2, dense)], frame)
 
     @_rpc
-    def PushBatch(self, request: bytes, context: grpc.ServicerContext) -> pb.PushBatchResponse:
+    def PushBatch(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         return self._push_batch(request)
 
-    def _push_batch(self, request: Buffer) -> pb.PushBatchResponse:
+    def _push_batch(self, request: Buffer) -> bytes:
+        """Apply a PushBatch's pushes in order, then read its dense pulls: a serialized PushBatchResponse."""
         groups = wire.decode_repeated(request)
         entries = []
         for field, dense in ((1, False), (2, True)):  # validate everything before applying anything
             for view in groups.get(field, []):
                 entries.append((dense, *self._validated_push(view, dense), view))
+        pulls = [self._validated_pull_dense(pb.PullDenseRequest.FromString(bytes(view))) for view in groups.get(3, [])]
         out = pb.PushBatchResponse()
         first_error: Any = None
         for dense, t, ids, d, view in entries:
@@ -209,7 +220,8 @@ class ShardServicer(pb_grpc.ShardServicer):
             (out.dense if dense else out.pushes).append(_push_response(r))
         if first_error is not None:
             raise first_error
-        return out
+        # Repeated fields concatenate: the pulled values follow the outcomes as field 3.
+        return out.SerializeToString() + wire.encode_repeated([(3, [self._read_dense(p) for p in pulls])])
 
     def Stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serve pulls and pushes in the order they arrive on the stream, answering each in order.
@@ -241,7 +253,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             if field == 2:
                 return pb.StreamResponse(push_dense=self._push(view, dense=True)).SerializeToString()
             if field == 3:
-                return pb.StreamResponse(push_batch=self._push_batch(view)).SerializeToString()
+                return wire.frame(3, self._push_batch(view))
             if field == 4:
                 return self._pull(pb.PullRequest.FromString(bytes(view)), frame=4)
             if field == 5:
@@ -303,7 +315,7 @@ _FAST = {
     "Push": (_identity, pb.PushResponse.SerializeToString),
     "PushDense": (_identity, pb.PushResponse.SerializeToString),
     "PullBatch": (pb.PullBatchRequest.FromString, _identity),
-    "PushBatch": (_identity, pb.PushBatchResponse.SerializeToString),
+    "PushBatch": (_identity, _identity),
     "Stream": (_identity, _identity),
 }
 

@@ -305,9 +305,10 @@ class Shard:
         """Rows of ``ids`` and the version they were read at."""
         t = self._table(name, dense=False)
         t.check_ids(ids)
-        return self._pull(t, ids)
+        return self.read_rows(t, ids)
 
-    def _pull(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
+    def read_rows(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of validated ``ids`` of ``t`` and the version they were read at."""
         with t.lock:
             slots = t._slots(ids, create=True)
             version = self.version
@@ -524,9 +525,13 @@ class Shard:
         t.check_ids(ids)
         return ids
 
-    def pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[np.ndarray, int]:
+    def validate_pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[Table, np.ndarray]:
+        """Check a dense pull without reading it; returns its table and row ids."""
         t = self._table(name, dense=True)
-        return self._pull(t, self._dense_rows(t, row_start, row_end))
+        return t, self._dense_rows(t, row_start, row_end)
+
+    def pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[np.ndarray, int]:
+        return self.read_rows(*self.validate_pull_dense(name, row_start, row_end))
 
     def validate_push_dense(self, name: str, row_start: int, grads: np.ndarray) -> tuple[Table, np.ndarray]:
         """Check a dense push without applying it; returns its table and row ids."""

@@ -6,7 +6,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from shardps_client import SGD, Adam
+from shardps_client import SGD, Adam, Client, TableNotFoundError
 
 from shardps import wire
 from shardps.routing import shard_of_ids
@@ -79,3 +79,83 @@ def test_read_your_writes_sends_deferred_pushes_first(client2):
     c.defer_pushes = True
     c.push("r", torch.arange(10), torch.ones(10, 2))
     torch.testing.assert_close(c.pull("r", torch.arange(10)), -torch.ones(10, 2))
+
+
+def _sgd_reference(w0: torch.Tensor, grads: list[torch.Tensor], lr: float) -> torch.Tensor:
+    w = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([w], lr=lr)
+    for g in grads:
+        w.grad = g
+        opt.step()
+    return w.detach()
+
+
+def test_dense_values_come_back_with_the_pushes(client2):
+    c = client2
+    w0 = torch.randn(300, 20)
+    c.register_dense("w", w0, optimizer=SGD(lr=0.1), chunk_bytes=4096)  # rows on both shards
+    c.create_table("e", dim=4, num_embeddings=50, optimizer=SGD(lr=0.1), initializer=Initializer("zeros"))
+    c.defer_pushes = True
+    grads = [torch.randn(300, 20, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    for g in grads:
+        c.push_dense("w", g)
+    c.push("e", torch.arange(50), torch.ones(50, 4))
+    back = c.send_pushes(pull_dense=["w"])
+    assert back is not None and set(back.futures) == {0, 1}
+    value, versions = back.result()["w"]
+    # Read once the pushes were applied: what torch.optim.SGD gives, and what a pull gives now.
+    torch.testing.assert_close(value, _sgd_reference(w0, grads, 0.1), rtol=1e-6, atol=1e-6)
+    pulled, pulled_versions = c.pull_dense("w")
+    torch.testing.assert_close(value, pulled, rtol=0, atol=0)
+    assert versions.by_shard == pulled_versions.by_shard
+    c.flush()
+    torch.testing.assert_close(c.pull("e", torch.arange(50)), torch.full((50, 4), -0.1))
+    # With nothing queued, the values come back alone (a PushBatch of pulls only).
+    alone = c.send_pushes(pull_dense=["w"])
+    assert alone is not None
+    torch.testing.assert_close(alone.result()["w"][0], pulled, rtol=0, atol=0)
+
+
+def test_dense_values_too_large_for_one_reply_are_not_sent_back(cluster2):
+    with Client([s.address for s in cluster2], timeout=10, max_message_bytes=256 * 1024) as c:
+        c.register_dense("big", torch.zeros(200, 400))  # 320 KB on one shard: over half the limit
+        c.register_dense("small", torch.zeros(10, 10))
+        c.defer_pushes = True
+        c.push_dense("big", torch.ones(200, 400))
+        assert c.send_pushes(pull_dense=["big", "small"]) is None
+        c.flush()  # the pushes went out all the same
+        torch.testing.assert_close(c.pull_dense("big")[0], torch.full((200, 400), -1e-3))
+        assert c.send_pushes(pull_dense=["small"]) is not None
+
+
+def test_unknown_dense_tensor_fails_before_queued_pushes_are_taken(client2):
+    c = client2
+    c.register_dense("w", torch.zeros(4, 4), optimizer=SGD(lr=1.0))
+    c.defer_pushes = True
+    c.push_dense("w", torch.ones(4, 4))
+    with pytest.raises(TableNotFoundError, match="nope"):
+        c.send_pushes(pull_dense=["nope"])
+    c.flush()  # sends the queued push, which was kept
+    torch.testing.assert_close(c.pull_dense("w")[0], -torch.ones(4, 4))
+
+
+def test_push_batch_validates_its_dense_pulls_before_applying(cluster2, client2):
+    c = client2
+    c.create_table("t", dim=2, num_embeddings=100, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    c.register_dense("d", torch.zeros(3, 3))
+    stub = pb_grpc.ShardStub(grpc.insecure_channel(cluster2[0].address))
+    ids = np.arange(100)[shard_of_ids(np.arange(100), 2) == 0][:3]
+    smap = pb.ShardMap(shard_index=0, num_shards=2)
+    push = wire.encode_push("t", np.ones((3, 2), np.float32), pb.FLOAT32, ids=ids, shard_map=smap)
+    for pull, code, words in [
+        (pb.PullDenseRequest(name="nope", row_start=0, row_end=1, shard_map=smap), grpc.StatusCode.NOT_FOUND, "nope"),
+        (pb.PullDenseRequest(name="d", row_start=2, row_end=9, shard_map=smap), grpc.StatusCode.OUT_OF_RANGE,
+         "rows [2, 9) outside [0, 3)"),
+        (pb.PullDenseRequest(name="d", row_start=0, row_end=3, shard_map=pb.ShardMap(shard_index=1, num_shards=2)),
+         grpc.StatusCode.FAILED_PRECONDITION, "meant for shard 1 of 2"),
+    ]:
+        body = wire.encode_repeated([(1, [push]), (3, [pull.SerializeToString()])])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushBatch(pb.PushBatchRequest.FromString(body))
+        assert e.value.code() == code and words in e.value.details()
+    torch.testing.assert_close(c.pull("t", torch.from_numpy(ids)), torch.zeros(3, 2))  # no push was applied

@@ -16,6 +16,8 @@ from shardps_client import (
     RemoteEmbedding,
     RemoteEmbeddingBag,
     ShardedOptimizer,
+    Staleness,
+    StaleUpdateError,
     SyncPolicy,
 )
 from torch import nn
@@ -237,6 +239,55 @@ def test_buckets_train_exactly_as_one_tensor_per_parameter(caplog):
         torch.testing.assert_close(results[448][name], results[0][name], rtol=0, atol=0)
     # fc1.bias was skipped at the last step when alone; in its bucket it took a zero-gradient Adam step.
     assert not torch.equal(results[448]["fc1.bias"], results[0]["fc1.bias"])
+
+
+def test_zero_grad_loads_the_values_that_came_back_with_the_step(monkeypatch):
+    """After step(), zero_grad() makes no pull: each shard sent the new values back with its pushes."""
+    torch.manual_seed(0)
+    model = TinyModel(nn.Embedding(ROWS, DIM))
+    model.emb.requires_grad_(False)
+    ref = TinyModel(nn.Embedding(ROWS, DIM))
+    ref.load_state_dict(model.state_dict())
+    ref.emb.requires_grad_(False)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(6)
+    batches = [(torch.randint(0, ROWS, (8, 3), generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(4)]
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        opt = ShardedOptimizer(c, model, optimizer=SGD(lr=0.1, momentum=0.9), prefix="back.", chunk_bytes=256,
+                               bucket_bytes=0)
+        assert len({s for name in opt.tensors for s, _, _ in c._dense_pieces(c.dense_spec(name), 1)}) == 2
+        pulls: list[list[str]] = []
+        real_pull = c.pull_dense_many
+        monkeypatch.setattr(c, "pull_dense_many", lambda names, *a: pulls.append(list(names)) or real_pull(names, *a))
+        for ids, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(model(ids), y).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(ids), y).backward()
+            ref_opt.step()
+        opt.zero_grad()
+        assert pulls == [list(opt.tensors)]  # the first zero_grad only: no step had sent pushes yet
+        for name, p in ref.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(dict(model.named_parameters())[name], p.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_zero_grad_pulls_when_the_pushes_carrying_the_values_fail():
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        model = nn.Linear(3, 2)
+        opt = ShardedOptimizer(c, model, optimizer=SGD(lr=1.0), prefix="stale.", staleness=Staleness(max_staleness=0))
+        c.create_table("other", dim=2, num_embeddings=100, initializer=Initializer("zeros"))
+        with Client([s.address for s in servers]) as other:  # another worker moves every shard's version
+            other.push("other", torch.arange(100), torch.ones(100, 2), wait=True)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()  # refused: pulled at an older version than max_staleness=0 allows
+        opt.zero_grad()  # pulls instead
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0)
+        with pytest.raises(StaleUpdateError, match="stale"):
+            opt.flush()
 
 
 def test_prefetcher_hides_pulls_and_gives_the_same_rows(table):

@@ -597,31 +597,67 @@ class Client:
             self.send_pushes()  # keep this client's pushes in order
         self._submit_pushes([([key], call) for call in calls], wait)
 
-    def send_pushes(self) -> None:
-        """Send the queued pushes (``defer_pushes``): one PushBatch per shard (or a few, below the size limit)."""
+    def send_pushes(self, pull_dense: Sequence[str] = ()) -> Optional[DensePull]:
+        """Send the queued pushes (``defer_pushes``): one PushBatch per shard (or a few, below the size limit).
+
+        ``pull_dense`` names dense tensors whose values should come back with the
+        pushes: each shard reads its part once the pushes it got are applied, as a
+        ``pull_dense_many`` right after them would, without a call of its own.
+        Returns a ``DensePull`` holding them, or None when none were asked for or a
+        shard's part would not fit in one reply (then pull them as usual).
+        """
+        returning = self._dense_pull(pull_dense) if pull_dense else None  # may raise: nothing is taken yet
         with self._pending_lock:
             deferred, self._deferred = self._deferred, []
-        if not deferred:
-            return
+        if not deferred and returning is None:
+            return None
         per_shard: list[list[tuple[str, str, bytes]]] = [[] for _ in range(self.num_shards)]
         for key, calls in deferred:
             for s, method, req in calls:
                 per_shard[s].append((key, method, req))
         work: list[tuple[list[str], tuple[int, str, Any]]] = []
+        carries: dict[int, int] = {}  # shard -> index in work of the call carrying its dense pulls
         for s, entries in enumerate(per_shard):
-            if len(entries) == 1:
+            pulls = returning.requests[s] if returning is not None else []
+            if len(entries) == 1 and not pulls:
                 key, method, req = entries[0]
                 work.append(([key], (s, method, req)))
                 continue
-            for group in _groups(entries, lambda e: len(e[2]), self.max_message_bytes):
+            room = self.max_message_bytes - sum(len(p) for p in pulls)
+            groups = list(_groups(entries, lambda e: len(e[2]), room)) or [[]]
+            for k, group in enumerate(groups):
+                tail = pulls if k == len(groups) - 1 else []
+                if not group and not tail:
+                    continue
                 rows = [g for g in group if g[1] == "Push"]
                 dense = [g for g in group if g[1] == "PushDense"]
                 # Framed pushes are PushBatchRequest entries as they are (same field numbers).
-                body = wire.frame(FIELDS["PushBatch"], *[g[2] for g in rows + dense])
+                body = wire.frame(FIELDS["PushBatch"], *[g[2] for g in rows + dense], *tail)
+                if tail:
+                    carries[s] = len(work)
                 work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
-        self._submit_pushes(work, wait=False)
+        futures = self._submit_pushes(work, wait=False)
+        if returning is not None:
+            returning.futures = {s: futures[i] for s, i in carries.items()}
+        return returning
 
-    def _submit_pushes(self, work: list[tuple[list[str], tuple[int, str, Any]]], wait: bool) -> None:
+    def _dense_pull(self, names: Sequence[str]) -> Optional[DensePull]:
+        """The PullDenseRequests (framed as PushBatchRequest.pull_dense) that bring ``names`` back with a push."""
+        wire_code = self.wire_dtype
+        specs = {name: self.dense_spec(name) for name in names}
+        out = DensePull(specs, self.num_shards)
+        sizes = [0] * self.num_shards
+        for name, spec in specs.items():
+            for s, a, b in self._dense_pieces(spec, wire_code):
+                req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire_code, shard_map=self._map(s))
+                out.requests[s].append(wire.frame(3, req.SerializeToString()))
+                out.pieces[s].append((name, a, b))
+                sizes[s] += (b - a) * spec.cols * _WIRE_BYTES[wire_code]
+        if max(sizes) > self.max_message_bytes // 2:
+            return None
+        return out
+
+    def _submit_pushes(self, work: list[tuple[list[str], tuple[int, str, Any]]], wait: bool) -> list[Future]:
         """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries."""
         futures = []
         for keys, call in work:
@@ -641,6 +677,7 @@ class Client:
         if wait:
             for f in futures:
                 f.result()
+        return futures
 
     def _push_done(self, f: Future) -> None:
         self._inflight.release()
@@ -872,6 +909,37 @@ class Client:
         self.close()
 
 
+class DensePull:
+    """Dense values coming back with a step's pushes (``Client.send_pushes(pull_dense=...)``).
+
+    ``result()`` waits for the pushes that carry them and returns what
+    ``pull_dense_many`` returns; it raises the error of a push that failed.
+    """
+
+    def __init__(self, specs: dict[str, DenseSpec], num_shards: int) -> None:
+        self.specs = specs
+        self.requests: list[list[bytes]] = [[] for _ in range(num_shards)]  # framed, per shard
+        self.pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(num_shards)]  # (name, rows) per request
+        self.futures: dict[int, Future] = {}
+
+    def result(self) -> dict[str, tuple[torch.Tensor, Versions]]:
+        outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in self.specs.items()}
+        versions: dict[str, dict[int, int]] = {name: {} for name in self.specs}
+        for s, f in self.futures.items():
+            replies = list(f.result().pulled_dense)
+            if len(replies) != len(self.pieces[s]):
+                raise ShardpsError(f"shard {s} answered {len(replies)} of {len(self.pieces[s])} dense pulls sent "
+                                   "with its pushes (a server without PushBatch.pull_dense?)")
+            for (name, a, b), r in zip(self.pieces[s], replies):
+                outs[name][a:b] = codec.decode(r.rows, f"{name}: rows").reshape(b - a, self.specs[name].cols)
+                v = versions[name]
+                v[s] = min(r.version, v.get(s, r.version))
+        return {
+            name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
+            for name, spec in self.specs.items()
+        }
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -966,5 +1034,5 @@ def _grads_to_numpy(g: Union[torch.Tensor, np.ndarray], what: str) -> np.ndarray
     return arr.astype(np.float32, copy=False)
 
 
-__all__ = ["Client", "Versions"]
+__all__ = ["Client", "DensePull", "Versions"]
 

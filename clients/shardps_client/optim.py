@@ -1,14 +1,15 @@
 """An optimizer-shaped wrapper for training through the shards.
 
 ``ShardedOptimizer`` keeps a model's dense parameters on the shards: it
-registers them (the first worker's values win), pulls the latest values into
-the module at ``zero_grad()``, and pushes the gradients at ``step()``. Sparse
+registers them (the first worker's values win), pushes the gradients at
+``step()`` and loads the latest values into the module at ``zero_grad()``
+(they come back with the step's pushes: no pull call of their own). Sparse
 rows of ``RemoteEmbedding`` modules are pushed by their own backward hooks,
 so one training loop covers both::
 
     opt = ShardedOptimizer(client, model, optimizer=Adam(lr=1e-3))
     for x, y in loader:
-        opt.zero_grad()                 # latest dense values pulled into model
+        opt.zero_grad()                 # latest dense values loaded into model
         loss = loss_fn(model(x), y)
         loss.backward()                 # embedding rows pushed here
         opt.step()                      # dense gradients pushed; SSP clock advanced
@@ -25,7 +26,8 @@ from torch import nn
 
 from shardps.optim import SGD, Optimizer
 from shardps.specs import Staleness, SyncPolicy
-from shardps_client.client import Client, MiB, Versions
+from shardps_client.client import Client, DensePull, MiB, Versions
+from shardps_client.errors import ShardpsError
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class ShardedOptimizer:
         self.tensors = _buckets(self.params, prefix, bucket_bytes)
         self._versions: dict[str, Versions] = {}
         self._warned_partial = False
+        self._returning: Optional[DensePull] = None  # values coming back with the last step's pushes
         for name, members in self.tensors.items():
             value = _flat([self.params[m] for m in members]) if _is_bucket(name) else self.params[name].detach()
             client.register_dense(name, value, optimizer=optimizer or SGD(), staleness=staleness, sync=sync,
@@ -84,7 +87,10 @@ class ShardedOptimizer:
 
     def pull(self) -> None:
         """Copy the shards' current values into the parameters."""
-        values = self.client.pull_dense_many(list(self.tensors))
+        self._returning = None
+        self._load(self.client.pull_dense_many(list(self.tensors)))
+
+    def _load(self, values: dict[str, tuple[torch.Tensor, Versions]]) -> None:
         with torch.no_grad():
             for name, (value, versions) in values.items():
                 self._versions[name] = versions
@@ -97,12 +103,24 @@ class ShardedOptimizer:
                     offset += n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients and pull the latest dense values (start of a step)."""
+        """Clear gradients and load the latest dense values (start of a step).
+
+        After a ``step()`` the values come back with its pushes, read by each
+        shard once they were applied; otherwise (and if those pushes failed)
+        they are pulled.
+        """
         for p in self.params.values():
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+        returning, self._returning = self._returning, None
+        if returning is not None:
+            try:
+                self._load(returning.result())
+                return
+            except ShardpsError as e:  # the push's own error is raised by flush()
+                log.debug("dense values did not come back with the pushes (%s); pulling them", e)
         self.pull()
 
     def step(self) -> None:
@@ -123,7 +141,10 @@ class ShardedOptimizer:
             flat = _flat([g if g is not None else torch.zeros_like(self.params[m])
                           for m, g in zip(members, grads)])
             self.client.push_dense(name, flat, versions=self._versions.get(name))
-        self.client.send_pushes()
+        # The new values come back with the pushes, for the next zero_grad(); under bounded
+        # staleness (ssp_bound) that pull must wait for slow workers first, so it stays a pull.
+        names = list(self.tensors) if self.client.ssp_bound is None else []
+        self._returning = self.client.send_pushes(pull_dense=names)
         self.client.advance_clock()
 
     def flush(self) -> None:

@@ -411,20 +411,24 @@ class PullBatchResponse(_message.Message):
     def __init__(self, pulls: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
 
 class PushBatchRequest(_message.Message):
-    __slots__ = ("pushes", "dense")
+    __slots__ = ("pushes", "dense", "pull_dense")
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    PULL_DENSE_FIELD_NUMBER: _ClassVar[int]
     pushes: _containers.RepeatedCompositeFieldContainer[PushRequest]
     dense: _containers.RepeatedCompositeFieldContainer[PushDenseRequest]
-    def __init__(self, pushes: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushDenseRequest, _Mapping]]] = ...) -> None: ...
+    pull_dense: _containers.RepeatedCompositeFieldContainer[PullDenseRequest]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushDenseRequest, _Mapping]]] = ..., pull_dense: _Optional[_Iterable[_Union[PullDenseRequest, _Mapping]]] = ...) -> None: ...
 
 class PushBatchResponse(_message.Message):
-    __slots__ = ("pushes", "dense")
+    __slots__ = ("pushes", "dense", "pulled_dense")
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
+    PULLED_DENSE_FIELD_NUMBER: _ClassVar[int]
     pushes: _containers.RepeatedCompositeFieldContainer[PushResponse]
     dense: _containers.RepeatedCompositeFieldContainer[PushResponse]
-    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ...) -> None: ...
+    pulled_dense: _containers.RepeatedCompositeFieldContainer[PullResponse]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., pulled_dense: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("push", "push_dense", "push_batch", "pull", "pull_dense", "pull_batch")
