@@ -1,7 +1,8 @@
 """End to end: samples/s of the DLRM example trained through the shards against local training.
 
 Runs clients/examples/dlrm.py (the same model, data and optimizers) with 1 and
-2 worker processes, with and without prefetch, and the local torch.optim
+2 worker processes, without prefetch, with prefetch, and with prefetch and the
+dense values lagging a step (--dense-lag 1), and the local torch.optim
 baseline, and reports samples/s and test AUC side by side with ratios.
 
     python benchmarks/bench_e2e.py [--train 200000] [--quick]
@@ -25,12 +26,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DLRM = ROOT / "clients" / "examples" / "dlrm.py"
 
 
-def run(args: argparse.Namespace, workers: int, prefetch: bool, local: bool) -> dict:
+# Variants of the shardps runs: (label, extra dlrm.py arguments).
+VARIANTS = [("no", []), ("yes", ["--prefetch"]), ("yes, dense lag 1", ["--prefetch", "--dense-lag", "1"])]
+
+
+def run(args: argparse.Namespace, workers: int, extra: list[str], local: bool) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
         cmd = [sys.executable, str(DLRM), "--workers", str(workers), "--train", str(args.train), "--test", str(args.test),
                "--rows", str(args.rows), "--batch-size", str(args.batch_size), "--shards", str(args.shards),
-               "--json", str(out)] + (["--prefetch"] if prefetch else []) + ([] if local else ["--no-local"])
+               "--json", str(out)] + extra + ([] if local else ["--no-local"])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
@@ -49,18 +54,19 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.train, args.test, args.rows = 20_000, 5_000, 50_000
-    configs = [(1, False, True), (1, True, False), (2, False, False), (2, True, False)]
+    configs = [(workers, label, extra) for workers in (1, 2) for label, extra in VARIANTS]
     progress = Progress(len(configs), "e2e")
     rows, local = [], None
-    for workers, prefetch, with_local in configs:
-        r = run(args, workers, prefetch, with_local)
+    for workers, label, extra in configs:
+        with_local = local is None
+        r = run(args, workers, extra, with_local)
         if with_local:
             local = r["local"]
             rows.append({"trainer": "local torch.optim", "workers": 1, "prefetch": "-",
                          "samples_per_s": local["samples_per_s"], "auc": local["auc"], "best_auc": r["best_auc"]})
-        rows.append({"trainer": "shardps", "workers": workers, "prefetch": "yes" if prefetch else "no",
+        rows.append({"trainer": "shardps", "workers": workers, "prefetch": label,
                      "samples_per_s": r["shardps"]["samples_per_s"], "auc": r["shardps"]["auc"], "best_auc": r["best_auc"]})
-        progress.step(f"{workers} worker(s), prefetch {prefetch}")
+        progress.step(f"{workers} worker(s), prefetch {label}")
     assert local is not None
     for r in rows:
         r["x_local"] = r["samples_per_s"] / local["samples_per_s"]
@@ -71,7 +77,7 @@ def main() -> int:
     out = pathlib.Path(args.out)
     write_outputs("e2e", {"args": vars(args)}, rows, out)
     series = {}
-    for pf in ("no", "yes"):
+    for pf, _ in VARIANTS:
         pts = [r for r in rows if r["trainer"] == "shardps" and r["prefetch"] == pf]
         series[f"shardps, prefetch {pf}"] = ([r["workers"] for r in pts], [r["samples_per_s"] for r in pts])
     series["local torch.optim"] = ([1, 2], [local["samples_per_s"]] * 2)

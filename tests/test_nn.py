@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
@@ -22,6 +24,7 @@ from shardps_client import (
 )
 from torch import nn
 
+from shardps.launcher import LocalCluster
 from shardps.specs import Initializer
 from tests.conftest import running_cluster
 
@@ -288,6 +291,44 @@ def test_zero_grad_pulls_when_the_pushes_carrying_the_values_fail():
             torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0)
         with pytest.raises(StaleUpdateError, match="stale"):
             opt.flush()
+
+
+def test_dense_lag_goes_on_with_the_previous_steps_values_while_the_last_are_on_their_way():
+    with LocalCluster(1) as cluster, Client(cluster.addresses, timeout=30) as c:
+        model = nn.Linear(3, 2, bias=False)
+        w0 = model.weight.detach().clone()
+        opt = ShardedOptimizer(c, model, optimizer=SGD(lr=1.0), prefix="lag.", dense_lag=1)
+
+        def forward_backward() -> None:
+            model(torch.ones(1, 3)).sum().backward()  # gradient: ones
+
+        opt.zero_grad()
+        forward_backward()
+        opt.step()
+        c.flush()  # step 1's values are back
+        shard = cluster.procs[0].popen.pid
+        os.kill(shard, signal.SIGSTOP)  # the shard answers nothing until SIGCONT
+        try:
+            def two_steps() -> None:
+                opt.zero_grad()  # step 1's values, already back
+                forward_backward()
+                opt.step()  # step 2: sent, not answered
+                opt.zero_grad()  # step 2's values are not back: goes on with step 1's (lag 1)
+
+            t = threading.Thread(target=two_steps, daemon=True)
+            t.start()
+            t.join(10)
+            assert not t.is_alive()
+            torch.testing.assert_close(model.weight.detach(), w0 - 1)
+        finally:
+            os.kill(shard, signal.SIGCONT)
+        forward_backward()
+        opt.step()
+        c.flush()
+        opt.zero_grad()  # steps 2 and 3 are back: the newest are loaded
+        torch.testing.assert_close(model.weight.detach(), w0 - 3)
+        with pytest.raises(ValueError, match="asynchronous"):
+            ShardedOptimizer(c, model, prefix="lag2.", sync=SyncPolicy(workers=1), dense_lag=1)
 
 
 def test_prefetcher_hides_pulls_and_gives_the_same_rows(table):

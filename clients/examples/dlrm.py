@@ -149,7 +149,8 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
         sync = create_tables(args, client, world)
         embs = [RemoteEmbedding(client, table_name(f) + f".{args.mode}") for f in range(NUM_SPARSE)]
         model = DLRM(embs, args.dim)
-        opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.", sync=sync)
+        opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.", sync=sync,
+                               dense_lag=args.dense_lag)
         # All 8 tables' rows of a batch are pulled in one round trip per shard; with --prefetch,
         # while the previous batch trains.
         data = Prefetcher(batches(ids, dense, labels, args.batch_size), client,
@@ -219,10 +220,15 @@ def main() -> int:
     p.add_argument("--sparse-lr", type=float, default=0.05, help="Adagrad learning rate of the embeddings")
     p.add_argument("--dense-lr", type=float, default=2e-3, help="Adam learning rate of the MLPs")
     p.add_argument("--prefetch", action="store_true", help="pull the next batch's rows while the current one trains")
+    p.add_argument("--dense-lag", type=int, default=0,
+                   help="steps the MLP's values may lag behind (async mode): 1 lets a step start before the last "
+                        "step's new values are back")
     p.add_argument("--no-local", action="store_true", help="skip the local torch.optim baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    if args.dense_lag and args.mode != "async":
+        p.error("--dense-lag needs --mode async (synchronous and SSP steps bound staleness themselves)")
     ident = worker_identity()
     if ident is not None:  # one worker (under torchrun or started below)
         return worker(args, worker_addresses(args), *ident)

@@ -922,6 +922,10 @@ class DensePull:
         self.pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(num_shards)]  # (name, rows) per request
         self.futures: dict[int, Future] = {}
 
+    def done(self) -> bool:
+        """True once every shard has answered (``result()`` will not wait)."""
+        return all(f.done() for f in self.futures.values())
+
     def result(self) -> dict[str, tuple[torch.Tensor, Versions]]:
         outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in self.specs.items()}
         versions: dict[str, dict[int, int]] = {name: {} for name in self.specs}

@@ -17,6 +17,7 @@ so one training loop covers both::
 
 from __future__ import annotations
 
+import collections
 import logging
 import zlib
 from typing import Iterable, Optional, Union
@@ -55,6 +56,10 @@ class ShardedOptimizer:
         chunk_bytes: tensors larger than this are split across shards.
         bucket_bytes: parameters up to this size share flat tensors of up to this size
             (0: one tensor per parameter).
+        dense_lag: steps the dense values may lag behind. 0 (the default): ``zero_grad()``
+            waits for the values the last step's pushes bring back. 1: when those have
+            not arrived yet, it goes on with the ones the step before brought, one step
+            staler, as ``Prefetcher``'s rows are (asynchronous training only).
     """
 
     def __init__(
@@ -67,8 +72,15 @@ class ShardedOptimizer:
         sync: Optional[SyncPolicy] = None,
         chunk_bytes: int = 1 * MiB,
         bucket_bytes: int = 256 * 1024,
+        dense_lag: int = 0,
     ) -> None:
+        if dense_lag < 0:
+            raise ValueError(f"dense_lag must be >= 0, got {dense_lag}")
+        if dense_lag and (sync is not None or client.ssp_bound is not None):
+            raise ValueError("dense_lag needs asynchronous training: synchronous steps and ssp_bound "
+                             "bound staleness themselves")
         self.client = client
+        self.dense_lag = dense_lag
         # Pushes of a step (embedding rows from backward hooks, dense gradients) go out
         # together at step(): one PushBatch per shard instead of one call per tensor.
         client.defer_pushes = True
@@ -78,7 +90,11 @@ class ShardedOptimizer:
         self.tensors = _buckets(self.params, prefix, bucket_bytes)
         self._versions: dict[str, Versions] = {}
         self._warned_partial = False
-        self._returning: Optional[DensePull] = None  # values coming back with the last step's pushes
+        self._steps = 0  # step() calls so far
+        self._stepped = False  # a step() since the last zero_grad()
+        self._loaded = 0  # the values in the parameters include the pushes of steps 1.._loaded
+        # (step, values coming back with its pushes), oldest first, not yet loaded.
+        self._returning: collections.deque[tuple[int, DensePull]] = collections.deque()
         for name, members in self.tensors.items():
             value = _flat([self.params[m] for m in members]) if _is_bucket(name) else self.params[name].detach()
             client.register_dense(name, value, optimizer=optimizer or SGD(), staleness=staleness, sync=sync,
@@ -87,8 +103,9 @@ class ShardedOptimizer:
 
     def pull(self) -> None:
         """Copy the shards' current values into the parameters."""
-        self._returning = None
+        self._returning.clear()
         self._load(self.client.pull_dense_many(list(self.tensors)))
+        self._loaded = self._steps
 
     def _load(self, values: dict[str, tuple[torch.Tensor, Versions]]) -> None:
         with torch.no_grad():
@@ -106,22 +123,41 @@ class ShardedOptimizer:
         """Clear gradients and load the latest dense values (start of a step).
 
         After a ``step()`` the values come back with its pushes, read by each
-        shard once they were applied; otherwise (and if those pushes failed)
-        they are pulled.
+        shard once they were applied (with ``dense_lag``, the newest of those
+        already back may do); otherwise, and if those pushes failed, they are
+        pulled.
         """
         for p in self.params.values():
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        returning, self._returning = self._returning, None
-        if returning is not None:
-            try:
-                self._load(returning.result())
-                return
-            except ShardpsError as e:  # the push's own error is raised by flush()
-                log.debug("dense values did not come back with the pushes (%s); pulling them", e)
-        self.pull()
+        if not self._stepped:  # no step since the last zero_grad(): nothing came back, pull
+            self.pull()
+            return
+        self._stepped = False
+        try:
+            back = [k for k, (_, r) in enumerate(self._returning) if r.done()]
+            if back:  # the newest values already back (older ones are superseded)
+                for _ in range(back[-1]):
+                    self._returning.popleft()
+                self._load_returned()
+            need = self._steps - self.dense_lag  # the values must include the pushes of this step
+            while self._returning and self._loaded < need:
+                if self._returning[0][0] < need:
+                    self._returning.popleft()  # too old to do
+                else:
+                    self._load_returned()  # waits for them
+        except ShardpsError as e:  # the push's own error is raised by flush()
+            log.debug("dense values did not come back with the pushes (%s); pulling them", e)
+            self.pull()
+        if self._loaded < self._steps - self.dense_lag:
+            self.pull()
+
+    def _load_returned(self) -> None:
+        step, returning = self._returning.popleft()
+        self._load(returning.result())
+        self._loaded = step
 
     def step(self) -> None:
         """Send this step's gradients (asynchronously, one batch per shard) and advance the clock."""
@@ -144,7 +180,11 @@ class ShardedOptimizer:
         # The new values come back with the pushes, for the next zero_grad(); under bounded
         # staleness (ssp_bound) that pull must wait for slow workers first, so it stays a pull.
         names = list(self.tensors) if self.client.ssp_bound is None else []
-        self._returning = self.client.send_pushes(pull_dense=names)
+        returning = self.client.send_pushes(pull_dense=names)
+        self._steps += 1
+        self._stepped = True
+        if returning is not None:
+            self._returning.append((self._steps, returning))
         self.client.advance_clock()
 
     def flush(self) -> None:
