@@ -130,6 +130,19 @@ OPTIMIZERS = [
 ]
 
 
+def _train_alongside(batches: list, sharded: ShardedOptimizer, model: nn.Module, ref_opt: torch.optim.Optimizer,
+                     ref: nn.Module) -> None:
+    """Train ``model`` through the shards and ``ref`` with torch.optim on the same batches; end on a zero_grad()."""
+    for ids, y in batches:
+        sharded.zero_grad()
+        F.cross_entropy(model(ids), y).backward()
+        sharded.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(ids), y).backward()
+        ref_opt.step()
+    sharded.zero_grad()
+
+
 @pytest.mark.parametrize("opt,make_ref,tol", OPTIMIZERS, ids=["sgd", "adagrad", "adam"])
 def test_one_sync_worker_equals_local_torch_training(opt, make_ref, tol):
     torch.manual_seed(0)
@@ -147,14 +160,7 @@ def test_one_sync_worker_equals_local_torch_training(opt, make_ref, tol):
         remote.load_state_dict({k: v for k, v in local.state_dict().items() if not k.startswith("emb.")}, strict=False)
         sharded = ShardedOptimizer(c, remote, optimizer=opt, prefix="tiny.", sync=sync)
         ref_opt = make_ref(local.parameters())
-        for ids, y in batches:
-            sharded.zero_grad()
-            F.cross_entropy(remote(ids), y).backward()
-            sharded.step()
-            ref_opt.zero_grad()
-            F.cross_entropy(local(ids), y).backward()
-            ref_opt.step()
-        sharded.zero_grad()
+        _train_alongside(batches, sharded, remote, ref_opt, local)
         torch.testing.assert_close(c.pull("t", torch.arange(ROWS)), local.emb.weight.detach(), **tol)
         for name, p in local.named_parameters():
             if not name.startswith("emb."):
@@ -262,14 +268,7 @@ def test_zero_grad_loads_the_values_that_came_back_with_the_step(monkeypatch):
         pulls: list[list[str]] = []
         real_pull = c.pull_dense_many
         monkeypatch.setattr(c, "pull_dense_many", lambda names, *a: pulls.append(list(names)) or real_pull(names, *a))
-        for ids, y in batches:
-            opt.zero_grad()
-            F.cross_entropy(model(ids), y).backward()
-            opt.step()
-            ref_opt.zero_grad()
-            F.cross_entropy(ref(ids), y).backward()
-            ref_opt.step()
-        opt.zero_grad()
+        _train_alongside(batches, opt, model, ref_opt, ref)
         assert pulls == [list(opt.tensors)]  # the first zero_grad only: no step had sent pushes yet
         for name, p in ref.named_parameters():
             if p.requires_grad:
