@@ -296,7 +296,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=1.5, help="seconds measured per phase (pull+push, pull, push)")
     p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="shard counts of the headline comparison")
-    p.add_argument("--backends", nargs="+", default=["shardps", "torch_rpc", "ray", "in_process"])
+    p.add_argument("--backends", nargs="+", default=["shardps", "torch_rpc", "ray", "in_process"], choices=list(RUNNERS),
+                   help="systems to measure (ray is skipped when not installed)")
     p.add_argument("--quick", action="store_true", help="headline only, short budget (smoke run)")
     p.add_argument("--out", default=str(RESULTS), help="directory for throughput.json and throughput.png")
     args = p.parse_args()

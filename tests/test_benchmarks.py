@@ -27,3 +27,12 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
     assert data["results"] and all("error" not in r for r in data["results"])
     assert (tmp_path / f"{name}.png").stat().st_size > 1000
     assert "----" in out.stdout  # the table
+
+
+def test_unknown_backend_is_refused_by_name(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--quick", "--out",
+                          str(tmp_path), "--backends", "shardps", "rpc"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    assert "invalid choice: 'rpc'" in out.stderr and "torch_rpc" in out.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
