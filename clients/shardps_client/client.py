@@ -647,12 +647,10 @@ class Client:
         specs = {name: self.dense_spec(name) for name in names}
         out = DensePull(specs, self.num_shards)
         sizes = [0] * self.num_shards
-        for name, spec in specs.items():
-            for s, a, b in self._dense_pieces(spec, wire_code):
-                req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire_code, shard_map=self._map(s))
-                out.requests[s].append(wire.frame(3, req.SerializeToString()))
-                out.pieces[s].append((name, a, b))
-                sizes[s] += (b - a) * spec.cols * _WIRE_BYTES[wire_code]
+        for s, name, a, b, req, nbytes in self._dense_requests(specs, wire_code):
+            out.requests[s].append(wire.frame(3, req.SerializeToString()))
+            out.pieces[s].append((name, a, b))
+            sizes[s] += nbytes
         if max(sizes) > self.max_message_bytes // 2:
             return None
         return out
@@ -802,21 +800,17 @@ class Client:
             for name in names:
                 self._see_own_pushes(name)
         per_shard: list[list[tuple]] = [[] for _ in range(self.num_shards)]
+        for s, name, a, b, req, nbytes in self._dense_requests(specs, wire_code):
+            per_shard[s].append((name, (a, b), req, nbytes))
+        pulled = self._pulled(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs), 2)
+        return _dense_values(specs, ((s, name, a, b, block, version) for s, name, (a, b), block, version in pulled))
+
+    def _dense_requests(self, specs: dict[str, DenseSpec], wire_code: pb.DType) -> Iterator[tuple]:
+        """The PullDenseRequests reading ``specs`` whole: (shard, name, row_start, row_end, request, reply bytes)."""
         for name, spec in specs.items():
             for s, a, b in self._dense_pieces(spec, wire_code):
                 req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire_code, shard_map=self._map(s))
-                per_shard[s].append((name, (a, b), req, (b - a) * spec.cols * _WIRE_BYTES[wire_code]))
-        outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
-        versions: dict[str, dict[int, int]] = {name: {} for name in specs}
-        pulled = self._pulled(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs), 2)
-        for s, name, (a, b), block, version in pulled:
-            outs[name][a:b] = block
-            v = versions[name]
-            v[s] = min(version, v.get(s, version))
-        return {
-            name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
-            for name, spec in specs.items()
-        }
+                yield s, name, a, b, req, (b - a) * spec.cols * _WIRE_BYTES[wire_code]
 
     def push_dense(
         self,
@@ -927,21 +921,30 @@ class DensePull:
         return all(f.done() for f in self.futures.values())
 
     def result(self) -> dict[str, tuple[torch.Tensor, Versions]]:
-        outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in self.specs.items()}
-        versions: dict[str, dict[int, int]] = {name: {} for name in self.specs}
+        return _dense_values(self.specs, self._blocks())
+
+    def _blocks(self) -> Iterator[tuple]:
         for s, f in self.futures.items():
             replies = list(f.result().pulled_dense)
             if len(replies) != len(self.pieces[s]):
                 raise ShardpsError(f"shard {s} answered {len(replies)} of {len(self.pieces[s])} dense pulls sent "
                                    "with its pushes (a server without PushBatch.pull_dense?)")
             for (name, a, b), r in zip(self.pieces[s], replies):
-                outs[name][a:b] = codec.decode(r.rows, f"{name}: rows").reshape(b - a, self.specs[name].cols)
-                v = versions[name]
-                v[s] = min(r.version, v.get(s, r.version))
-        return {
-            name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
-            for name, spec in self.specs.items()
-        }
+                yield s, name, a, b, codec.decode(r.rows, f"{name}: rows").reshape(b - a, self.specs[name].cols), r.version
+
+
+def _dense_values(specs: dict[str, DenseSpec], blocks: Iterable[tuple]) -> dict[str, tuple[torch.Tensor, Versions]]:
+    """Whole dense tensors from (shard, name, row_start, row_end, rows, version) blocks: ``{name: (value, versions)}``."""
+    outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
+    versions: dict[str, dict[int, int]] = {name: {} for name in specs}
+    for s, name, a, b, rows, version in blocks:
+        outs[name][a:b] = rows
+        v = versions[name]
+        v[s] = min(version, v.get(s, version))
+    return {
+        name: (torch.from_numpy(outs[name].reshape(spec.shape)), Versions(versions[name]))
+        for name, spec in specs.items()
+    }
 
 
 def _identity(x: Any) -> Any:
