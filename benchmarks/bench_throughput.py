@@ -10,6 +10,7 @@ same gather/scatter in one process (no transport).
 
     python benchmarks/bench_throughput.py                 # full grid (a few minutes on 2 cores)
     python benchmarks/bench_throughput.py --quick         # smoke run
+    python benchmarks/bench_throughput.py --quick --budget 3 --shards 2 --repeat 5   # the headline, 5 runs
 Writes benchmarks/results/throughput.json and throughput.png.
 """
 
@@ -298,6 +299,9 @@ def main() -> int:
     p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="shard counts of the headline comparison")
     p.add_argument("--backends", nargs="+", default=["shardps", "torch_rpc", "ray", "in_process"], choices=list(RUNNERS),
                    help="systems to measure (ray is skipped when not installed)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of every configuration, interleaved (all configurations, then again); the table shows "
+                        "medians, and each ratio's range over the runs paired by order")
     p.add_argument("--quick", action="store_true", help="headline only, short budget (smoke run)")
     p.add_argument("--out", default=str(RESULTS), help="directory for throughput.json and throughput.png")
     args = p.parse_args()
@@ -310,22 +314,50 @@ def main() -> int:
         except ImportError:
             print("ray is not installed (pip install 'shardps[bench]'): skipping the Ray baseline", file=sys.stderr)
             backends.remove("ray")
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     configs = grid(args, backends)
-    progress = Progress(len(configs), "throughput")
+    progress = Progress(len(configs) * args.repeat, "throughput")
+    runs: dict[Config, list[dict[str, Any]]] = {cfg: [] for cfg in configs}
+    for rep in range(args.repeat):  # interleaved: a slow minute of the machine hits every system alike
+        for cfg in configs:
+            try:
+                r = RUNNERS[cfg.backend](cfg, args.budget)
+            except Exception:
+                r = {"error": traceback.format_exc()}
+            if "error" in r:
+                print(f"\n{cfg.label}: FAILED\n{r['error']}", file=sys.stderr)
+            runs[cfg].append(r)
+            progress.step(cfg.label + (f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""))
     rows = []
     for cfg in configs:
-        try:
-            r = RUNNERS[cfg.backend](cfg, args.budget)
-        except Exception:
-            r = {"error": traceback.format_exc()}
-        if "error" in r:
-            print(f"\n{cfg.label}: FAILED\n{r['error']}", file=sys.stderr)
-        else:
+        r = summarize(runs[cfg])
+        if "error" not in r:
             r["unique_per_batch"] = float(np.mean([len(b) for b in unique_batches(100, 8, cfg.batch, cfg.rows, cfg.zipf)]))
         rows.append({**asdict(cfg), **r})
-        progress.step(cfg.label)
     report(rows, args)
     return 0
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's runs: the median of every figure, and each run's pull+push rows/s in order."""
+    errors = [r["error"] for r in runs if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs]
+        out[key] = float(np.median(values)) if all(isinstance(v, (int, float)) for v in values) else value
+    out["runs_rows_per_s"] = [r["both_rows_per_s"] for r in runs]
+    return out
+
+
+def ratio(ours: dict[str, Any], base: Optional[dict[str, Any]]) -> tuple[Optional[float], Optional[str]]:
+    """Median and range of our pull+push rows/s over the baseline's, run by run (runs paired by order)."""
+    if base is None:
+        return None, None
+    pairs = [a / b for a, b in zip(ours["runs_rows_per_s"], base["runs_rows_per_s"])]
+    return float(np.median(pairs)), f"{min(pairs):.2f}-{max(pairs):.2f}"
 
 
 def _find(results: list[dict], **kv: Any) -> Optional[dict]:
@@ -344,10 +376,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             continue
         key = {k: r[k] for k in ("shards", "trainers", "batch", "zipf")}
         for base in ("torch_rpc", "ray"):
-            b = _find(rows, backend=base, **key, rows=r["rows"], wire="float32")
-            r[f"x_{base}"] = r["both_rows_per_s"] / b["both_rows_per_s"] if b else None
-        ip = _find(rows, backend="in_process", batch=r["batch"], zipf=r["zipf"], rows=r["rows"])
-        r["x_in_process"] = r["both_rows_per_s"] / ip["both_rows_per_s"] if ip else None
+            r[f"x_{base}"], r[f"x_{base}_range"] = ratio(r, _find(rows, backend=base, **key, rows=r["rows"], wire="float32"))
+        r["x_in_process"], _ = ratio(r, _find(rows, backend="in_process", batch=r["batch"], zipf=r["zipf"], rows=r["rows"]))
     cols = [("backend", "backend", ""), ("group", "group", ""), ("shards", "shards", "d"), ("trainers", "trainers", "d"),
             ("batch", "batch", "d"), ("zipf", "zipf", ""), ("rows", "table rows", ",d"), ("wire", "wire", ""),
             ("both_rows_per_s", "pull+push rows/s", ",.0f"), ("pull_rows_per_s", "pull rows/s", ",.0f"),
@@ -356,6 +386,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             ("push_p99_ms", "push p99 ms", ".2f"), ("server_cpu_s_per_M_rows", "srv CPU s/M rows", ".2f"),
             ("client_cpu_s_per_M_rows", "client CPU s/M rows", ".2f"),
             ("x_torch_rpc", "x rpc", ".2f"), ("x_ray", "x ray", ".2f"), ("x_in_process", "x in-proc", ".3f")]
+    if args.repeat > 1:
+        cols.insert(cols.index(("x_torch_rpc", "x rpc", ".2f")) + 1, ("x_torch_rpc_range", "x rpc range", ""))
+        cols.insert(cols.index(("x_ray", "x ray", ".2f")) + 1, ("x_ray_range", "x ray range", ""))
     print()
     print(table([r for r in rows if "error" not in r], cols))
     write_outputs("throughput", {"args": vars(args), "dim": DIM}, rows, out)

@@ -14,7 +14,8 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.mark.parametrize("script,name,extra", [
-    ("bench_throughput.py", "throughput", ["--backends", "shardps", "torch_rpc", "in_process", "--shards", "1"]),
+    ("bench_throughput.py", "throughput", ["--backends", "shardps", "torch_rpc", "in_process", "--shards", "1",
+                                           "--repeat", "2"]),
     ("bench_parts.py", "parts", []),
     ("bench_durability.py", "durability", []),
 ])
@@ -27,6 +28,13 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
     assert data["results"] and all("error" not in r for r in data["results"])
     assert (tmp_path / f"{name}.png").stat().st_size > 1000
     assert "----" in out.stdout  # the table
+    if name == "throughput":  # two interleaved runs per configuration: medians, and the ratio's range
+        ours = next(r for r in data["results"] if r["backend"] == "shardps")
+        assert len(ours["runs_rows_per_s"]) == 2
+        assert ours["both_rows_per_s"] == pytest.approx(sum(ours["runs_rows_per_s"]) / 2)
+        low, high = map(float, ours["x_torch_rpc_range"].split("-"))
+        assert low <= ours["x_torch_rpc"] <= high
+        assert "x rpc range" in out.stdout
 
 
 def test_unknown_backend_is_refused_by_name(tmp_path):
