@@ -295,18 +295,19 @@ def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=float, default=1.5, help="seconds measured per phase (pull+push, pull, push)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds measured per phase (pull+push, pull, push); default 1.5, or 0.3 with --quick")
     p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4], help="shard counts of the headline comparison")
     p.add_argument("--backends", nargs="+", default=["shardps", "torch_rpc", "ray", "in_process"], choices=list(RUNNERS),
                    help="systems to measure (ray is skipped when not installed)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of every configuration, interleaved (all configurations, then again); the table shows "
                         "medians, and each ratio's range over the runs paired by order")
-    p.add_argument("--quick", action="store_true", help="headline only, short budget (smoke run)")
+    p.add_argument("--quick", action="store_true", help="headline only, short budget unless --budget is given (smoke run)")
     p.add_argument("--out", default=str(RESULTS), help="directory for throughput.json and throughput.png")
     args = p.parse_args()
-    if args.quick:
-        args.budget = min(args.budget, 0.3)
+    if args.budget is None:
+        args.budget = 0.3 if args.quick else 1.5
     backends = list(args.backends)
     if "ray" in backends:
         try:
