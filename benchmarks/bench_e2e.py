@@ -5,7 +5,7 @@ Runs clients/examples/dlrm.py (the same model, data and optimizers) with 1 and
 dense values lagging a step (--dense-lag 1), and the local torch.optim
 baseline, and reports samples/s and test AUC side by side with ratios.
 
-    python benchmarks/bench_e2e.py [--train 200000] [--quick]
+    python benchmarks/bench_e2e.py [--train 200000] [--repeat 3] [--quick]
 Writes benchmarks/results/e2e.json and e2e.png.
 """
 
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,31 +50,46 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="rows per sparse feature table")
     p.add_argument("--batch-size", type=int, default=1024, help="samples per step per worker")
     p.add_argument("--shards", type=int, default=2, help="shards of the local cluster")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="passes over every run, the local baseline included (each ratio is to its own pass's local "
+                        "run); the table shows medians and the ratio's range")
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.quick:
         args.train, args.test, args.rows = 20_000, 5_000, 50_000
     configs = [(workers, label, extra) for workers in (1, 2) for label, extra in VARIANTS]
-    progress = Progress(len(configs), "e2e")
-    rows, local = [], None
-    for workers, label, extra in configs:
-        with_local = local is None
-        r = run(args, workers, extra, with_local)
-        if with_local:
-            local = r["local"]
-            rows.append({"trainer": "local torch.optim", "workers": 1, "prefetch": "-",
-                         "samples_per_s": local["samples_per_s"], "auc": local["auc"], "best_auc": r["best_auc"]})
-        rows.append({"trainer": "shardps", "workers": workers, "prefetch": label,
-                     "samples_per_s": r["shardps"]["samples_per_s"], "auc": r["shardps"]["auc"], "best_auc": r["best_auc"]})
-        progress.step(f"{workers} worker(s), prefetch {label}")
-    assert local is not None
-    for r in rows:
-        r["x_local"] = r["samples_per_s"] / local["samples_per_s"]
+    progress = Progress(len(configs) * args.repeat, "e2e")
+    runs: dict[tuple[str, int, str], list[dict]] = {}  # (trainer, workers, prefetch) -> one result per pass
+    for rep in range(args.repeat):
+        local = None
+        for workers, label, extra in configs:
+            r = run(args, workers, extra, local is None)
+            if local is None:  # the first run of a pass also trains locally: this pass's baseline
+                local = {**r["local"], "best_auc": r["best_auc"]}
+                local["x_local"] = 1.0
+                runs.setdefault(("local torch.optim", 1, "-"), []).append(local)
+            runs.setdefault(("shardps", workers, label), []).append(
+                {**r["shardps"], "best_auc": r["best_auc"], "x_local": r["shardps"]["samples_per_s"] / local["samples_per_s"]})
+            progress.step(f"{workers} worker(s), prefetch {label}" + (f" (pass {rep + 1}/{args.repeat})" if args.repeat > 1 else ""))
+    rows = []
+    for (trainer, workers, label), results in runs.items():
+        ratios = [r["x_local"] for r in results]
+        rows.append({"trainer": trainer, "workers": workers, "prefetch": label,
+                     "samples_per_s": statistics.median(r["samples_per_s"] for r in results),
+                     "x_local": statistics.median(ratios), "x_local_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+                     "auc": statistics.median(r["auc"] for r in results), "best_auc": results[0]["best_auc"],
+                     "runs_samples_per_s": [r["samples_per_s"] for r in results], "runs_auc": [r["auc"] for r in results]})
+    cols = [("trainer", "trainer", ""), ("workers", "workers", "d"), ("prefetch", "prefetch", ""),
+            ("samples_per_s", "samples/s", ",.0f"), ("x_local", "x local", ".2f"), ("auc", "test AUC", ".4f"),
+            ("best_auc", "best AUC", ".4f")]
+    if args.repeat > 1:
+        cols.insert(5, ("x_local_range", "x local range", ""))
     print()
-    print(table(rows, [("trainer", "trainer", ""), ("workers", "workers", "d"), ("prefetch", "prefetch", ""),
-                       ("samples_per_s", "samples/s", ",.0f"), ("x_local", "x local", ".2f"), ("auc", "test AUC", ".4f"),
-                       ("best_auc", "best AUC", ".4f")]))
+    print(table(rows, cols))
+    local = rows[0]
     out = pathlib.Path(args.out)
     write_outputs("e2e", {"args": vars(args)}, rows, out)
     series = {}

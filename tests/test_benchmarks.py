@@ -18,6 +18,7 @@ pytest.importorskip("matplotlib")
                                            "--repeat", "2"]),
     ("bench_parts.py", "parts", []),
     ("bench_durability.py", "durability", []),
+    ("bench_e2e.py", "e2e", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, extra):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(tmp_path), *extra],
@@ -35,6 +36,14 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
         low, high = map(float, ours["x_torch_rpc_range"].split("-"))
         assert low <= ours["x_torch_rpc"] <= high
         assert "x rpc range" in out.stdout
+    if name == "e2e":  # local baseline first, then 1 and 2 workers through the shards, each with its ratio
+        local, *ours = data["results"]
+        assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0
+        assert [(r["workers"], r["prefetch"]) for r in ours] == [
+            (w, p) for w in (1, 2) for p in ("no", "yes", "yes, dense lag 1")]
+        for r in ours:
+            assert r["x_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"])
+            assert 0.5 < r["auc"] <= r["best_auc"]  # it learned something, and not more than the planted truth allows
 
 
 def test_unknown_backend_is_refused_by_name(tmp_path):
