@@ -30,12 +30,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check shardps clients tests benchmarks protos
 	$(BIN)/mypy shardps clients/shardps_client
 
+# REPEAT=3: the throughput and end-to-end runs three times, interleaved (medians and ranges), as the README quotes.
+REPEAT ?= 1
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q '.[bench]'
-	$(BIN)/python benchmarks/bench_throughput.py
+	$(BIN)/python benchmarks/bench_throughput.py --repeat $(REPEAT)
 	$(BIN)/python benchmarks/bench_parts.py
 	$(BIN)/python benchmarks/bench_durability.py
-	$(BIN)/python benchmarks/bench_e2e.py
+	$(BIN)/python benchmarks/bench_e2e.py --repeat $(REPEAT)
 
 codegen: $(STAMP)
 	$(BIN)/python protos/codegen.py
