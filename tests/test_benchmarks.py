@@ -33,8 +33,8 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
         ours = next(r for r in data["results"] if r["backend"] == "shardps")
         assert len(ours["runs_rows_per_s"]) == 2
         assert ours["both_rows_per_s"] == pytest.approx(sum(ours["runs_rows_per_s"]) / 2)
-        low, high = map(float, ours["x_torch_rpc_range"].split("-"))
-        assert low <= ours["x_torch_rpc"] <= high
+        low, high = map(float, ours["x_torch_rpc_range"].split("-"))  # printed to 2 decimals
+        assert low - 0.005 <= ours["x_torch_rpc"] <= high + 0.005
         assert "x rpc range" in out.stdout
     if name == "e2e":  # local baseline first, then 1 and 2 workers through the shards, each with its ratio
         local, *ours = data["results"]
