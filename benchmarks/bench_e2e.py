@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import RESULTS, Progress, plot, table, write_outputs  # noqa: E402
+from benchmarks.common import RESULTS, Progress, median_and_range, plot, table, write_outputs  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DLRM = ROOT / "clients" / "examples" / "dlrm.py"
@@ -76,10 +76,10 @@ def main() -> int:
             progress.step(f"{workers} worker(s), prefetch {label}" + (f" (pass {rep + 1}/{args.repeat})" if args.repeat > 1 else ""))
     rows = []
     for (trainer, workers, label), results in runs.items():
-        ratios = [r["x_local"] for r in results]
+        x_local, x_local_range = median_and_range([r["x_local"] for r in results])
         rows.append({"trainer": trainer, "workers": workers, "prefetch": label,
                      "samples_per_s": statistics.median(r["samples_per_s"] for r in results),
-                     "x_local": statistics.median(ratios), "x_local_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+                     "x_local": x_local, "x_local_range": x_local_range,
                      "auc": statistics.median(r["auc"] for r in results), "best_auc": results[0]["best_auc"],
                      "runs_samples_per_s": [r["samples_per_s"] for r in results], "runs_auc": [r["auc"] for r in results]})
     cols = [("trainer", "trainer", ""), ("workers", "workers", "d"), ("prefetch", "prefetch", ""),

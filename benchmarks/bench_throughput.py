@@ -35,6 +35,7 @@ from benchmarks.common import (  # noqa: E402
     Progress,
     cpu_seconds,
     free_port,
+    median_and_range,
     percentile_ms,
     plot,
     table,
@@ -357,8 +358,7 @@ def ratio(ours: dict[str, Any], base: Optional[dict[str, Any]]) -> tuple[Optiona
     """Median and range of our pull+push rows/s over the baseline's, run by run (runs paired by order)."""
     if base is None:
         return None, None
-    pairs = [a / b for a, b in zip(ours["runs_rows_per_s"], base["runs_rows_per_s"])]
-    return float(np.median(pairs)), f"{min(pairs):.2f}-{max(pairs):.2f}"
+    return median_and_range([a / b for a, b in zip(ours["runs_rows_per_s"], base["runs_rows_per_s"])])
 
 
 def _find(results: list[dict], **kv: Any) -> Optional[dict]:

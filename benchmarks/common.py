@@ -51,6 +51,11 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def median_and_range(ratios: list[float]) -> tuple[float, str]:
+    """Median of ratios taken run by run, and their range as printed ("0.81-1.04")."""
+    return float(np.median(ratios)), f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def percentile_ms(samples: list[float], q: float) -> float:
     return float(np.percentile(np.array(samples) * 1e3, q)) if samples else float("nan")
 
