@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shardps.errors import InvalidArgument
@@ -16,6 +18,12 @@ NP_DTYPES = _NP_OF = {
 }
 DTYPE_NAMES = {pb.FLOAT32: "float32", pb.FLOAT16: "float16", pb.BFLOAT16: "bfloat16", pb.INT64: "int64"}
 WIRE_FLOAT_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
+MAX_NDIM = 32  # numpy allows 64; no message of this protocol needs more than 2
+
+
+def dtype_name(dtype: int) -> str:
+    """The name of a wire dtype, or its number when unknown."""
+    return DTYPE_NAMES.get(dtype, str(dtype))
 
 
 def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
@@ -63,10 +71,12 @@ def decode_raw(dtype: int, shape: list, data: bytes | memoryview, what: str, as_
     np_dtype = _NP_OF.get(dtype)
     if np_dtype is None:
         raise InvalidArgument(f"{what}: unsupported or missing dtype {dtype}")
+    if len(shape) > MAX_NDIM:
+        raise InvalidArgument(f"{what}: {len(shape)} dimensions, more than {MAX_NDIM}")
     shape_t = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape_t):
         raise InvalidArgument(f"{what}: negative dimension in shape {list(shape_t)}")
-    count = int(np.prod(shape_t, dtype=np.int64)) if shape_t else 1
+    count = math.prod(shape_t)  # exact (Python ints): a product that overflows int64 must not wrap to a match
     nbytes = len(data) if not isinstance(data, memoryview) else data.nbytes
     if count * np_dtype.itemsize != nbytes:
         raise InvalidArgument(

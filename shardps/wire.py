@@ -13,9 +13,10 @@ protobuf implementation can talk to the shards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from shardps import codec
 from shardps.errors import InvalidArgument
@@ -88,15 +89,18 @@ def frame(field: int, *messages: Buffer) -> bytes:
 
 
 def unframe(buf: Buffer) -> tuple[int, memoryview]:
-    """The first length-delimited field of a message: (field number, view of its bytes)."""
-    view = memoryview(buf)
-    key, pos = _read_varint(view, 0)
-    if key & 7 != _LEN:
-        raise InvalidArgument(f"expected a length-delimited field, got wire type {key & 7}")
-    size, pos = _read_varint(view, pos)
-    if pos + size > view.nbytes:
-        raise InvalidArgument("truncated message")
-    return key >> 3, view[pos : pos + size]
+    """The one length-delimited field a message holds (a oneof): (field number, view of its bytes).
+
+    Anything else (no field, another wire type, a second field, which protobuf would
+    merge or prefer) is refused.
+    """
+    fields = _fields(memoryview(buf))
+    if len(fields) != 1:
+        raise InvalidArgument(f"malformed message: expected exactly one field, got {len(fields)}")
+    field, wt, value = fields[0]
+    if wt != _LEN:
+        raise InvalidArgument(f"malformed message: expected a length-delimited field, got wire type {wt}")
+    return field, value  # type: ignore[return-value]
 
 
 def _string_field(field: int, s: str) -> list:
@@ -140,6 +144,7 @@ def encode_push(
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    """One varint, in its shortest form only: anything protobuf could read another way is refused."""
     if pos < len(buf) and buf[pos] < 0x80:  # one byte: most tags, dtypes and small numbers
         return buf[pos], pos + 1
     result = shift = 0
@@ -150,37 +155,74 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (b & 0x7F) << shift
         if not b & 0x80:
+            if b == 0:  # a trailing zero byte: a longer encoding than the value needs
+                raise InvalidArgument("malformed message: overlong varint (not in its shortest form)")
+            if result >> 64:
+                raise InvalidArgument("malformed message: varint above 2^64 - 1")
             return result, pos
         shift += 7
         if shift > 63:
-            raise InvalidArgument("malformed message: varint too long")
+            raise InvalidArgument("malformed message: varint longer than 10 bytes")
+
+
+_MAX_FIELD = (1 << 29) - 1
 
 
 def _fields(buf: memoryview) -> list[tuple[int, int, Union[int, memoryview]]]:
-    """(field number, wire type, value) of every field; LEN values are views into ``buf``."""
+    """(field number, wire type, value) of every field; LEN values are views into ``buf``.
+
+    Strict: field number 0 or above 2^29 - 1, groups (wire types 3 and 4), varints
+    not in their shortest form or above 2^64 - 1, and fields running past the end
+    are refused, so that whatever this accepts, protobuf's parser accepts too.
+    """
     out = []
     pos, end = 0, len(buf)
     while pos < end:
         key, pos = _read_varint(buf, pos)
         field, wt = key >> 3, key & 7
+        if not 1 <= field <= _MAX_FIELD:
+            raise InvalidArgument(f"malformed message: field number {field} out of range")
         value: Union[int, memoryview]
         if wt == _VARINT:
             value, pos = _read_varint(buf, pos)
         elif wt == _LEN:
             n, pos = _read_varint(buf, pos)
-            if pos + n > end:
+            if n > end - pos:
                 raise InvalidArgument("malformed message: field runs past the end")
             value, pos = buf[pos : pos + n], pos + n
-        elif wt == _I64:
-            value, pos = int.from_bytes(buf[pos : pos + 8], "little"), pos + 8
-        elif wt == _I32:
-            value, pos = int.from_bytes(buf[pos : pos + 4], "little"), pos + 4
+        elif wt in (_I64, _I32):
+            size = 8 if wt == _I64 else 4
+            if size > end - pos:
+                raise InvalidArgument("malformed message: field runs past the end")
+            value, pos = int.from_bytes(buf[pos : pos + size], "little"), pos + size
         else:
-            raise InvalidArgument(f"malformed message: wire type {wt}")
+            raise InvalidArgument(f"malformed message: wire type {wt} (groups are not used by this protocol)")
         out.append((field, wt, value))
-    if pos != end:
-        raise InvalidArgument("malformed message: trailing bytes")
     return out
+
+
+def _singular(fields: list, schema: dict[int, int], what: str) -> dict[int, Union[int, memoryview]]:
+    """The known fields of a message by number, each at most once and with its declared wire type.
+
+    Protobuf merges a repeated sub-message and keeps the last of a repeated scalar:
+    rather than follow it there, a known field that appears twice or with another
+    wire type is refused. Unknown fields are skipped, as protobuf does.
+    """
+    out: dict[int, Union[int, memoryview]] = {}
+    for field, wt, value in fields:
+        want = schema.get(field)
+        if want is None:
+            continue
+        if wt != want:
+            raise InvalidArgument(f"malformed message: {what} field {field} has wire type {wt}, expected {want}")
+        if field in out:
+            raise InvalidArgument(f"malformed message: {what} field {field} appears more than once")
+        out[field] = value
+    return out
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >> 63 else v
 
 
 def decode_tensor(buf: memoryview, what: str, as_float32: bool = True, allowed: Optional[tuple] = None) -> np.ndarray:
@@ -189,37 +231,42 @@ def decode_tensor(buf: memoryview, what: str, as_float32: bool = True, allowed: 
     ``allowed``: the dtypes accepted; another one is refused naming ``what``.
     """
     dtype, shape, data = 0, [], memoryview(b"")
+    seen: set[int] = set()
     for field, wt, value in _fields(buf):
-        if field == 1 and wt == _VARINT:
-            dtype = int(value)  # type: ignore[arg-type]
-        elif field == 2 and wt == _LEN:
-            sub, pos = value, 0  # packed
+        if field == 2 and wt == _LEN:  # packed shape entries; packed and unpacked runs concatenate, in order
+            sub, pos = value, 0
             while pos < len(sub):  # type: ignore[arg-type]
                 v, pos = _read_varint(sub, pos)  # type: ignore[arg-type]
-                shape.append(v - (1 << 64) if v >= 1 << 63 else v)
-        elif field == 2 and wt == _VARINT:
-            shape.append(int(value))  # type: ignore[arg-type]
-        elif field == 3 and wt == _LEN:
-            data = value  # type: ignore[assignment]
+                shape.append(_signed64(v))
+            continue
+        if field == 2 and wt == _VARINT:
+            shape.append(_signed64(value))  # type: ignore[arg-type]
+            continue
+        if field in (1, 3):
+            if field in seen:
+                raise InvalidArgument(f"malformed message: {what} field {field} appears more than once")
+            if wt != (_VARINT if field == 1 else _LEN):
+                raise InvalidArgument(f"malformed message: {what} field {field} has wire type {wt}")
+            seen.add(field)
+            if field == 1:
+                dtype = value  # type: ignore[assignment]
+            else:
+                data = value  # type: ignore[assignment]
     if allowed is not None and dtype not in allowed:
         names = [codec.DTYPE_NAMES[d] for d in allowed]
         expected = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
-        raise InvalidArgument(f"{what} must be {expected}, got {codec.DTYPE_NAMES.get(dtype, dtype)}")
+        raise InvalidArgument(f"{what} must be {expected}, got {codec.dtype_name(dtype)}")
     return codec.decode_raw(dtype, shape, data, what, as_float32)
+
+
+_PULL_RESPONSE = {1: _LEN, 2: _VARINT}
 
 
 def decode_pull_response(buf: Buffer) -> tuple[np.ndarray, int]:
     """(rows, version) of a serialized PullResponse; rows are float32 (a view when sent as float32)."""
-    rows: Optional[np.ndarray] = None
-    version = 0
-    for field, wt, value in _fields(memoryview(buf)):
-        if field == 1 and wt == _LEN:
-            rows = decode_tensor(value, "rows")  # type: ignore[arg-type]
-        elif field == 2 and wt == _VARINT:
-            version = int(value)  # type: ignore[arg-type]
-    if rows is None:
-        rows = np.zeros((0,), np.float32)
-    return rows, version
+    f = _singular(_fields(memoryview(buf)), _PULL_RESPONSE, "PullResponse")
+    rows = decode_tensor(f[1], "rows") if 1 in f else np.zeros((0,), np.float32)  # type: ignore[arg-type]
+    return rows, int(f.get(2, 0))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -237,32 +284,51 @@ class DecodedPush:
     sync: Optional[pb.SyncPart] = None
 
 
-def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
-    """Parse a serialized PushRequest (``dense=False``) or PushDenseRequest."""
-    out = DecodedPush()
+# Field -> wire type of PushRequest and PushDenseRequest (field 2: ids or row_start).
+_PUSH = {1: _LEN, 2: _LEN, 3: _LEN, 4: _VARINT, 5: _LEN, 6: _VARINT, 7: _LEN, 8: _LEN}
+_PUSH_DENSE = {**_PUSH, 2: _VARINT}
+
+
+def _string(value: Any, what: str) -> str:
     try:
-        for field, wt, value in _fields(memoryview(buf)):
-            if field == 1 and wt == _LEN:
-                out.name = bytes(value).decode()  # type: ignore[arg-type]
-            elif field == 2:
-                if dense and wt == _VARINT:
-                    out.row_start = int(value)  # type: ignore[arg-type]
-                elif not dense and wt == _LEN:
-                    out.ids = decode_tensor(value, "ids", allowed=(pb.INT64,))  # type: ignore[arg-type]
-            elif field == 3 and wt == _LEN:
-                out.grads = decode_tensor(value, "grads", allowed=codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
-            elif field == 4 and wt == _VARINT:
-                out.pulled_version = int(value)  # type: ignore[arg-type]
-            elif field == 5 and wt == _LEN:
-                out.client_id = bytes(value).decode()  # type: ignore[arg-type]
-            elif field == 6 and wt == _VARINT:
-                out.seq = int(value)  # type: ignore[arg-type]
-            elif field == 7 and wt == _LEN:
-                out.shard_map = pb.ShardMap.FromString(bytes(value))  # type: ignore[arg-type]
-            elif field == 8 and wt == _LEN:
-                out.sync = pb.SyncPart.FromString(bytes(value))  # type: ignore[arg-type]
+        return bytes(value).decode()
     except UnicodeDecodeError:
-        raise InvalidArgument("malformed message: invalid UTF-8 in a string field") from None
+        raise InvalidArgument(f"malformed message: {what} is not valid UTF-8") from None
+
+
+def _message(cls: Any, value: Any, what: str) -> Any:
+    try:
+        return cls.FromString(bytes(value))
+    except DecodeError:
+        raise InvalidArgument(f"malformed message: {what} cannot be parsed") from None
+
+
+def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
+    """Parse a serialized PushRequest (``dense=False``) or PushDenseRequest.
+
+    Strict (see ``_fields`` and ``_singular``): what this accepts, protobuf's own
+    parser reads the same way, so the write-ahead log may hold the raw request.
+    """
+    f = _singular(_fields(memoryview(buf)), _PUSH_DENSE if dense else _PUSH, "push")
+    out = DecodedPush()
+    if 1 in f:
+        out.name = _string(f[1], "the table name")
+    if 2 in f:
+        if dense:
+            out.row_start = int(f[2])  # type: ignore[arg-type]
+        else:
+            out.ids = decode_tensor(f[2], "ids", allowed=(pb.INT64,))  # type: ignore[arg-type]
+    if 3 in f:
+        out.grads = decode_tensor(f[3], "grads", allowed=codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
+    if 4 in f:
+        out.pulled_version = int(f[4])  # type: ignore[arg-type]
+    if 5 in f:
+        out.client_id = _string(f[5], "client_id")
+    out.seq = int(f.get(6, 0))  # type: ignore[arg-type]
+    if 7 in f:
+        out.shard_map = _message(pb.ShardMap, f[7], "shard_map")
+    if 8 in f:
+        out.sync = _message(pb.SyncPart, f[8], "sync")
     if not dense and out.ids is None:
         out.ids = np.zeros(0, np.int64)
     if out.grads is None:
@@ -282,10 +348,16 @@ def encode_repeated(groups: list[tuple[int, list[bytes]]], frame: int = 0) -> by
     return b"".join(_len_field(frame, parts) if frame else parts)
 
 
-def decode_repeated(buf: Buffer) -> dict[int, list[memoryview]]:
-    """Views of the length-delimited fields of a message, by field number (in order)."""
+def decode_repeated(buf: Buffer, fields: Optional[tuple[int, ...]] = None) -> dict[int, list[memoryview]]:
+    """Views of the repeated message fields ``fields`` of a message, by field number (in order).
+
+    One of ``fields`` with another wire type than length-delimited is refused;
+    other fields are skipped. Without ``fields``: every length-delimited field.
+    """
     out: dict[int, list[memoryview]] = {}
     for field, wt, value in _fields(memoryview(buf)):
-        if wt == _LEN:
+        if fields is None and wt == _LEN or fields is not None and field in fields:
+            if wt != _LEN:
+                raise InvalidArgument(f"malformed message: field {field} has wire type {wt}, expected {_LEN}")
             out.setdefault(field, []).append(value)  # type: ignore[arg-type]
     return out
