@@ -13,8 +13,11 @@ import os
 import sys
 from typing import Callable, Mapping, Optional, Sequence
 
+from shardps.limits import Limits
 from shardps.server import ServerConfig, serve
-from shardps.shard import DURABILITY_LEVELS, ShardConfig
+from shardps.shard import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
+
+_LIMITS = Limits()
 
 # (flag, type, default, help) of `shardps serve`; the single list the README's table mirrors.
 SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
@@ -30,6 +33,16 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("max-streams", int, 64, "call streams open at once (one per client); each holds a handler thread"),
     ("max-message-mb", int, 4, "largest request or reply in MiB"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
+    ("max-memory-mb", int, 0, "memory budget of the shard's tables (rows, optimizer state, indexes) in MiB; "
+     "0: half the machine's or container's memory"),
+    ("max-tables", int, _LIMITS.max_tables, "tables and dense tensors on the shard"),
+    ("max-table-rows", int, _LIMITS.max_table_rows, "rows one table may hold on the shard (at most 2^31 - 1)"),
+    ("max-ids-per-request", int, _LIMITS.max_ids_per_request, "ids in one pull or push"),
+    ("max-name-length", int, _LIMITS.max_name_length, "characters in a table or dense-tensor name"),
+    ("max-dense-elements", int, _LIMITS.max_dense_elements, "elements of one dense tensor"),
+    ("max-workers", int, _LIMITS.max_workers, "training workers: ranks, world size, workers of a synchronous table"),
+    ("wal-recovery", str, "fail", f"one of {', '.join(WAL_RECOVERY)}: what a write-ahead log record that cannot "
+     "be replayed does on start (truncate: set it and all later records aside, logged as lost, and start)"),
     ("ready-file", str, None, "write the bound address to this file once serving"),
     ("log-level", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
 ]
@@ -208,7 +221,12 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         shard_config = ShardConfig(
             shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
-            durability=args.durability, worker_timeout_s=args.worker_timeout,
+            durability=args.durability, worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
+            limits=Limits(
+                max_memory_mb=args.max_memory_mb, max_tables=args.max_tables, max_table_rows=args.max_table_rows,
+                max_ids_per_request=args.max_ids_per_request, max_name_length=args.max_name_length,
+                max_dense_elements=args.max_dense_elements, max_workers=args.max_workers,
+            ),
         )
         server_config = ServerConfig(
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
@@ -217,11 +235,11 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"shardps serve: {e}") from None
-    from shardps.shard import ShardMapMismatch
+    from shardps.shard import LogReplayError, ShardMapMismatch
 
     try:
         return serve(shard_config, server_config, ready_file=args.ready_file)
-    except ShardMapMismatch as e:
+    except (ShardMapMismatch, LogReplayError) as e:
         raise SystemExit(f"shardps serve: {e}") from None
 
 

@@ -55,11 +55,12 @@ class HashIndex(_SlotIds):
 
     def __init__(self, capacity: int = 1024) -> None:
         super().__init__(capacity)
-        self._table = full(self._table_size(capacity), -1, np.int32)  # slots fit in 31 bits
+        self._table = full(self.table_size(capacity), -1, np.int32)  # slots fit in 31 bits
         self._mask = np.uint64(self._table.shape[0] - 1)
 
     @staticmethod
-    def _table_size(count: int) -> int:
+    def table_size(count: int) -> int:
+        """Probe-table positions for ``count`` ids (load at most 1/2)."""
         return 1 << max(4, int(np.ceil(np.log2(max(2 * count, 16)))))
 
     @property
@@ -98,7 +99,7 @@ class HashIndex(_SlotIds):
         values = np.asarray(values, dtype=np.int64)
         self._append_ids(ids, values)
         if self._count > (self._table.shape[0] >> 1):
-            self._table = full(self._table_size(self._count), -1, np.int32)
+            self._table = full(self.table_size(self._count), -1, np.int32)
             self._mask = np.uint64(self._table.shape[0] - 1)
             self._place(self._ids[: self._count], np.arange(self._count))
         else:

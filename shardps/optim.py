@@ -14,6 +14,7 @@ gradient (the reference used by the tests).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Union
 
@@ -39,6 +40,7 @@ class SGD:
     nesterov: bool = False
 
     def __post_init__(self) -> None:
+        _check_finite(self)
         _check(self.lr >= 0, f"SGD lr must be >= 0, got {self.lr}")
         _check(self.momentum >= 0, f"SGD momentum must be >= 0, got {self.momentum}")
         _check(self.weight_decay >= 0, f"SGD weight_decay must be >= 0, got {self.weight_decay}")
@@ -87,6 +89,7 @@ class Adagrad:
     eps: float = 1e-10
 
     def __post_init__(self) -> None:
+        _check_finite(self)
         _check(self.lr >= 0, f"Adagrad lr must be >= 0, got {self.lr}")
         _check(self.lr_decay >= 0, f"Adagrad lr_decay must be >= 0, got {self.lr_decay}")
         _check(self.weight_decay >= 0, f"Adagrad weight_decay must be >= 0, got {self.weight_decay}")
@@ -132,6 +135,7 @@ class Adam:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        _check_finite(self)
         _check(self.lr >= 0, f"Adam lr must be >= 0, got {self.lr}")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), f"Adam betas must be in [0, 1), got {self.betas}")
         _check(self.eps >= 0, f"Adam eps must be >= 0, got {self.eps}")
@@ -173,6 +177,14 @@ def axpy(x: np.ndarray, a: float, y: np.ndarray) -> np.ndarray:
     out *= float(np.float32(a))
     out += x
     return out.astype(np.float32)
+
+
+def _check_finite(opt: object) -> None:
+    """Every numeric hyperparameter must be finite: an lr of inf or nan would wreck every row it touches."""
+    for f in dataclasses.fields(opt):  # type: ignore[arg-type]
+        value = getattr(opt, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            _check(isinstance(v, bool) or math.isfinite(v), f"{type(opt).__name__} {f.name} must be finite, got {value}")
 
 
 def _check(cond: bool, message: str) -> None:

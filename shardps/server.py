@@ -12,7 +12,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import grpc
@@ -58,9 +58,11 @@ class ShardServer:
 
     def __init__(self, shard_config: ShardConfig, server_config: ServerConfig = ServerConfig()) -> None:
         tune_malloc()
+        limit = server_config.max_message_mb * 1024 * 1024
+        # The shard refuses, before reading a row, any reply larger than gRPC would send.
+        shard_config = replace(shard_config, limits=replace(shard_config.limits, max_message_bytes=limit))
         self.shard = Shard(shard_config)
         self.config = server_config
-        limit = server_config.max_message_mb * 1024 * 1024
         self._server = grpc.server(
             # Threads start on demand: the pool grows past ``workers`` only while streams are open.
             futures.ThreadPoolExecutor(max_workers=server_config.workers + server_config.max_streams,

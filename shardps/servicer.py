@@ -11,6 +11,7 @@ import threading
 from typing import Any, Callable, Iterator, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from shardps import codec, wire
 from shardps.errors import (
@@ -25,11 +26,17 @@ from shardps.errors import (
     Unavailable,
     WrongShard,
 )
+from shardps.limits import clip
 from shardps.shard import PushResult, Shard, SyncPart
 from shardps.specs import dense_spec_from_pb, table_spec_from_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from shardps.wire import Buffer
+
+# The bulk methods read their requests on the wire themselves (see shardps.wire) ...
+_FAST = frozenset({"Push", "PushDense", "PushBatch", "Stream"})
+# ... and these return their replies already serialized.
+_SERIALIZED_REPLIES = frozenset({"Pull", "PullDense", "PullBatch", "PushBatch", "Stream"})
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +53,27 @@ _STATUS: dict[type, grpc.StatusCode] = {
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
+MAX_ERROR_CHARS = 1024  # status details travel in metadata (8 KiB by default): never echo a request into it
+
+
+def parse(cls: Any, buf: Buffer) -> Any:
+    """A request message from its bytes; bytes protobuf cannot parse are the caller's error."""
+    try:
+        return cls.FromString(bytes(buf))
+    except DecodeError:
+        raise InvalidArgument(f"malformed {cls.DESCRIPTOR.name}: protobuf cannot parse the request") from None
 
 
 def _rpc(method: F) -> F:
-    """Run a servicer method, turning shard errors into status codes."""
+    """Run a servicer method on the raw request: parse it (unless the method reads the wire itself),
+    and turn every error into a status code."""
+    request_type = getattr(pb, pb.DESCRIPTOR.services_by_name["Shard"].methods_by_name[method.__name__].input_type.name)
+    raw = method.__name__ in _FAST
 
     @functools.wraps(method)
-    def wrapper(self: ShardServicer, request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: ShardServicer, request: bytes, context: grpc.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
+            return method(self, request if raw else parse(request_type, request), context)
         except Exception as e:  # noqa: BLE001 - every error becomes a status (see _status)
             context.abort(*self._status(e, method.__name__))
 
@@ -63,13 +82,13 @@ def _rpc(method: F) -> F:
 
 def _ids(t: pb.Tensor) -> Any:
     if t.dtype != pb.INT64:
-        raise InvalidArgument(f"ids must be int64, got {codec.DTYPE_NAMES.get(t.dtype, t.dtype)}")
+        raise InvalidArgument(f"ids must be int64, got {codec.dtype_name(t.dtype)}")
     return codec.decode(t, "ids")
 
 
 def _grads(t: pb.Tensor, what: str = "grads") -> Any:
     if t.dtype not in codec.WIRE_FLOAT_DTYPES:
-        raise InvalidArgument(f"{what} must be float32, float16 or bfloat16, got {codec.DTYPE_NAMES.get(t.dtype, t.dtype)}")
+        raise InvalidArgument(f"{what} must be float32, float16 or bfloat16, got {codec.dtype_name(t.dtype)}")
     return codec.decode(t, what)
 
 
@@ -122,7 +141,7 @@ class ShardServicer(pb_grpc.ShardServicer):
     def _pull(self, request: pb.PullRequest, frame: int = 0) -> bytes:
         self.shard.check_shard_map(request.shard_map)
         wire_dtype = _wire(request.wire_dtype)
-        rows, version = self.shard.pull(request.table, _ids(request.ids))
+        rows, version = self.shard.pull(request.table, _ids(request.ids), codec.NP_DTYPES[wire_dtype].itemsize)
         return wire.encode_pull_response(rows, wire_dtype, version, frame)
 
     def _status(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
@@ -130,7 +149,8 @@ class ShardServicer(pb_grpc.ShardServicer):
         if isinstance(e, ShardError):
             with self.shard.stats.lock:
                 self.shard.stats.errors += 1
-            return _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), f"shard {self.shard.index}: {e}"
+            return _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), clip(f"shard {self.shard.index}: {e}",
+                                                                                 MAX_ERROR_CHARS)
         log.error("internal error in %s", method, exc_info=e)
         return grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method}"
 
@@ -177,6 +197,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         self.shard.check_shard_map(request.shard_map)
         wire_dtype = _wire(request.wire_dtype)
         t, ids = self.shard.validate_pull_dense(request.name, request.row_start, request.row_end)
+        self.shard.check_reply(t, ids.shape[0], codec.NP_DTYPES[wire_dtype].itemsize)
         return t, ids, wire_dtype
 
     def _read_dense(self, pull: tuple[Any, Any, int], frame: int = 0) -> bytes:
@@ -193,8 +214,16 @@ class ShardServicer(pb_grpc.ShardServicer):
         return self._pull_batch(request)
 
     def _pull_batch(self, request: pb.PullBatchRequest, frame: int = 0) -> bytes:
-        replies = [self._pull(req) for req in request.pulls]
-        dense = [self._pull_dense(dreq) for dreq in request.dense]
+        replies: list[bytes] = []
+        dense: list[bytes] = []
+        total = 0
+        for out, read, reqs in ((replies, self._pull, request.pulls), (dense, self._pull_dense, request.dense)):
+            for req in reqs:
+                out.append(read(req))
+                total += len(out[-1])
+                if total > self.shard.limits.max_message_bytes:
+                    raise ResourceExhausted(f"a PullBatch reply over {self.shard.limits.max_message_bytes:,} bytes "
+                                            "(--max-message-mb); split the batch")
         return wire.encode_repeated([(1, replies), (2, dense)], frame)
 
     @_rpc
@@ -203,12 +232,12 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def _push_batch(self, request: Buffer) -> bytes:
         """Apply a PushBatch's pushes in order, then read its dense pulls: a serialized PushBatchResponse."""
-        groups = wire.decode_repeated(request)
+        groups = wire.decode_repeated(request, (1, 2, 3))
         entries = []
         for field, dense in ((1, False), (2, True)):  # validate everything before applying anything
             for view in groups.get(field, []):
                 entries.append((dense, *self._validated_push(view, dense), view))
-        pulls = [self._validated_pull_dense(pb.PullDenseRequest.FromString(bytes(view))) for view in groups.get(3, [])]
+        pulls = [self._validated_pull_dense(parse(pb.PullDenseRequest, view)) for view in groups.get(3, [])]
         out = pb.PushBatchResponse()
         first_error: Any = None
         for dense, t, ids, d, view in entries:
@@ -255,11 +284,11 @@ class ShardServicer(pb_grpc.ShardServicer):
             if field == 3:
                 return wire.frame(3, self._push_batch(view))
             if field == 4:
-                return self._pull(pb.PullRequest.FromString(bytes(view)), frame=4)
+                return self._pull(parse(pb.PullRequest, view), frame=4)
             if field == 5:
-                return self._pull_dense(pb.PullDenseRequest.FromString(bytes(view)), frame=5)
+                return self._pull_dense(parse(pb.PullDenseRequest, view), frame=5)
             if field == 6:
-                return self._pull_batch(pb.PullBatchRequest.FromString(bytes(view)), frame=6)
+                return self._pull_batch(parse(pb.PullBatchRequest, view), frame=6)
             raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
             code, message = self._status(e, "Stream")
@@ -297,37 +326,24 @@ class ShardServicer(pb_grpc.ShardServicer):
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         wait = request.wait_min_clock if request.HasField("wait_min_clock") else None
+        wait_s = request.wait_s
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer before the caller's deadline, with what there is by then
+            wait_s = min(wait_s, max(0.0, remaining - 0.5))
         min_clock, live, gone = self.shard.heartbeat(
-            request.rank, request.world_size, request.clock, request.leaving, wait, request.wait_s
+            request.rank, request.world_size, request.clock, request.leaving, wait, wait_s
         )
         return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
-# The bulk methods skip protobuf objects for their array payloads (see shardps.wire):
-# (request deserializer, response serializer) replacing the generated ones.
-_FAST = {
-    "Pull": (pb.PullRequest.FromString, _identity),
-    "PullDense": (pb.PullDenseRequest.FromString, _identity),
-    "Push": (_identity, pb.PushResponse.SerializeToString),
-    "PushDense": (_identity, pb.PushResponse.SerializeToString),
-    "PullBatch": (pb.PullBatchRequest.FromString, _identity),
-    "PushBatch": (_identity, _identity),
-    "Stream": (_identity, _identity),
-}
-
-
 def add_to_server(servicer: ShardServicer, server: grpc.Server) -> None:
-    """Register the Shard service: generated (de)serializers, except wire-level ones for bulk methods."""
+    """Register the Shard service. Requests arrive as bytes, parsed by the servicer (``_rpc``), so a
+    request that cannot be parsed is answered INVALID_ARGUMENT by us rather than INTERNAL by gRPC;
+    the bulk methods' replies are already serialized (see shardps.wire)."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
-        default = (getattr(pb, method.input_type.name).FromString, getattr(pb, method.output_type.name).SerializeToString)
-        deserialize, serialize = _FAST.get(method.name, default)
+        serialize = None if method.name in _SERIALIZED_REPLIES else getattr(pb, method.output_type.name).SerializeToString
         make = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(
-            getattr(servicer, method.name), request_deserializer=deserialize, response_serializer=serialize
-        )
+        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=None,
+                                     response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("shardps.v1.Shard", handlers),))

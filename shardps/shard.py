@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from shardps import checkpoint as ckpt
-from shardps import codec
+from shardps import codec, wire
 from shardps import wal as wal_mod
 from shardps.aggregate import combine, stack
 from shardps.errors import (
@@ -28,11 +28,13 @@ from shardps.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    ResourceExhausted,
     StaleUpdate,
     SyncStepFailed,
     Unavailable,
     WrongShard,
 )
+from shardps.limits import Limits, MemoryBudget, clip
 from shardps.routing import dense_rows_owned, shard_of_ids
 from shardps.specs import (
     DenseSpec,
@@ -49,11 +51,17 @@ from shardps.v1 import shardps_pb2 as pb
 log = logging.getLogger(__name__)
 
 DURABILITY_LEVELS = ("none", "checkpoint", "log")
+WAL_RECOVERY = ("fail", "truncate")
+MAX_DENSE_CHUNKS = 1 << 16
 _U64 = struct.Struct("<Q")
 
 
 class ShardMapMismatch(Exception):
     """A checkpoint on disk was written by a shard with another (index, count)."""
+
+
+class LogReplayError(Exception):
+    """A write-ahead log record that holds an acknowledged update cannot be replayed."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,11 @@ class ShardConfig:
             pushes back before the shard gives up on it and resumes.
         worker_timeout_s: a worker silent (no heartbeat, no push) for this
             long counts as gone: synchronous steps and SSP stop waiting for it.
+        limits: request and memory limits (see ``shardps.limits.Limits``).
+        wal_recovery: what a write-ahead log record that cannot be replayed does
+            on start: "fail" (the shard does not start, and says which record and
+            how to recover) or "truncate" (that record and every later one are
+            moved aside to a ``.corrupt`` file, logged as lost, and the shard starts).
     """
 
     shard_index: int = 0
@@ -82,12 +95,16 @@ class ShardConfig:
     keep_checkpoints: int = 2
     checkpoint_hold_s: float = 30.0
     worker_timeout_s: float = 10.0
+    limits: Limits = Limits()
+    wal_recovery: str = "fail"
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard index {self.shard_index} is not in [0, {self.num_shards})")
         if self.durability not in DURABILITY_LEVELS:
             raise ValueError(f"durability must be one of {DURABILITY_LEVELS}, got {self.durability!r}")
+        if self.wal_recovery not in WAL_RECOVERY:
+            raise ValueError(f"wal_recovery must be one of {WAL_RECOVERY}, got {self.wal_recovery!r}")
         if self.keep_checkpoints < 2:
             raise ValueError("keep_checkpoints must be >= 2 (the previous good one is kept)")
 
@@ -189,6 +206,8 @@ class Shard:
 
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
+        self.limits = config.limits
+        self.budget = MemoryBudget(config.limits.memory_bytes)
         self.index = config.shard_index
         self.num_shards = config.num_shards
         # Lock order: _lock (table dict) -> Table.lock -> _vlock (version) -> WAL.
@@ -198,7 +217,7 @@ class Shard:
         self.version = 0
         self.stats = Stats()
         self.seen = SeenPushes()
-        self.membership = Membership(config.worker_timeout_s)
+        self.membership = Membership(config.worker_timeout_s, config.limits.max_workers)
         self._sync_cond = threading.Condition()
         self._sync_tables: dict[str, SyncTable] = {}
         self.started = time.monotonic()
@@ -237,13 +256,42 @@ class Shard:
                 f"(expected shard map: index {self.index}, {self.num_shards} shards)"
             )
 
-    def _table(self, name: str, dense: bool) -> Table:
+    def _check_name(self, name: str) -> None:
+        if len(name) > self.limits.max_name_length:
+            raise InvalidArgument(f"name {clip(repr(name), 60)} is longer than the shard's limit of "
+                                  f"{self.limits.max_name_length} characters (--max-name-length)")
+
+    def _find(self, name: str) -> Optional[Table]:
+        self._check_name(name)
         with self._lock:
-            t = self._tables.get(name)
+            return self._tables.get(name)
+
+    def _table(self, name: str, dense: bool) -> Table:
+        t = self._find(name)
         if t is None or t.is_dense != dense:
             what = "dense tensor" if dense else "table"
             raise NotFound(f"unknown {what} {name!r} on shard {self.index}")
         return t
+
+    def _check_ids_count(self, n: int) -> None:
+        self.limits.check("ids in one request", n, "max_ids_per_request", "--max-ids-per-request")
+
+    def check_reply(self, t: Table, rows: int, itemsize: int) -> None:
+        """Refuse a read whose reply would exceed the largest message, before any row is read."""
+        nbytes = rows * t.dim * itemsize
+        if nbytes > self.limits.max_message_bytes:
+            raise ResourceExhausted(
+                f"{t.spec.name}: a reply of {rows:,} rows x {t.dim} would be {nbytes:,} bytes, over the "
+                f"largest message of {self.limits.max_message_bytes:,} bytes (--max-message-mb); split the request"
+            )
+
+    def _new_table(self, spec: Union[TableSpec, DenseSpec], owns: Any, expected: int) -> Table:
+        """A table charged to this shard's budget (caller holds _lock and adds it)."""
+        self.limits.check("tables and dense tensors", len(self._tables) + 1, "max_tables", "--max-tables")
+        self._check_name(spec.name)
+        if spec.sync is not None:
+            self.limits.check(f"{spec.name}: sync workers", spec.sync.workers, "max_workers", "--max-workers")
+        return Table(spec, owns, expected, budget=self.budget, max_rows=self.limits.max_table_rows)
 
     def _owns_ids(self, ids: np.ndarray) -> np.ndarray:
         return shard_of_ids(ids, self.num_shards) == self.index
@@ -261,7 +309,7 @@ class Shard:
                     )
                 return False
             expected = 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
-            self._tables[spec.name] = Table(spec, self._owns_ids, expected)
+            self._tables[spec.name] = self._new_table(spec, self._owns_ids, expected)
             ticket = self._log(wal_mod.CREATE_TABLE, table_spec_to_pb(spec).SerializeToString())
         log.info("shard %d: created table %s", self.index, spec.name)
         self._wait_durable(ticket)
@@ -278,15 +326,19 @@ class Shard:
             self._wal.wait(ticket)
 
     def drop(self, name: str) -> bool:
+        self._check_name(name)
         with self._lock:
-            dropped = self._tables.pop(name, None) is not None
+            t = self._tables.pop(name, None)
+            dropped = t is not None
             ticket = self._log(wal_mod.DROP, name.encode()) if dropped else 0
+        if t is not None:
+            with t.lock:
+                t.release()
         self._wait_durable(ticket)
         return dropped
 
     def describe(self, name: str) -> pb.TableInfo:
-        with self._lock:
-            t = self._tables.get(name)
+        t = self._find(name)
         if t is None:
             raise NotFound(f"unknown table or dense tensor {name!r} on shard {self.index}")
         return self._info(t)
@@ -301,10 +353,12 @@ class Shard:
             info.spec.CopyFrom(table_spec_to_pb(t.spec))
         return info
 
-    def pull(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, int]:
-        """Rows of ``ids`` and the version they were read at."""
+    def pull(self, name: str, ids: np.ndarray, itemsize: int = 4) -> tuple[np.ndarray, int]:
+        """Rows of ``ids`` and the version they were read at (``itemsize``: bytes per value on the wire)."""
         t = self._table(name, dense=False)
+        self._check_ids_count(ids.shape[0] if ids.ndim else 1)
         t.check_ids(ids)
+        self.check_reply(t, ids.shape[0], itemsize)
         return self.read_rows(t, ids)
 
     def read_rows(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
@@ -321,6 +375,7 @@ class Shard:
     def validate_push(self, name: str, ids: np.ndarray, grads: np.ndarray, sync: Optional[SyncPart] = None) -> Table:
         """Check a row push without applying it; returns its table."""
         t = self._table(name, dense=False)
+        self._check_ids_count(ids.shape[0] if ids.ndim else 1)
         if sync is None or ids.size:  # a synchronous worker may contribute nothing to a step
             t.check_ids(ids)
         elif ids.ndim != 1:
@@ -472,7 +527,7 @@ class Shard:
     ) -> tuple[int, list[int], list[int]]:
         """Record a worker's liveness and clock; optionally wait for the slowest one."""
         self.membership.heartbeat(rank, world_size, clock, leaving)
-        if wait_min_clock is not None and wait_s > 0:
+        if wait_min_clock is not None and wait_s > 0:  # NaN compares False: no wait
             self.membership.wait_min_clock(wait_min_clock, min(wait_s, 60.0))
         with self._sync_cond:  # a rank that left may complete a waiting step
             self._sync_cond.notify_all()
@@ -482,6 +537,14 @@ class Shard:
 
     def register_dense(self, spec: DenseSpec, row_start: int, values: Optional[np.ndarray]) -> tuple[bool, bool]:
         """Create or verify a dense tensor; initialise rows from ``values`` if not done before."""
+        self.limits.check(f"{spec.name}: dense tensor elements", spec.rows * spec.cols, "max_dense_elements",
+                          "--max-dense-elements")
+        if spec.chunk_rows and -(-spec.rows // spec.chunk_rows) > MAX_DENSE_CHUNKS:
+            raise InvalidArgument(f"{spec.name}: chunk_rows {spec.chunk_rows} makes more than {MAX_DENSE_CHUNKS:,} "
+                                  f"chunks of {spec.rows:,} rows")
+        if not 0 <= row_start <= spec.rows:
+            raise OutOfRange(f"{spec.name}: row_start {row_start} outside [0, {spec.rows}]")
+        self._check_name(spec.name)
         with self._lock:
             existing = self._tables.get(spec.name)
             created = existing is None
@@ -497,7 +560,7 @@ class Shard:
                 def owns(ids: np.ndarray, owned: np.ndarray = owned) -> np.ndarray:
                     return owned[ids]
 
-                t = Table(spec, owns, int(owned.sum()))
+                t = self._new_table(spec, owns, int(owned.sum()))
                 self._tables[spec.name] = t
         if values is None or values.size == 0:
             if created:
@@ -682,11 +745,34 @@ class Shard:
                      self.index, loaded.path.name, self.version, len(self._tables))
             break
         replayed = 0
-        for kind, payload in wal_mod.replay(self.data_dir, first_segment):
-            self._apply_record(kind, payload)
-            replayed += 1
+        try:
+            for record in wal_mod.replay(self.data_dir, first_segment):
+                try:
+                    self._apply_record(record.kind, record.payload)
+                except Exception as e:  # noqa: BLE001 - any record that cannot be replayed stops the start loudly
+                    self._unreplayable(record, e)
+                    break
+                replayed += 1
+        except wal_mod.CorruptLog as e:
+            self._unreplayable(e.record, e)
         if replayed:
             log.info("shard %d: replayed %d write-ahead log records (version %d)", self.index, replayed, self.version)
+
+    def _unreplayable(self, record: wal_mod.Record, error: Exception) -> None:
+        """A record that cannot be replayed: stop the start (the default), or with ``wal_recovery="truncate"``
+        move it and every later record aside, saying how many acknowledged records are lost."""
+        assert self.data_dir is not None
+        where = (f"write-ahead log {record.path} record {record.number} at byte {record.offset} "
+                 f"({wal_mod.KIND_NAMES.get(record.kind, 'damaged')})")
+        if self.config.wal_recovery != "truncate":
+            raise LogReplayError(
+                f"shard {self.index}: {where} cannot be replayed: {error}. It and the records after it hold "
+                f"acknowledged updates, so the shard does not start. To start anyway, without that record and "
+                f"every later one (they are kept in a .corrupt file), restart with --wal-recovery truncate"
+            ) from error
+        aside, lost = wal_mod.truncate_at(self.data_dir, record)
+        log.error("shard %d: %s cannot be replayed (%s); --wal-recovery truncate: %d records from there on "
+                  "(acknowledged updates) moved to %s and NOT applied", self.index, where, error, lost, aside)
 
     def _apply_record(self, kind: int, payload: bytes) -> None:
         """Re-apply one write-ahead log record during restore."""
@@ -699,22 +785,23 @@ class Shard:
         elif kind == wal_mod.DROP:
             self.drop(payload.decode())
         elif kind in (wal_mod.PUSH, wal_mod.PUSH_DENSE):
+            # The live path's own decoder reads the record: replay sees exactly what was acknowledged.
             (staleness,) = _U64.unpack_from(payload)
-            t: Table
-            if kind == wal_mod.PUSH:
-                push = pb.PushRequest.FromString(payload[8:])
-                found = self._tables.get(push.table)
+            d = wire.decode_push(memoryview(payload)[8:], dense=kind == wal_mod.PUSH_DENSE)
+            assert d.grads is not None
+            if kind == wal_mod.PUSH:  # rows of a table, or of a dense tensor (a synchronous step's update)
+                found = self._tables.get(d.name)
                 if found is None:
-                    raise NotFound(f"log record for unknown table {push.table!r}")
-                t = found
-                ids, grads = codec.decode(push.ids, "ids"), codec.decode(push.grads, "grads")
-                client_id, seq = push.client_id, push.seq
+                    raise NotFound(f"log record for unknown table {d.name!r}")
+                t, ids, grads = found, d.ids, d.grads
+                assert ids is not None
+                if ids.size:
+                    t.check_ids(ids)
+                t.check_grads(ids, d.grads)
             else:
-                dpush = pb.PushDenseRequest.FromString(payload[8:])
-                t = self._table(dpush.name, dense=True)
-                grads = codec.decode(dpush.grads, "grads")
-                ids = np.arange(dpush.row_start, dpush.row_start + grads.shape[0], dtype=np.int64)
-                client_id, seq = dpush.client_id, dpush.seq
+                t, ids = self.validate_push_dense(d.name, d.row_start, d.grads)
+                grads = d.grads
+            client_id, seq = d.client_id, d.seq
             if client_id:
                 self.seen.begin(client_id, seq)
             with t.lock:

@@ -10,17 +10,21 @@ from typing import Optional
 import numpy as np
 
 from shardps.errors import InvalidArgument
+from shardps.limits import clip
 from shardps.optim import SGD, Adagrad, Adam, Optimizer
 from shardps.routing import mix64
 from shardps.v1 import shardps_pb2 as pb
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_.:/\-]{1,128}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
+MAX_NAME_LENGTH = 1024  # the format's ceiling; a shard's own limit (--max-name-length, default 128) is lower
 MAX_DIM = 1 << 16
+MAX_DENSE_NDIM = 8
 
 
 def check_name(name: str, what: str = "table") -> None:
-    if not NAME_RE.match(name or ""):
-        raise InvalidArgument(f"invalid {what} name {name!r}: use 1-128 characters of [A-Za-z0-9_.:/-]")
+    if len(name or "") > MAX_NAME_LENGTH or not NAME_RE.match(name or ""):
+        raise InvalidArgument(f"invalid {what} name {clip(repr(name))}: use 1-{MAX_NAME_LENGTH} characters "
+                              "of [A-Za-z0-9_.:/-]")
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ class DenseSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         check_name(self.name, "dense tensor")
+        if not 1 <= len(self.shape) <= MAX_DENSE_NDIM:
+            raise InvalidArgument(f"dense tensor {self.name!r}: 1 to {MAX_DENSE_NDIM} dimensions, got {len(self.shape)}")
         if any(s < 1 for s in self.shape):
             raise InvalidArgument(f"dense tensor {self.name!r}: every dimension must be >= 1, got {self.shape}")
         if self.chunk_rows < 0:
@@ -213,7 +219,7 @@ class DenseSpec:
 
     @property
     def cols(self) -> int:
-        return int(np.prod(self.shape[1:])) if len(self.shape) >= 2 else int(np.prod(self.shape))
+        return math.prod(self.shape[1:]) if len(self.shape) >= 2 else math.prod(self.shape)
 
 
 # ---- protobuf conversion -------------------------------------------------------------

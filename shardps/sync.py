@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from shardps.errors import InvalidArgument
+from shardps.errors import InvalidArgument, ResourceExhausted
 from shardps.specs import SyncPolicy
 from shardps.table import coalesce
 
@@ -26,11 +26,13 @@ class Membership:
 
     A rank is gone once it said it is leaving, or when nothing was heard from
     it for ``dead_after_s`` (a rank never heard from counts from the moment
-    the group was first seen).
+    the group was first seen). Ranks and world sizes are below ``max_workers``
+    (``status`` walks every rank).
     """
 
-    def __init__(self, dead_after_s: float = 10.0) -> None:
+    def __init__(self, dead_after_s: float = 10.0, max_workers: int = 4096) -> None:
         self.dead_after_s = dead_after_s
+        self.max_workers = max_workers
         self.cond = threading.Condition()
         self._workers: dict[int, _Worker] = {}
         self._world_size = 0
@@ -46,9 +48,17 @@ class Membership:
         w.last_seen = now
         return w
 
+    def check_rank(self, rank: int, world_size: int) -> None:
+        """Refuse a world size over ``max_workers`` and a rank outside it (before anything is recorded)."""
+        if world_size > self.max_workers:
+            raise ResourceExhausted(f"world_size {world_size:,} is over the shard's limit of {self.max_workers:,} "
+                                    "workers (--max-workers)")
+        if rank >= (world_size or self.max_workers):
+            raise InvalidArgument(f"rank {rank:,} is not in [0, {'world_size ' if world_size else '--max-workers '}"
+                                  f"{world_size or self.max_workers:,})")
+
     def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool) -> None:
-        if world_size and rank >= world_size:
-            raise InvalidArgument(f"rank {rank} is not in [0, world_size {world_size})")
+        self.check_rank(rank, world_size)
         with self.cond:
             w = self._seen(rank, world_size)
             w.clock = max(w.clock, clock)
@@ -56,6 +66,7 @@ class Membership:
             self.cond.notify_all()
 
     def touch(self, rank: int, world_size: int) -> None:
+        self.check_rank(rank, world_size)
         with self.cond:
             w = self._seen(rank, world_size)
             w.left = False

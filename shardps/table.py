@@ -15,8 +15,9 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from shardps.errors import InvalidArgument, OutOfRange, WrongShard
+from shardps.errors import InvalidArgument, OutOfRange, ResourceExhausted, WrongShard
 from shardps.index import DirectIndex, HashIndex
+from shardps.limits import MemoryBudget, optional_budget
 from shardps.memory import grown, zeros
 from shardps.optim import Optimizer
 from shardps.specs import DenseSpec, Initializer, TableSpec
@@ -31,11 +32,18 @@ class Table:
     Args:
         spec: the table or dense-tensor spec.
         owns: returns, for an id array, which ids this shard owns.
-        expected_rows: rows this shard is expected to hold (sizes the arrays;
-            they grow beyond it if needed and stay lazily allocated by the OS).
+        expected_rows: rows this shard is expected to hold (sizes the arrays, up to
+            INITIAL_ROWS; they grow beyond it as rows arrive and stay lazily allocated by the OS).
+        budget: the shard's memory budget, charged before any row or index is allocated
+            (None: unlimited).
+        max_rows: rows this table may hold on this shard.
     """
 
-    def __init__(self, spec: Union[TableSpec, DenseSpec], owns: OwnsFn, expected_rows: int = 1024) -> None:
+    INITIAL_ROWS = 1 << 20  # what a declared size may reserve before any row arrives
+    INDEX_BYTES_PER_ROW = 24  # the slot's id (8) and its share of the probe table (up to 16)
+
+    def __init__(self, spec: Union[TableSpec, DenseSpec], owns: OwnsFn, expected_rows: int = 1024,
+                 budget: Optional[MemoryBudget] = None, max_rows: int = 2**31 - 1) -> None:
         self.spec = spec
         self.lock = threading.Lock()
         self._owns = owns
@@ -44,7 +52,12 @@ class Table:
         self.num_embeddings: Optional[int] = spec.rows if isinstance(spec, DenseSpec) else spec.num_embeddings
         self.optimizer: Optimizer = spec.optimizer
         self.initializer: Optional[Initializer] = None if isinstance(spec, DenseSpec) else spec.initializer
-        cap = max(16, int(expected_rows))
+        self.budget = optional_budget(budget)
+        self.max_rows = max_rows
+        self.charged = 0  # bytes of the budget this table holds
+        self._direct = self.num_embeddings is not None and self._direct_index_pays(max(16, int(expected_rows)))
+        cap = max(16, min(int(expected_rows), self.INITIAL_ROWS))
+        self._charge(self._index_bytes(cap), "creating the index")
         self.index = self._new_index(cap)
         self.n = 0
         self.rows = zeros((cap, self.dim), np.float32)
@@ -54,9 +67,23 @@ class Table:
     # ---- validation (no lock needed) -------------------------------------------------
 
     def _new_index(self, cap: int) -> Union[HashIndex, DirectIndex]:
-        if self.num_embeddings is not None and self._direct_index_pays(cap):
+        if self._direct:
+            assert self.num_embeddings is not None
             return DirectIndex(self.num_embeddings, cap)
         return HashIndex(cap)
+
+    def _index_bytes(self, cap: int) -> int:
+        """Bytes an empty index of ``cap`` rows writes when made (its probe table or flat map)."""
+        return 4 * self.num_embeddings if self._direct else 4 * HashIndex.table_size(cap)  # type: ignore[operator]
+
+    def _charge(self, nbytes: int, doing: str) -> None:
+        self.budget.charge(nbytes, f"{self.spec.name}: {doing}")
+        self.charged += nbytes
+
+    def release(self) -> None:
+        """Give the table's bytes back to the budget (the table was dropped or replaced)."""
+        self.budget.release(self.charged)
+        self.charged = 0
 
     def _direct_index_pays(self, cap: int) -> bool:
         """A flat map costs 4 bytes per id of the whole table; use it when that is cheap."""
@@ -111,6 +138,10 @@ class Table:
     def _append(self, new_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Materialise rows for absent, unique ids; returns their slots."""
         k = new_ids.shape[0]
+        if self.n + k > self.max_rows:
+            raise ResourceExhausted(f"{self.spec.name}: {self.n + k:,} rows would be over the shard's limit of "
+                                    f"{self.max_rows:,} rows per table (--max-table-rows)")
+        self._charge(k * (self.row_bytes + self.INDEX_BYTES_PER_ROW), f"adding {k:,} rows")
         self._reserve(k)
         slots = np.arange(self.n, self.n + k, dtype=np.int64)
         self.rows[self.n : self.n + k] = values
@@ -180,8 +211,11 @@ class Table:
         """Replace the contents with a snapshot (rows of ids this shard owns)."""
         with self.lock:
             ids = arrays["ids"]
+            self.release()
             self.n = 0
-            self.index = self._new_index(max(16, ids.shape[0]))
+            cap = max(16, ids.shape[0])
+            self._charge(self._index_bytes(cap), "creating the index")
+            self.index = self._new_index(cap)
             self._reserve(ids.shape[0])
             slots = self._append(ids, arrays["rows"])
             self.steps[slots] = arrays["steps"]

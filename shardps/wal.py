@@ -8,8 +8,9 @@ commit). A push is acknowledged only after its record is on disk.
 
 Files are segments ``wal-<n>.log``. A checkpoint rotates to a new segment while
 all tables are locked, records that segment in its metadata, and replay starts
-there. Record layout: ``u32 length | u32 crc32 | u8 kind | payload``. A torn or
-corrupted tail stops replay: it can only hold records never acknowledged.
+there. Record layout: ``u32 length | u32 crc32 | u8 kind | payload``. A torn
+tail (the shard died while writing it) held nothing acknowledged and is skipped;
+a record damaged in the middle of the log stops the start (see ``replay``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import os
 import pathlib
 import struct
 import threading
+import time
 import zlib
+from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIB")
 CREATE_TABLE, REGISTER_DENSE, PUSH, PUSH_DENSE, DROP = 1, 2, 3, 4, 5
+KIND_NAMES = {CREATE_TABLE: "create table", REGISTER_DENSE: "register dense", PUSH: "push", PUSH_DENSE: "dense push",
+              DROP: "drop"}
 
 
 def segment_path(data_dir: pathlib.Path, segment: int) -> pathlib.Path:
@@ -43,26 +48,92 @@ def segments(data_dir: pathlib.Path) -> list[int]:
     return sorted(out)
 
 
-def replay(data_dir: pathlib.Path, first_segment: int) -> Iterator[tuple[int, bytes]]:
-    """Yield (kind, payload) of every intact record in segments >= ``first_segment``."""
+@dataclass(frozen=True)
+class Record:
+    """One intact record of the log, and where it sits."""
+
+    path: pathlib.Path
+    number: int  # 0-based within its segment
+    offset: int  # byte offset of its header within its segment
+    kind: int
+    payload: bytes
+
+
+def replay(data_dir: pathlib.Path, first_segment: int) -> Iterator[Record]:
+    """Yield every intact record in segments >= ``first_segment``, in order.
+
+    A segment may end in a torn record: the shard died while writing it, so it was
+    never acknowledged; it is skipped, and replay goes on with the next segment
+    (written after the restart). A damaged record followed by more data is not a
+    torn write: replay raises ``CorruptLog`` rather than drop the records after it.
+    """
     for seg in segments(data_dir):
         if seg < first_segment:
             continue
         path = segment_path(data_dir, seg)
         data = path.read_bytes()
-        pos = 0
-        while pos + _HEADER.size <= len(data):
+        pos = number = 0
+        while pos < len(data):
+            if pos + _HEADER.size > len(data):
+                log.warning("%s: %d trailing bytes of a torn record (never acknowledged) skipped",
+                            path.name, len(data) - pos)
+                break
             length, crc, kind = _HEADER.unpack_from(data, pos)
             start = pos + _HEADER.size
             payload = data[start : start + length]
-            if len(payload) < length or zlib.crc32(payload, kind) != crc:
-                log.warning("%s: torn or corrupt record at byte %d; replay stops there", path.name, pos)
-                return
-            yield kind, payload
+            if len(payload) < length:
+                log.warning("%s: torn record at byte %d (never acknowledged) skipped", path.name, pos)
+                break
+            if zlib.crc32(payload, kind) != crc:
+                if start + length == len(data):
+                    log.warning("%s: torn last record at byte %d (never acknowledged) skipped", path.name, pos)
+                    break
+                raise CorruptLog(path, number, pos)
+            yield Record(path, number, pos, kind, payload)
             pos = start + length
-        if pos != len(data):
-            log.warning("%s: %d trailing bytes of a torn record ignored", path.name, len(data) - pos)
-            return
+            number += 1
+
+
+class CorruptLog(Exception):
+    """A record inside a segment fails its checksum, with records after it."""
+
+    def __init__(self, path: pathlib.Path, number: int, offset: int) -> None:
+        super().__init__(f"{path} record {number} at byte {offset} fails its checksum, and records follow it")
+        self.record = Record(path, number, offset, 0, b"")
+
+
+def truncate_at(data_dir: pathlib.Path, record: Record) -> tuple[pathlib.Path, int]:
+    """Move ``record`` and everything after it (rest of its segment, later segments) into one
+    ``.corrupt`` file beside the log; returns (that file, how many records it holds, at least)."""
+    seg = int(record.path.stem.split("-", 1)[1])
+    aside = record.path.with_name(f"{record.path.name}.corrupt-{int(time.time())}")
+    later = [segment_path(data_dir, s) for s in segments(data_dir) if s > seg]
+    with open(aside, "wb") as out:
+        rest = record.path.read_bytes()[record.offset :]
+        out.write(rest)
+        lost = _count_records(rest)
+        for p in later:
+            rest = p.read_bytes()
+            out.write(rest)
+            lost += _count_records(rest)
+        out.flush()
+        os.fsync(out.fileno())
+    with open(record.path, "r+b") as f:
+        f.truncate(record.offset)
+        os.fsync(f.fileno())
+    for p in later:
+        p.unlink()
+    return aside, lost
+
+
+def _count_records(data: bytes) -> int:
+    """Records whose headers can be followed in ``data`` (an estimate past a damaged one)."""
+    pos = n = 0
+    while pos + _HEADER.size <= len(data):
+        length = _HEADER.unpack_from(data, pos)[0]
+        pos += _HEADER.size + length
+        n += 1
+    return max(n, 1) if data else 0
 
 
 class WriteAheadLog:
