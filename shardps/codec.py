@@ -77,6 +77,8 @@ def decode_raw(dtype: int, shape: list, data: bytes | memoryview, what: str, as_
     if any(s < 0 for s in shape_t):
         raise InvalidArgument(f"{what}: negative dimension in shape {list(shape_t)}")
     count = math.prod(shape_t)  # exact (Python ints): a product that overflows int64 must not wrap to a match
+    if math.prod(s for s in shape_t if s) * np_dtype.itemsize >= 1 << 62:  # numpy refuses such shapes even when empty
+        raise InvalidArgument(f"{what}: shape {list(shape_t)} is too large")
     nbytes = len(data) if not isinstance(data, memoryview) else data.nbytes
     if count * np_dtype.itemsize != nbytes:
         raise InvalidArgument(

@@ -169,7 +169,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         self.shard.check_shard_map(d.shard_map)
         assert d.grads is not None
         if dense:
-            t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads)
+            t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads, _sync(d.sync))
         else:
             assert d.ids is not None
             t, ids = self.shard.validate_push(d.name, d.ids, d.grads, _sync(d.sync)), d.ids

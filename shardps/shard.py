@@ -44,7 +44,7 @@ from shardps.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.sync import Membership, StepBuffer, SyncTable
+from shardps.sync import Membership, StepBuffer, SyncTable, check_part
 from shardps.table import Table
 from shardps.v1 import shardps_pb2 as pb
 
@@ -381,7 +381,18 @@ class Shard:
         elif ids.ndim != 1:
             raise InvalidArgument(f"{name}: ids must be 1-D, got shape {list(ids.shape)}")
         t.check_grads(ids, grads)
+        self._check_sync(t, sync)
         return t
+
+    def _check_sync(self, t: Table, sync: Optional[SyncPart]) -> None:
+        """A push carries a step part exactly when its table is synchronous, and a valid one."""
+        policy = t.spec.sync
+        if policy is not None and sync is None:
+            raise InvalidArgument(f"{t.spec.name} is synchronous: pushes must carry a step and rank")
+        if policy is None and sync is not None:
+            raise InvalidArgument(f"{t.spec.name} is asynchronous: pushes must not carry a sync step")
+        if policy is not None and sync is not None:
+            check_part(policy, sync.step, sync.rank, sync.part, sync.parts)
 
     def _push_record(self, t: Table, ids: np.ndarray, grads: np.ndarray, client_id: str, seq: int,
                      as_rows: bool = False) -> tuple[int, bytes]:
@@ -407,11 +418,7 @@ class Shard:
         the write-ahead log record as is. For a table with a SyncPolicy, ``sync``
         is required (see ``_push_sync`` for when the call returns).
         """
-        policy = t.spec.sync
-        if policy is not None and sync is None:
-            raise InvalidArgument(f"{t.spec.name} is synchronous: pushes must carry a step and rank")
-        if policy is None and sync is not None:
-            raise InvalidArgument(f"{t.spec.name} is asynchronous: pushes must not carry a sync step")
+        self._check_sync(t, sync)
         if client_id and not self.seen.begin(client_id, seq):
             with self.stats.lock:
                 self.stats.duplicates += 1
@@ -596,13 +603,15 @@ class Shard:
     def pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[np.ndarray, int]:
         return self.read_rows(*self.validate_pull_dense(name, row_start, row_end))
 
-    def validate_push_dense(self, name: str, row_start: int, grads: np.ndarray) -> tuple[Table, np.ndarray]:
+    def validate_push_dense(self, name: str, row_start: int, grads: np.ndarray,
+                            sync: Optional[SyncPart] = None) -> tuple[Table, np.ndarray]:
         """Check a dense push without applying it; returns its table and row ids."""
         t = self._table(name, dense=True)
         if grads.ndim != 2:
             raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
         ids = self._dense_rows(t, row_start, row_start + grads.shape[0])
         t.check_grads(ids, grads)
+        self._check_sync(t, sync)
         return t, ids
 
     # ---- info ------------------------------------------------------------------------

@@ -101,6 +101,14 @@ class Membership:
                 self.cond.wait(min(left, 0.1))
 
 
+def check_part(policy: SyncPolicy, step: int, rank: int, part: int, parts: int) -> None:
+    """Refuse a step part that names a rank outside the table's workers or an impossible part."""
+    if rank >= policy.workers:
+        raise InvalidArgument(f"rank {rank} is not in [0, {policy.workers}) workers of this synchronous table")
+    if step < 1 or parts < 1 or part >= parts:
+        raise InvalidArgument(f"bad sync part: step {step}, part {part} of {parts}")
+
+
 @dataclass
 class StepBuffer:
     """The pushes received for one step of one synchronous table."""
@@ -133,10 +141,7 @@ class SyncTable:
 
     def add(self, step: int, rank: int, part: int, parts: int, ids: np.ndarray, grads: np.ndarray) -> Optional[StepBuffer]:
         """Record one part; None if the step is already finalized (a late push)."""
-        if rank >= self.policy.workers:
-            raise InvalidArgument(f"rank {rank} is not in [0, {self.policy.workers}) workers of this synchronous table")
-        if step < 1 or parts < 1 or part >= parts:
-            raise InvalidArgument(f"bad sync part: step {step}, part {part} of {parts}")
+        check_part(self.policy, step, rank, part, parts)
         if step in self.finished or (step <= self.finalized_upto and step not in self.buffers):
             return None
         buf = self.buffers.setdefault(step, StepBuffer())

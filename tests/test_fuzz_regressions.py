@@ -226,7 +226,9 @@ def test_huge_shapes_without_data(shard):
     p, _ = shard
     for shape in ([2**32, 2**32], [2**62, 4]):
         req = pb.PullRequest(table="t", ids=pb.Tensor(dtype=pb.INT64, shape=shape))
-        _expect(p.address, "Pull", req.SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT, "do not match shape")
+        _expect(p.address, "Pull", req.SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT, "is too large")
+    req = pb.PullRequest(table="t", ids=pb.Tensor(dtype=pb.INT64, shape=[2**20, 2**20]))
+    _expect(p.address, "Pull", req.SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT, "do not match shape")
     dense = pb.PushDenseRequest(name="d", grads=pb.Tensor(dtype=pb.FLOAT32, shape=[1] * 66, data=b"\0" * 4))
     _expect(p.address, "PushDense", dense.SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT, "66 dimensions")
 
@@ -236,6 +238,22 @@ def test_register_dense_row_start_past_the_tensor(shard):
     req = pb.RegisterDenseRequest(spec=pb.DenseSpec(name="d", shape=[4, 2], optimizer=pb.OptimizerSpec(
         sgd=pb.SGDSpec(lr=0.1))), row_start=2**64 - 1, values=codec.encode(np.ones((1, 2), np.float32)))
     _expect(p.address, "RegisterDense", req.SerializeToString(), grpc.StatusCode.OUT_OF_RANGE, "row_start")
+
+
+def test_empty_tensor_with_a_dimension_numpy_cannot_hold(shard):
+    p, _ = shard
+    req = pb.RegisterDenseRequest(spec=pb.DenseSpec(name="d", shape=[4, 3], optimizer=pb.OptimizerSpec(
+        sgd=pb.SGDSpec(lr=0.1))), row_start=2, values=pb.Tensor(dtype=pb.FLOAT32, shape=[2**63 - 1, 0, 3]))
+    _expect(p.address, "RegisterDense", req.SerializeToString(), grpc.StatusCode.INVALID_ARGUMENT, "too large")
+
+
+def test_push_batch_refused_by_a_later_entry_applies_none(shard):
+    p, c = shard
+    ok = _owned_push()
+    sync_on_async = _owned_push(ids=(3,), sync=pb.SyncPart(step=1, rank=0))
+    batch = pb.PushBatchRequest(pushes=[ok, sync_on_async]).SerializeToString()
+    _expect(p.address, "PushBatch", batch, grpc.StatusCode.INVALID_ARGUMENT, "asynchronous")
+    assert c.shard_info()[0].version == 0
 
 
 def test_garbage_shard_map_or_sync_in_pushes_and_streams(shard):
