@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test lint codegen bench clean
+.PHONY: setup demo test fuzz lint codegen bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The long fuzz run: FUZZ_EXAMPLES generated requests per method (CI runs 50), then the same as a table
+# of status codes per method; FUZZ_SEED varies the run.
+FUZZ_EXAMPLES ?= 1000
+FUZZ_SEED ?= 1
+fuzz: $(STAMP)
+	SHARDPS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SHARDPS_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
+		tests/test_fuzz.py tests/test_wire_differential.py tests/test_fuzz_regressions.py
+	$(BIN)/python -m tests.fuzzing --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff mypy

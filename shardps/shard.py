@@ -598,7 +598,9 @@ class Shard:
     def validate_pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[Table, np.ndarray]:
         """Check a dense pull without reading it; returns its table and row ids."""
         t = self._table(name, dense=True)
-        return t, self._dense_rows(t, row_start, row_end)
+        ids = self._dense_rows(t, row_start, row_end)
+        t.check_present(ids)  # here, so a PushBatch refused for it applies none of its pushes
+        return t, ids
 
     def pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[np.ndarray, int]:
         return self.read_rows(*self.validate_pull_dense(name, row_start, row_end))

@@ -166,6 +166,14 @@ class Table:
             slots[missing] = new_slots[inverse]
         return slots
 
+    def check_present(self, ids: np.ndarray) -> None:
+        """Raise unless every row of ``ids`` exists or can be made by the initializer (dense rows
+        exist once registered with values)."""
+        if self.initializer is not None:
+            return
+        with self.lock:
+            self._slots(ids, create=False)
+
     def apply(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float) -> int:
         """Apply one optimizer step to the rows of ``ids`` (duplicates summed). Caller holds ``lock``."""
         uniq, grads = coalesce(ids, grads)

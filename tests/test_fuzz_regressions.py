@@ -256,6 +256,18 @@ def test_push_batch_refused_by_a_later_entry_applies_none(shard):
     assert c.shard_info()[0].version == 0
 
 
+def test_push_batch_reading_uninitialised_dense_rows_applies_none(shard):
+    p, c = shard
+    spec = pb.DenseSpec(name="u", shape=[4, 3], optimizer=pb.OptimizerSpec(sgd=pb.SGDSpec(lr=0.1)))
+    assert _call(p.address, "RegisterDense", pb.RegisterDenseRequest(spec=spec).SerializeToString())[0] == \
+        grpc.StatusCode.OK  # registered, no values yet
+    batch = pb.PushBatchRequest(pushes=[_owned_push()], pull_dense=[pb.PullDenseRequest(name="u", row_end=1)])
+    for method, body in (("PushBatch", batch.SerializeToString()),
+                         ("Stream", bytes([0x1A, len(batch.SerializeToString())]) + batch.SerializeToString())):
+        _expect(p.address, method, body, grpc.StatusCode.INVALID_ARGUMENT, "not initialised")
+    assert c.shard_info()[0].version == 0
+
+
 def test_garbage_shard_map_or_sync_in_pushes_and_streams(shard):
     p, _ = shard
     valid = _owned_push().SerializeToString()
