@@ -181,8 +181,8 @@ def _collect(queue, n: int, procs: list, timeout: float) -> list[dict]:
 def run_shardps(cfg: Config, budget_s: float) -> dict[str, Any]:
     from shardps_client import SGD, Client
 
-    from shardps.launcher import LocalCluster
-    from shardps.specs import Initializer
+    from shardps.core.specs import Initializer
+    from shardps.server.launcher import LocalCluster
 
     ctx = mp.get_context("spawn")
     with LocalCluster(cfg.shards) as cluster:

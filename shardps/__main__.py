@@ -1,5 +1,5 @@
 import sys
 
-from shardps.cli import main
+from shardps.server.cli import main
 
 sys.exit(main())

@@ -9,7 +9,7 @@ import pytest
 from shardps_client import Client
 
 from shardps.server import ServerConfig, ShardServer
-from shardps.shard import ShardConfig
+from shardps.server.shard import ShardConfig
 
 
 @contextlib.contextmanager

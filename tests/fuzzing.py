@@ -51,8 +51,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from shardps.optim import SGD as _SGD
-from shardps.specs import DenseSpec, Initializer, TableSpec, dense_spec_to_pb, table_spec_to_pb
+from shardps.core.optim import SGD as _SGD
+from shardps.core.specs import DenseSpec, Initializer, TableSpec, dense_spec_to_pb, table_spec_to_pb
 from shardps.v1 import shardps_pb2 as pb
 from tests.procs import ShardProcess, start_shard
 
@@ -1209,8 +1209,8 @@ def _exception_line(text: str) -> str:
 
 
 def compare_push(d: Any, msg: Any, dense: bool) -> list[str]:
-    """Where a push decoded by shardps.wire (``d``) and protobuf's parse of the same bytes (``msg``) differ."""
-    from shardps import codec
+    """Where a push decoded by shardps.core.wire (``d``) and protobuf's parse of the same bytes (``msg``) differ."""
+    from shardps.core import codec
 
     problems: list[str] = []
 
@@ -1268,7 +1268,7 @@ def replay_suspect(dense: bool, buf: bytes) -> Optional[str]:
     to something else than the live decoder did. None if it looks fine."""
     from google.protobuf.message import DecodeError
 
-    from shardps import wire
+    from shardps.core import wire
 
     cls = pb.PushDenseRequest if dense else pb.PushRequest
     try:

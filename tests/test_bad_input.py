@@ -21,9 +21,9 @@ from shardps_client import (
     TableNotFoundError,
 )
 
-from shardps import codec
-from shardps.routing import shard_of_ids
-from shardps.specs import Initializer
+from shardps.core import codec
+from shardps.core.routing import shard_of_ids
+from shardps.core.specs import Initializer
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.conftest import running_cluster

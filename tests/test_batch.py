@@ -8,9 +8,9 @@ import pytest
 import torch
 from shardps_client import SGD, Adam, Client, TableNotFoundError
 
-from shardps import wire
-from shardps.routing import shard_of_ids
-from shardps.specs import Initializer
+from shardps.core import wire
+from shardps.core.routing import shard_of_ids
+from shardps.core.specs import Initializer
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 

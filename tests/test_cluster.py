@@ -9,8 +9,8 @@ import pytest
 import torch
 from shardps_client import SGD, Adagrad, Adam, Client, Staleness, StaleUpdateError
 
-from shardps.routing import shard_of_ids
-from shardps.specs import Initializer
+from shardps.core.routing import shard_of_ids
+from shardps.core.specs import Initializer
 from tests.conftest import running_cluster
 
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardps import codec
-from shardps.errors import InvalidArgument
+from shardps.core import codec
+from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
 

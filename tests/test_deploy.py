@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from shardps.cli import build_parser, parse_args
-from shardps.launcher import check_health
 from shardps.server import ServerConfig
-from shardps.shard import ShardConfig
+from shardps.server.cli import build_parser, parse_args
+from shardps.server.launcher import check_health
+from shardps.server.shard import ShardConfig
 
 yaml = pytest.importorskip("yaml")
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from shardps_client import SGD, Client
 
-from shardps import codec, wal
+from shardps.core import codec
+from shardps.server import wal
 from shardps.v1 import shardps_pb2 as pb
 from tests.procs import ShardProcess, start_shard
 
@@ -136,7 +137,7 @@ def test_unreplayable_record_stops_the_start_loudly_and_truncate_recovers(tmp_pa
 
 
 def _replayed(data: pathlib.Path):
-    from shardps.shard import Shard, ShardConfig
+    from shardps.server.shard import Shard, ShardConfig
 
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))
     try:
@@ -146,7 +147,7 @@ def _replayed(data: pathlib.Path):
 
 
 def test_torn_tail_of_a_segment_does_not_hide_the_segments_after_it(tmp_path):
-    from shardps.shard import Shard, ShardConfig
+    from shardps.server.shard import Shard, ShardConfig
 
     data = tmp_path / "data"
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))
@@ -165,7 +166,7 @@ def test_torn_tail_of_a_segment_does_not_hide_the_segments_after_it(tmp_path):
 
 
 def test_damaged_record_inside_the_log_is_not_taken_for_a_torn_tail(tmp_path):
-    from shardps.shard import LogReplayError, Shard, ShardConfig
+    from shardps.server.shard import LogReplayError, Shard, ShardConfig
 
     data = tmp_path / "data"
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))
@@ -183,7 +184,7 @@ def test_damaged_record_inside_the_log_is_not_taken_for_a_torn_tail(tmp_path):
 
 
 def _spec():
-    from shardps.specs import Initializer, TableSpec
+    from shardps.core.specs import Initializer, TableSpec
 
     return TableSpec("t", 8, 1000, SGD(lr=1.0), Initializer("zeros"))
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from shardps.index import DirectIndex, HashIndex
-from shardps.optim import Adam
-from shardps.specs import Initializer, TableSpec
-from shardps.table import Table
+from shardps.core.optim import Adam
+from shardps.core.specs import Initializer, TableSpec
+from shardps.server.index import DirectIndex, HashIndex
+from shardps.server.table import Table
 
 IMPLS = {
     "hash": lambda: HashIndex(capacity=16),
@@ -81,7 +81,7 @@ def test_table_snapshot_loads_into_a_used_table(num_embeddings):
 
 
 def test_arrays_on_pages_of_their_own_behave_as_numpy_arrays():
-    from shardps.memory import full, grown, zeros
+    from shardps.core.memory import full, grown, zeros
 
     big = zeros((70_000, 4), np.float32)  # 1.1 MB: its own mapping
     assert big.flags.writeable and big.flags.c_contiguous and not big.any()
@@ -94,7 +94,7 @@ def test_arrays_on_pages_of_their_own_behave_as_numpy_arrays():
 
 @pytest.mark.parametrize("n", [0, 1, 2, 1000])
 def test_unique_ids_is_np_unique(n):
-    from shardps.table import unique_ids
+    from shardps.core.ids import unique_ids
 
     ids = np.random.default_rng(n).zipf(1.2, n).astype(np.int64) - 5
     np.testing.assert_array_equal(unique_ids(ids), np.unique(ids))

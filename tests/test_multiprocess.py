@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from shardps_client import Adam, Client
 
-from shardps.specs import Initializer
+from shardps.core.specs import Initializer
 from tests.procs import start_shard
 
 
@@ -77,7 +77,7 @@ def test_server_package_never_imports_torch():
     import sys
 
     code = (
-        "import sys, shardps.server, shardps.cli, shardps.launcher, shardps.reshard, shardps.stats, shardps.wire; "
+        "import sys, shardps.server, shardps.server.cli, shardps.server.launcher, shardps.server.reshard, shardps.server.stats, shardps.core.wire; "
         "assert 'torch' not in sys.modules, 'the server imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -24,8 +24,8 @@ from shardps_client import (
 )
 from torch import nn
 
-from shardps.launcher import LocalCluster
-from shardps.specs import Initializer
+from shardps.core.specs import Initializer
+from shardps.server.launcher import LocalCluster
 from tests.conftest import running_cluster
 
 ROWS, DIM = 40, 6

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardps.optim import SGD, Adagrad, Adam, optimizer_from_dict, optimizer_to_dict
-from shardps.specs import Initializer, Staleness, TableSpec
-from shardps.table import Table
+from shardps.core.optim import SGD, Adagrad, Adam, optimizer_from_dict, optimizer_to_dict
+from shardps.core.specs import Initializer, Staleness, TableSpec
+from shardps.server.table import Table
 
 CASES = [
     (SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from shardps.routing import dense_row_ranges, dense_rows_owned, mix64, name_hash, shard_of_ids, split_by_shard
+from shardps.core.routing import dense_row_ranges, dense_rows_owned, mix64, name_hash, shard_of_ids, split_by_shard
 
 
 def test_hash_is_fixed_forever():

@@ -10,9 +10,9 @@ import pytest
 import torch
 from shardps_client import SGD, Adam, Client, ShardTimeoutError, TableNotFoundError
 
-from shardps import codec, wire
-from shardps.routing import shard_of_ids
-from shardps.specs import Initializer
+from shardps.core import codec, wire
+from shardps.core.routing import shard_of_ids
+from shardps.core.specs import Initializer
 from shardps.v1 import shardps_pb2 as pb
 from tests.conftest import running_cluster
 from tests.procs import start_shard

@@ -10,7 +10,7 @@ import pytest
 import torch
 from shardps_client import SGD, Client, SyncPolicy, SyncStepError
 
-from shardps.specs import Initializer
+from shardps.core.specs import Initializer
 from tests.conftest import running_cluster
 
 
@@ -155,7 +155,7 @@ def test_worker_that_leaves_does_not_hang_the_others():
 
 def test_silent_worker_counts_as_gone(tmp_path):
     from shardps.server import ServerConfig, ShardServer
-    from shardps.shard import ShardConfig
+    from shardps.server.shard import ShardConfig
 
     with ShardServer(ShardConfig(0, 1, worker_timeout_s=1.0), ServerConfig()).start() as server:
         with Client([server.address]) as c:

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from shardps import codec, wire
-from shardps.errors import InvalidArgument
+from shardps.core import codec, wire
+from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
 RNG = np.random.default_rng(0)

@@ -1,6 +1,6 @@
-"""The hand-written decoder (shardps.wire) against protobuf's own parser, on valid and nearly valid bytes.
+"""The hand-written decoder (shardps.core.wire) against protobuf's own parser, on valid and nearly valid bytes.
 
-The shard decodes pushes with ``shardps.wire`` and writes the raw bytes to its
+The shard decodes pushes with ``shardps.core.wire`` and writes the raw bytes to its
 write-ahead log; anything else that reads those bytes (the log replay, another
 protobuf implementation, a proxy) reads them with a real protobuf parser. So
 whenever ``wire`` accepts a message, protobuf must parse it to the same fields;
@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from shardps import wire
-from shardps.errors import InvalidArgument
+from shardps.core import wire
+from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 from tests import fuzzing
 

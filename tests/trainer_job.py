@@ -14,7 +14,7 @@ import sys
 import torch
 from shardps_client import SGD, Client
 
-from shardps.specs import Initializer
+from shardps.core.specs import Initializer
 
 
 def main() -> int:

@@ -39,7 +39,7 @@ from shardps_client import (  # noqa: E402
     SyncPolicy,
 )
 
-from shardps.specs import Initializer  # noqa: E402
+from shardps.core.specs import Initializer  # noqa: E402
 
 NUM_SPARSE, NUM_DENSE = 8, 13
 

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Progress, add_cluster_args, launch, worker_threads  # noqa: E402
 from shardps_client import Adam, Client, RemoteEmbedding, ShardedOptimizer, SyncPolicy  # noqa: E402
 
-from shardps.specs import Initializer  # noqa: E402
+from shardps.core.specs import Initializer  # noqa: E402
 
 MODULES = ["argparse", "collections", "json", "logging", "pathlib", "subprocess", "threading", "typing", "unittest.case"]
 

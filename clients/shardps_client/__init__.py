@@ -1,7 +1,7 @@
 """shardps_client: the PyTorch client of the shardps parameter server."""
 
-from shardps.optim import SGD, Adagrad, Adam
-from shardps.specs import Initializer, Staleness, SyncPolicy
+from shardps.core.optim import SGD, Adagrad, Adam
+from shardps.core.specs import Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
 from shardps_client.data import Prefetcher
 from shardps_client.errors import (

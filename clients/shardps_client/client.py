@@ -30,12 +30,13 @@ import grpc
 import numpy as np
 import torch
 
-from shardps import codec, wire
-from shardps.errors import InvalidArgument as _ServerInvalidArgument
-from shardps.memory import tune_malloc
-from shardps.optim import SGD, Optimizer
-from shardps.routing import dense_row_ranges, name_hash, split_by_shard
-from shardps.specs import (
+from shardps.core import codec, wire
+from shardps.core.errors import InvalidArgument as _ServerInvalidArgument
+from shardps.core.ids import coalesce, is_sorted_unique, unique_ids
+from shardps.core.memory import tune_malloc
+from shardps.core.optim import SGD, Optimizer
+from shardps.core.routing import dense_row_ranges, name_hash, split_by_shard
+from shardps.core.specs import (
     DenseSpec,
     Initializer,
     Staleness,
@@ -46,7 +47,6 @@ from shardps.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.table import coalesce, is_sorted_unique, unique_ids
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from shardps_client.errors import (
@@ -123,7 +123,7 @@ class Client:
             raise InvalidArgumentError("Client needs at least one shard address")
         if wire_dtype not in _WIRE:
             raise InvalidArgumentError(f"wire_dtype must be one of {sorted(_WIRE)}, got {wire_dtype!r}")
-        tune_malloc()  # message-sized buffers stay in the heap (see shardps.memory)
+        tune_malloc()  # message-sized buffers stay in the heap (see shardps.core.memory)
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.timeout = timeout
@@ -985,7 +985,7 @@ def _serialize(request: Any) -> bytes:
 
 
 class _Stub:
-    """The generated stub, with wire-level (de)serializers for the bulk methods (see shardps.wire).
+    """The generated stub, with wire-level (de)serializers for the bulk methods (see shardps.core.wire).
 
     Pull requests may be given serialized (a lane falling back to unary calls).
     """

@@ -25,8 +25,8 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
-from shardps.optim import SGD, Optimizer
-from shardps.specs import Staleness, SyncPolicy
+from shardps.core.optim import SGD, Optimizer
+from shardps.core.specs import Staleness, SyncPolicy
 from shardps_client.client import Client, DensePull, MiB, Versions
 from shardps_client.errors import ShardpsError
 

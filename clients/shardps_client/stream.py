@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
-from shardps import wire
+from shardps.core import wire
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client.errors import ShardpsError, ShardTimeoutError, ShardUnavailableError, from_rpc_error, from_status
 

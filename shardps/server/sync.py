@@ -9,9 +9,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from shardps.errors import InvalidArgument, ResourceExhausted
-from shardps.specs import SyncPolicy
-from shardps.table import coalesce
+from shardps.core.errors import InvalidArgument, ResourceExhausted
+from shardps.core.ids import coalesce
+from shardps.core.specs import SyncPolicy
 
 
 @dataclass

@@ -7,8 +7,8 @@ from typing import Any
 
 import grpc
 
-from shardps.optim import optimizer_to_dict
-from shardps.specs import dense_spec_from_pb, table_spec_from_pb
+from shardps.core.optim import optimizer_to_dict
+from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 

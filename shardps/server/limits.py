@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from shardps.errors import ResourceExhausted
+from shardps.core.errors import ResourceExhausted
 
 MIB = 1 << 20
 
@@ -107,11 +107,6 @@ class MemoryBudget:
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.used = max(0, self.used - nbytes)
-
-
-def clip(text: str, limit: int = 200) -> str:
-    """``text`` cut to ``limit`` characters (names and values echoed in errors stay small)."""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
 
 
 def unlimited_budget() -> MemoryBudget:

@@ -1,7 +1,7 @@
 """One shard's state: tables, dense tensors, version counter, staleness, exactly-once pushes.
 
 ``Shard`` is plain Python over numpy arrays and raises the exception types of
-``shardps.errors``; the gRPC servicer translates to and from protobuf.
+``shardps.core.errors``; the gRPC servicer translates to and from protobuf.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from shardps import checkpoint as ckpt
-from shardps import codec, wire
-from shardps import wal as wal_mod
-from shardps.aggregate import combine, stack
-from shardps.errors import (
+from shardps.core import codec, wire
+from shardps.core.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
@@ -33,10 +30,10 @@ from shardps.errors import (
     SyncStepFailed,
     Unavailable,
     WrongShard,
+    clip,
 )
-from shardps.limits import Limits, MemoryBudget, clip
-from shardps.routing import dense_rows_owned, shard_of_ids
-from shardps.specs import (
+from shardps.core.routing import dense_rows_owned, shard_of_ids
+from shardps.core.specs import (
     DenseSpec,
     TableSpec,
     dense_spec_from_pb,
@@ -44,8 +41,12 @@ from shardps.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.sync import Membership, StepBuffer, SyncTable, check_part
-from shardps.table import Table
+from shardps.server import checkpoint as ckpt
+from shardps.server import wal as wal_mod
+from shardps.server.aggregate import combine, stack
+from shardps.server.limits import Limits, MemoryBudget
+from shardps.server.sync import Membership, StepBuffer, SyncTable, check_part
+from shardps.server.table import Table
 from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class ShardConfig:
             pushes back before the shard gives up on it and resumes.
         worker_timeout_s: a worker silent (no heartbeat, no push) for this
             long counts as gone: synchronous steps and SSP stop waiting for it.
-        limits: request and memory limits (see ``shardps.limits.Limits``).
+        limits: request and memory limits (see ``shardps.server.limits.Limits``).
         wal_recovery: what a write-ahead log record that cannot be replayed does
             on start: "fail" (the shard does not start, and says which record and
             how to recover) or "truncate" (that record and every later one are

@@ -15,12 +15,13 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from shardps.errors import InvalidArgument, OutOfRange, ResourceExhausted, WrongShard
-from shardps.index import DirectIndex, HashIndex
-from shardps.limits import MemoryBudget, optional_budget
-from shardps.memory import grown, zeros
-from shardps.optim import Optimizer
-from shardps.specs import DenseSpec, Initializer, TableSpec
+from shardps.core.errors import InvalidArgument, OutOfRange, ResourceExhausted, WrongShard
+from shardps.core.ids import coalesce
+from shardps.core.memory import grown, zeros
+from shardps.core.optim import Optimizer
+from shardps.core.specs import DenseSpec, Initializer, TableSpec
+from shardps.server.index import DirectIndex, HashIndex
+from shardps.server.limits import MemoryBudget, optional_budget
 
 # Ownership test: ids -> boolean mask of the ids this shard owns.
 OwnsFn = Callable[[np.ndarray], np.ndarray]
@@ -229,43 +230,3 @@ class Table:
             self.steps[slots] = arrays["steps"]
             for k in self.state:
                 self.state[k][slots] = arrays["state." + k]
-
-
-def is_sorted_unique(ids: np.ndarray) -> bool:
-    """True if a 1-D id array is strictly increasing (what np.unique returns): no dedup needed."""
-    return ids.shape[0] < 2 or bool(np.all(ids[1:] > ids[:-1]))
-
-
-def unique_ids(ids: np.ndarray) -> np.ndarray:
-    """Sorted unique values of a 1-D id array: one sort and one comparison pass.
-
-    What ``np.unique(ids)`` returns, without its hash-based path (NumPy 2.3 and
-    later, when no return_* option is asked for), measured 6-60x slower on ids:
-    42 against 7 us for 1,024 Zipf ids, 518 against 9 ms for 1M uniform ones.
-    """
-    if ids.shape[0] < 2:
-        return ids.copy()
-    s = np.sort(ids)
-    return s[_first_of_runs(s)]
-
-
-def _first_of_runs(sorted_ids: np.ndarray) -> np.ndarray:
-    """True where a non-empty sorted id array holds an id for the first time."""
-    first = np.empty(sorted_ids.shape[0], dtype=bool)
-    first[0] = True
-    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-    return first
-
-
-def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique ids (sorted) and their summed gradients; nearly free when ids are already sorted and unique."""
-    if is_sorted_unique(ids):
-        return ids, grads.astype(np.float32, copy=False)
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    first = _first_of_runs(sorted_ids)
-    if first.all():
-        return sorted_ids, np.take(grads, order, axis=0).astype(np.float32, copy=False)
-    starts = np.flatnonzero(first)
-    summed = np.add.reduceat(np.take(grads, order, axis=0).astype(np.float32, copy=False), starts, axis=0)
-    return sorted_ids[starts], summed

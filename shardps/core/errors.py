@@ -41,3 +41,8 @@ class Unavailable(ShardError):
 
 class SyncStepFailed(ShardError):
     """A synchronous step failed (its straggler policy is "fail")."""
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters (names and values echoed in errors stay small)."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"

@@ -9,10 +9,9 @@ from typing import Optional
 
 import numpy as np
 
-from shardps.errors import InvalidArgument
-from shardps.limits import clip
-from shardps.optim import SGD, Adagrad, Adam, Optimizer
-from shardps.routing import mix64
+from shardps.core.errors import InvalidArgument, clip
+from shardps.core.optim import SGD, Adagrad, Adam, Optimizer
+from shardps.core.routing import mix64
 from shardps.v1 import shardps_pb2 as pb
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")

@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Callable, Mapping, Optional, Sequence
 
-from shardps.limits import Limits
-from shardps.server import ServerConfig, serve
-from shardps.shard import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
+from shardps.server.grpc_server import ServerConfig, serve
+from shardps.server.limits import Limits
+from shardps.server.shard import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
 
 _LIMITS = Limits()
 
@@ -132,7 +132,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
 def run_health(args: argparse.Namespace) -> int:
     import json
 
-    from shardps.launcher import check_health
+    from shardps.server.launcher import check_health
 
     statuses = {a: check_health(a, args.timeout) for a in _addresses(args)}
     if args.json:
@@ -146,7 +146,7 @@ def run_health(args: argparse.Namespace) -> int:
 def run_stats(args: argparse.Namespace) -> int:
     import json
 
-    from shardps.stats import collect, render
+    from shardps.server.stats import collect, render
 
     try:
         rows = collect(_addresses(args), args.timeout, args.interval)
@@ -160,7 +160,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from shardps.launcher import LocalCluster
+    from shardps.server.launcher import LocalCluster
 
     serve_args = ["--durability", args.durability, "--checkpoint-interval", str(args.checkpoint_interval)]
     cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
@@ -204,8 +204,8 @@ def run_reshard(args: argparse.Namespace) -> int:
     import json
     import pathlib
 
-    from shardps.reshard import reshard
-    from shardps.shard import ShardMapMismatch
+    from shardps.server.reshard import reshard
+    from shardps.server.shard import ShardMapMismatch
 
     try:
         summary = reshard(pathlib.Path(args.src), pathlib.Path(args.dst), args.shards)
@@ -235,7 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise SystemExit(f"shardps serve: {e}") from None
-    from shardps.shard import LogReplayError, ShardMapMismatch
+    from shardps.server.shard import LogReplayError, ShardMapMismatch
 
     try:
         return serve(shard_config, server_config, ready_file=args.ready_file)

@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardps import codec, wire
-from shardps.errors import (
+from shardps.core import codec, wire
+from shardps.core.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
@@ -25,15 +25,15 @@ from shardps.errors import (
     SyncStepFailed,
     Unavailable,
     WrongShard,
+    clip,
 )
-from shardps.limits import clip
-from shardps.shard import PushResult, Shard, SyncPart
-from shardps.specs import dense_spec_from_pb, table_spec_from_pb
+from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
+from shardps.core.wire import Buffer
+from shardps.server.shard import PushResult, Shard, SyncPart
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
-from shardps.wire import Buffer
 
-# The bulk methods read their requests on the wire themselves (see shardps.wire) ...
+# The bulk methods read their requests on the wire themselves (see shardps.core.wire) ...
 _FAST = frozenset({"Push", "PushDense", "PushBatch", "Stream"})
 # ... and these return their replies already serialized.
 _SERIALIZED_REPLIES = frozenset({"Pull", "PullDense", "PullBatch", "PushBatch", "Stream"})
@@ -339,7 +339,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 def add_to_server(servicer: ShardServicer, server: grpc.Server) -> None:
     """Register the Shard service. Requests arrive as bytes, parsed by the servicer (``_rpc``), so a
     request that cannot be parsed is answered INVALID_ARGUMENT by us rather than INTERNAL by gRPC;
-    the bulk methods' replies are already serialized (see shardps.wire)."""
+    the bulk methods' replies are already serialized (see shardps.core.wire)."""
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
         serialize = None if method.name in _SERIALIZED_REPLIES else getattr(pb, method.output_type.name).SerializeToString

@@ -18,9 +18,9 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardps.memory import release_free_memory, tune_malloc
-from shardps.servicer import ShardServicer, add_to_server
-from shardps.shard import Shard, ShardConfig
+from shardps.core.memory import release_free_memory, tune_malloc
+from shardps.server.servicer import ShardServicer, add_to_server
+from shardps.server.shard import Shard, ShardConfig
 
 log = logging.getLogger(__name__)
 

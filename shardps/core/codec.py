@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from shardps.errors import InvalidArgument
+from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
 # numpy has no bfloat16: it travels as uint16 holding the upper half of a float32.

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardps.memory import full, grown, zeros
-from shardps.routing import mix64
+from shardps.core.memory import full, grown, zeros
+from shardps.core.routing import mix64
 
 _INDEX_SEED = np.uint64(0x1D3A5EED00000002)
 

@@ -18,8 +18,8 @@ from typing import Any, Optional, Union
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from shardps import codec
-from shardps.errors import InvalidArgument
+from shardps.core import codec
+from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5

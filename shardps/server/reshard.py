@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from shardps import checkpoint as ckpt
-from shardps.routing import dense_rows_owned, shard_of_ids
-from shardps.shard import Shard, ShardConfig
-from shardps.specs import dense_spec_from_pb
-from shardps.table import unique_ids
+from shardps.core.ids import unique_ids
+from shardps.core.routing import dense_rows_owned, shard_of_ids
+from shardps.core.specs import dense_spec_from_pb
+from shardps.server import checkpoint as ckpt
+from shardps.server.shard import Shard, ShardConfig
 from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)

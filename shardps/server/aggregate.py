@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardps.table import unique_ids
+from shardps.core.ids import unique_ids
 
 
 def stack(contributions: list[tuple[np.ndarray, np.ndarray]], dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,45 @@
+"""Id deduplication shared by clients and shards: sorted unique ids, and gradients summed per id."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def is_sorted_unique(ids: np.ndarray) -> bool:
+    """True if a 1-D id array is strictly increasing (what np.unique returns): no dedup needed."""
+    return ids.shape[0] < 2 or bool(np.all(ids[1:] > ids[:-1]))
+
+
+def unique_ids(ids: np.ndarray) -> np.ndarray:
+    """Sorted unique values of a 1-D id array: one sort and one comparison pass.
+
+    What ``np.unique(ids)`` returns, without its hash-based path (NumPy 2.3 and
+    later, when no return_* option is asked for), measured 6-60x slower on ids:
+    42 against 7 us for 1,024 Zipf ids, 518 against 9 ms for 1M uniform ones.
+    """
+    if ids.shape[0] < 2:
+        return ids.copy()
+    s = np.sort(ids)
+    return s[_first_of_runs(s)]
+
+
+def _first_of_runs(sorted_ids: np.ndarray) -> np.ndarray:
+    """True where a non-empty sorted id array holds an id for the first time."""
+    first = np.empty(sorted_ids.shape[0], dtype=bool)
+    first[0] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    return first
+
+
+def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique ids (sorted) and their summed gradients; nearly free when ids are already sorted and unique."""
+    if is_sorted_unique(ids):
+        return ids, grads.astype(np.float32, copy=False)
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    first = _first_of_runs(sorted_ids)
+    if first.all():
+        return sorted_ids, np.take(grads, order, axis=0).astype(np.float32, copy=False)
+    starts = np.flatnonzero(first)
+    summed = np.add.reduceat(np.take(grads, order, axis=0).astype(np.float32, copy=False), starts, axis=0)
+    return sorted_ids[starts], summed

@@ -1,0 +1,78 @@
+"""The three layers stay apart: read every module's imports (no import is run).
+
+- shardps.core: imports neither the server, the client nor torch.
+- shardps.server: never imports torch or the client.
+- shardps_client: imports only shardps.core and the generated code of shardps.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LAYERS = {
+    "core": ROOT / "shardps" / "core",
+    "server": ROOT / "shardps" / "server",
+    "client": ROOT / "clients" / "shardps_client",
+}
+
+
+def imports(path: pathlib.Path) -> list[str]:
+    """Every module a file imports, absolute names (relative imports resolved against its package)."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                raise AssertionError(f"{path}: relative import; write it absolute so its layer shows")
+            assert node.module is not None
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def _files(layer: str) -> list[pathlib.Path]:
+    return sorted(LAYERS[layer].rglob("*.py"))
+
+
+def _offending(layer: str, allowed) -> list[str]:
+    bad = []
+    for path in _files(layer):
+        for name in imports(path):
+            if not allowed(name):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    return bad
+
+
+def _is(name: str, *prefixes: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_layer_folders_hold_modules(layer):
+    assert len(_files(layer)) >= 3, layer
+
+
+def test_core_imports_neither_server_nor_client_nor_torch():
+    assert _offending("core", lambda n: not _is(n, "shardps.server", "shardps_client", "torch")) == []
+    # and nothing of shardps outside core and the generated code
+    assert _offending("core", lambda n: not _is(n, "shardps") or _is(n, "shardps.core", "shardps.v1")) == []
+
+
+def test_server_never_imports_torch_or_the_client():
+    assert _offending("server", lambda n: not _is(n, "torch", "shardps_client")) == []
+
+
+def test_client_imports_only_core_and_generated_code():
+    assert _offending("client", lambda n: not _is(n, "shardps") or _is(n, "shardps.core", "shardps.v1")) == []
+
+
+def test_the_boundary_check_catches_a_violation(tmp_path):
+    """A test that cannot fail is a bug: the reader does see a server import."""
+    bad = tmp_path / "m.py"
+    bad.write_text("import numpy\nfrom shardps.server.table import Table\n")
+    assert "shardps.server.table" in imports(bad)
