@@ -64,3 +64,11 @@ def test_decoding_skips_unknown_fields_and_rejects_garbage():
     wrong = pb.PushRequest(table="t", ids=codec.encode(np.zeros(1, np.float32)), grads=codec.encode(np.ones((1, 2), np.float32)))
     with pytest.raises(InvalidArgument, match="ids must be int64, got float32"):
         wire.decode_push(wrong.SerializeToString(), dense=False)
+
+
+def test_push_and_dense_push_share_field_numbers():
+    """wire.encode_push / decode_push write both messages with one set of field numbers."""
+    push, dense = pb.PushRequest.DESCRIPTOR.fields, pb.PushDenseRequest.DESCRIPTOR.fields
+    assert [f.number for f in push] == [f.number for f in dense]
+    for a, b in zip(push, dense):
+        assert a.name == b.name or (a.name, b.name) in {("table", "name"), ("ids", "row_start")}, (a.name, b.name)

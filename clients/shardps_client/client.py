@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 import torch
 
-from shardps.core import codec, wire
+from shardps.core import codec, protocol, wire
 from shardps.core.errors import InvalidArgument as _ServerInvalidArgument
 from shardps.core.ids import coalesce, is_sorted_unique, unique_ids
 from shardps.core.memory import tune_malloc
@@ -48,7 +48,6 @@ from shardps.core.specs import (
     table_spec_to_pb,
 )
 from shardps.v1 import shardps_pb2 as pb
-from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from shardps_client.errors import (
     IdOutOfRangeError,
     InvalidArgumentError,
@@ -56,7 +55,7 @@ from shardps_client.errors import (
     ShardpsError,
     from_rpc_error,
 )
-from shardps_client.stream import FIELDS, Lane
+from shardps_client.stream import Lane
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +230,7 @@ class Client:
 
         Results in order; raises the first error once every call has finished.
         """
-        futures = [self._lanes[s].submit(method, wire.frame(FIELDS[method], req.SerializeToString()))
+        futures = [self._lanes[s].submit(method, wire.frame(protocol.stream_field(method), req.SerializeToString()))
                    for s, method, req in calls]
         return _results([f.result for f in futures])
 
@@ -437,7 +436,8 @@ class Client:
                     req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire_dtype,
                                          shard_map=self._map(s))
                     per_shard[s].append((k, part, req, len(part) * (spec.dim * _WIRE_BYTES[wire_dtype] + 8)))
-        pulled = self._pulled(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs), 1)
+        pulled = self._pulled(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs),
+                              pb.PullBatchResponse.PULLS_FIELD_NUMBER)
         for s, k, part, rows, version in pulled:
             outs[k][part] = rows
             versions[k][s] = min(version, versions[k].get(s, version))
@@ -575,7 +575,7 @@ class Client:
                     pulled_version=versions.by_shard.get(s) if versions is not None else None,
                     client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
                     sync=pb.SyncPart(step=sync_step, rank=self.rank or 0, part=k, parts=len(starts)) if sync_step else None,
-                    frame=FIELDS["Push"],
+                    frame=protocol.stream_field("Push"),
                 )
                 calls.append((s, "Push", req))
         self._dispatch(table, calls, wait)
@@ -632,7 +632,7 @@ class Client:
                 rows = [g for g in group if g[1] == "Push"]
                 dense = [g for g in group if g[1] == "PushDense"]
                 # Framed pushes are PushBatchRequest entries as they are (same field numbers).
-                body = wire.frame(FIELDS["PushBatch"], *[g[2] for g in rows + dense], *tail)
+                body = wire.frame(protocol.stream_field("PushBatch"), *[g[2] for g in rows + dense], *tail)
                 if tail:
                     carries[s] = len(work)
                 work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
@@ -648,7 +648,7 @@ class Client:
         out = DensePull(specs, self.num_shards)
         sizes = [0] * self.num_shards
         for s, name, a, b, req, nbytes in self._dense_requests(specs, wire_code):
-            out.requests[s].append(wire.frame(3, req.SerializeToString()))
+            out.requests[s].append(wire.frame(pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER, req.SerializeToString()))
             out.pieces[s].append((name, a, b))
             sizes[s] += nbytes
         if max(sizes) > self.max_message_bytes // 2:
@@ -802,7 +802,8 @@ class Client:
         per_shard: list[list[tuple]] = [[] for _ in range(self.num_shards)]
         for s, name, a, b, req, nbytes in self._dense_requests(specs, wire_code):
             per_shard[s].append((name, (a, b), req, nbytes))
-        pulled = self._pulled(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs), 2)
+        pulled = self._pulled(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs),
+                              pb.PullBatchResponse.DENSE_FIELD_NUMBER)
         return _dense_values(specs, ((s, name, a, b, block, version) for s, name, (a, b), block, version in pulled))
 
     def _dense_requests(self, specs: dict[str, DenseSpec], wire_code: pb.DType) -> Iterator[tuple]:
@@ -840,7 +841,7 @@ class Client:
                 pulled_version=versions.by_shard.get(s) if versions is not None else None,
                 client_id=self.client_id, seq=self._next_seq(s), shard_map=self._map(s),
                 sync=pb.SyncPart(step=sync_step, rank=self.rank or 0, part=seen[s], parts=per_shard[s]) if sync_step else None,
-                frame=FIELDS["PushDense"],
+                frame=protocol.stream_field("PushDense"),
             )
             seen[s] += 1
             calls.append((s, "PushDense", req))
@@ -947,10 +948,6 @@ def _dense_values(specs: dict[str, DenseSpec], blocks: Iterable[tuple]) -> dict[
     }
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
 def _groups(entries: list, size_of: Callable[[Any], int], limit: int) -> Iterator[list]:
     """Consecutive runs of ``entries`` whose sizes add up to at most ``limit`` (a larger entry goes alone)."""
     group: list = []
@@ -980,31 +977,14 @@ def _results(getters: list[Callable[[], Any]]) -> list[Any]:
     return results
 
 
-def _serialize(request: Any) -> bytes:
-    return request if isinstance(request, bytes) else request.SerializeToString()
-
-
 class _Stub:
-    """The generated stub, with wire-level (de)serializers for the bulk methods (see shardps.core.wire).
-
-    Pull requests may be given serialized (a lane falling back to unary calls).
-    """
+    """A callable per method, with the protocol table's (de)serializers (wire-level for the bulk methods)."""
 
     def __init__(self, channel: grpc.Channel) -> None:
-        generated = pb_grpc.ShardStub(channel)
-        for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
-            setattr(self, method.name, getattr(generated, method.name))
-        for name in ("Pull", "PullDense"):
-            setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=_serialize,
-                                                    response_deserializer=wire.decode_pull_response))
-        for name in ("Push", "PushDense"):
-            setattr(self, name, channel.unary_unary(f"/shardps.v1.Shard/{name}", request_serializer=_identity,
-                                                    response_deserializer=pb.PushResponse.FromString))
-        self.PullBatch = channel.unary_unary("/shardps.v1.Shard/PullBatch",
-                                             request_serializer=_serialize,
-                                             response_deserializer=wire.decode_repeated)
-        self.PushBatch = channel.unary_unary("/shardps.v1.Shard/PushBatch", request_serializer=_identity,
-                                             response_deserializer=pb.PushBatchResponse.FromString)
+        for m in protocol.METHODS.values():
+            if not m.streaming:
+                setattr(self, m.name, channel.unary_unary(m.path, request_serializer=m.encode_request,
+                                                          response_deserializer=m.decode_reply))
 
 
 def _env_int(name: str) -> Optional[int]:

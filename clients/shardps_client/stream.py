@@ -31,30 +31,22 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
-from shardps.core import wire
+from shardps.core import protocol, wire
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client.errors import ShardpsError, ShardTimeoutError, ShardUnavailableError, from_rpc_error, from_status
 
 log = logging.getLogger(__name__)
 
-#: StreamRequest's oneof field for each unary method (StreamResponse uses the same numbers).
-FIELDS = {"Push": 1, "PushDense": 2, "PushBatch": 3, "Pull": 4, "PullDense": 5, "PullBatch": 6}
-_ERROR = 7  # StreamResponse.error
 _RESEND = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _UNSUPPORTED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def _reply(field: int, view: memoryview) -> Any:
     """A StreamResponse's reply, as the unary call's stub returns it."""
-    if field in (1, 2):
-        return pb.PushResponse.FromString(bytes(view))
-    if field == 3:
-        return pb.PushBatchResponse.FromString(bytes(view))
-    if field in (4, 5):
-        return wire.decode_pull_response(view)
-    if field == 6:
-        return wire.decode_repeated(view)
-    raise ShardpsError(f"unexpected StreamResponse field {field}")
+    method = protocol.by_stream_field(field)
+    if method is None:
+        raise ShardpsError(f"unexpected StreamResponse field {field}")
+    return method.decode_reply(view)
 
 
 class _Item:
@@ -86,7 +78,7 @@ class Lane:
 
     def __init__(self, channel: grpc.Channel, address: str, unary: Callable[[str, bytes], Any],
                  timeout: float, retry_timeout: float) -> None:
-        self._open = channel.stream_stream("/shardps.v1.Shard/Stream", request_serializer=_request_bytes,
+        self._open = channel.stream_stream(protocol.METHODS["Stream"].path, request_serializer=_request_bytes,
                                            response_deserializer=wire.unframe)
         self.address = address
         self._unary = unary
@@ -103,7 +95,7 @@ class Lane:
         self._thread: Optional[threading.Thread] = None
 
     def submit(self, method: str, request: bytes) -> Future:
-        """Queue a call: ``request`` is its request framed as StreamRequest field ``FIELDS[method]``.
+        """Queue a call: ``request`` is its request framed as its StreamRequest field (``protocol.stream_field``).
 
         The future gets the reply the unary call's stub would return, or its error.
         """
@@ -185,7 +177,7 @@ class Lane:
                 with self._cv:
                     item = self._unacked.popleft()
                 self._answered = True
-                if field == _ERROR:
+                if field == protocol.STREAM_ERROR_FIELD:
                     err = pb.StreamError.FromString(bytes(view))
                     item.future.set_exception(from_status(err.code, err.message, self.address, item.method))
                     continue

@@ -26,6 +26,21 @@ _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 Buffer = Union[bytes, bytearray, memoryview]
 
 
+# Field numbers, from the generated code. PushRequest and PushDenseRequest share theirs (field 2 is the ids
+# of one and the row_start of the other); tests/test_wire.py checks that they agree.
+_T_DTYPE, _T_SHAPE, _T_DATA = (pb.Tensor.DTYPE_FIELD_NUMBER, pb.Tensor.SHAPE_FIELD_NUMBER,
+                               pb.Tensor.DATA_FIELD_NUMBER)
+_R_ROWS, _R_VERSION = pb.PullResponse.ROWS_FIELD_NUMBER, pb.PullResponse.VERSION_FIELD_NUMBER
+_P_NAME = pb.PushRequest.TABLE_FIELD_NUMBER
+_P_IDS = _P_ROW_START = pb.PushRequest.IDS_FIELD_NUMBER
+_P_GRADS = pb.PushRequest.GRADS_FIELD_NUMBER
+_P_PULLED_VERSION = pb.PushRequest.PULLED_VERSION_FIELD_NUMBER
+_P_CLIENT_ID = pb.PushRequest.CLIENT_ID_FIELD_NUMBER
+_P_SEQ = pb.PushRequest.SEQ_FIELD_NUMBER
+_P_SHARD_MAP = pb.PushRequest.SHARD_MAP_FIELD_NUMBER
+_P_SYNC = pb.PushRequest.SYNC_FIELD_NUMBER
+
+
 def _encode_varint(n: int) -> bytes:
     if n < 0:
         n += 1 << 64
@@ -62,20 +77,20 @@ def _tensor_parts(array: np.ndarray, dtype: int) -> list:
     data = codec.wire_elements(array, dtype)
     parts: list = []
     if dtype:
-        parts += [_tag(1, _VARINT), _varint(dtype)]
+        parts += [_tag(_T_DTYPE, _VARINT), _varint(dtype)]
     if array.shape:
         packed = b"".join(_varint(int(s)) for s in array.shape)
-        parts += [_tag(2, _LEN), _varint(len(packed)), packed]
+        parts += [_tag(_T_SHAPE, _LEN), _varint(len(packed)), packed]
     if data.nbytes:
-        parts += [_tag(3, _LEN), _varint(data.nbytes), memoryview(data.reshape(-1)).cast("B")]
+        parts += [_tag(_T_DATA, _LEN), _varint(data.nbytes), memoryview(data.reshape(-1)).cast("B")]
     return parts
 
 
 def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0) -> bytes:
     """A serialized PullResponse{rows, version} (``frame``: as that field of an enclosing message)."""
-    parts = _len_field(1, _tensor_parts(rows, wire_dtype))
+    parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype))
     if version:
-        parts += [_tag(2, _VARINT), _varint(version)]
+        parts += [_tag(_R_VERSION, _VARINT), _varint(version)]
     return b"".join(_len_field(frame, parts) if frame else parts)
 
 
@@ -124,19 +139,19 @@ def encode_push(
     the same pass, no extra copy): field 1 or 2 frames it both as a StreamRequest and
     as an entry of a PushBatchRequest.
     """
-    parts = _string_field(1, name)
+    parts = _string_field(_P_NAME, name)
     if ids is not None:
-        parts += _len_field(2, _tensor_parts(ids, pb.INT64))
+        parts += _len_field(_P_IDS, _tensor_parts(ids, pb.INT64))
     elif row_start:
-        parts += [_tag(2, _VARINT), _varint(row_start)]
-    parts += _len_field(3, _tensor_parts(grads, wire_dtype))
+        parts += [_tag(_P_ROW_START, _VARINT), _varint(row_start)]
+    parts += _len_field(_P_GRADS, _tensor_parts(grads, wire_dtype))
     if pulled_version is not None:
-        parts += [_tag(4, _VARINT), _varint(pulled_version)]
-    parts += _string_field(5, client_id)
+        parts += [_tag(_P_PULLED_VERSION, _VARINT), _varint(pulled_version)]
+    parts += _string_field(_P_CLIENT_ID, client_id)
     if seq:
-        parts += [_tag(6, _VARINT), _varint(seq)]
-    parts += _msg_field(7, shard_map)
-    parts += _msg_field(8, sync)
+        parts += [_tag(_P_SEQ, _VARINT), _varint(seq)]
+    parts += _msg_field(_P_SHARD_MAP, shard_map)
+    parts += _msg_field(_P_SYNC, sync)
     return b"".join(_len_field(frame, parts) if frame else parts)
 
 
@@ -233,22 +248,22 @@ def decode_tensor(buf: memoryview, what: str, as_float32: bool = True, allowed: 
     dtype, shape, data = 0, [], memoryview(b"")
     seen: set[int] = set()
     for field, wt, value in _fields(buf):
-        if field == 2 and wt == _LEN:  # packed shape entries; packed and unpacked runs concatenate, in order
+        if field == _T_SHAPE and wt == _LEN:  # packed shape entries; packed and unpacked runs concatenate, in order
             sub, pos = value, 0
             while pos < len(sub):  # type: ignore[arg-type]
                 v, pos = _read_varint(sub, pos)  # type: ignore[arg-type]
                 shape.append(_signed64(v))
             continue
-        if field == 2 and wt == _VARINT:
+        if field == _T_SHAPE and wt == _VARINT:
             shape.append(_signed64(value))  # type: ignore[arg-type]
             continue
-        if field in (1, 3):
+        if field in (_T_DTYPE, _T_DATA):
             if field in seen:
                 raise InvalidArgument(f"malformed message: {what} field {field} appears more than once")
-            if wt != (_VARINT if field == 1 else _LEN):
+            if wt != (_VARINT if field == _T_DTYPE else _LEN):
                 raise InvalidArgument(f"malformed message: {what} field {field} has wire type {wt}")
             seen.add(field)
-            if field == 1:
+            if field == _T_DTYPE:
                 dtype = value  # type: ignore[assignment]
             else:
                 data = value  # type: ignore[assignment]
@@ -259,14 +274,14 @@ def decode_tensor(buf: memoryview, what: str, as_float32: bool = True, allowed: 
     return codec.decode_raw(dtype, shape, data, what, as_float32)
 
 
-_PULL_RESPONSE = {1: _LEN, 2: _VARINT}
+_PULL_RESPONSE = {_R_ROWS: _LEN, _R_VERSION: _VARINT}
 
 
 def decode_pull_response(buf: Buffer) -> tuple[np.ndarray, int]:
     """(rows, version) of a serialized PullResponse; rows are float32 (a view when sent as float32)."""
     f = _singular(_fields(memoryview(buf)), _PULL_RESPONSE, "PullResponse")
-    rows = decode_tensor(f[1], "rows") if 1 in f else np.zeros((0,), np.float32)  # type: ignore[arg-type]
-    return rows, int(f.get(2, 0))  # type: ignore[arg-type]
+    rows = decode_tensor(f[_R_ROWS], "rows") if _R_ROWS in f else np.zeros((0,), np.float32)  # type: ignore[arg-type]
+    return rows, int(f.get(_R_VERSION, 0))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -285,8 +300,9 @@ class DecodedPush:
 
 
 # Field -> wire type of PushRequest and PushDenseRequest (field 2: ids or row_start).
-_PUSH = {1: _LEN, 2: _LEN, 3: _LEN, 4: _VARINT, 5: _LEN, 6: _VARINT, 7: _LEN, 8: _LEN}
-_PUSH_DENSE = {**_PUSH, 2: _VARINT}
+_PUSH = {_P_NAME: _LEN, _P_IDS: _LEN, _P_GRADS: _LEN, _P_PULLED_VERSION: _VARINT, _P_CLIENT_ID: _LEN,
+         _P_SEQ: _VARINT, _P_SHARD_MAP: _LEN, _P_SYNC: _LEN}
+_PUSH_DENSE = {**_PUSH, _P_ROW_START: _VARINT}
 
 
 def _string(value: Any, what: str) -> str:
@@ -311,24 +327,24 @@ def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
     """
     f = _singular(_fields(memoryview(buf)), _PUSH_DENSE if dense else _PUSH, "push")
     out = DecodedPush()
-    if 1 in f:
-        out.name = _string(f[1], "the table name")
-    if 2 in f:
+    if _P_NAME in f:
+        out.name = _string(f[_P_NAME], "the table name")
+    if _P_IDS in f:
         if dense:
-            out.row_start = int(f[2])  # type: ignore[arg-type]
+            out.row_start = int(f[_P_ROW_START])  # type: ignore[arg-type]
         else:
-            out.ids = decode_tensor(f[2], "ids", allowed=(pb.INT64,))  # type: ignore[arg-type]
-    if 3 in f:
-        out.grads = decode_tensor(f[3], "grads", allowed=codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
-    if 4 in f:
-        out.pulled_version = int(f[4])  # type: ignore[arg-type]
-    if 5 in f:
-        out.client_id = _string(f[5], "client_id")
-    out.seq = int(f.get(6, 0))  # type: ignore[arg-type]
-    if 7 in f:
-        out.shard_map = _message(pb.ShardMap, f[7], "shard_map")
-    if 8 in f:
-        out.sync = _message(pb.SyncPart, f[8], "sync")
+            out.ids = decode_tensor(f[_P_IDS], "ids", allowed=(pb.INT64,))  # type: ignore[arg-type]
+    if _P_GRADS in f:
+        out.grads = decode_tensor(f[_P_GRADS], "grads", allowed=codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
+    if _P_PULLED_VERSION in f:
+        out.pulled_version = int(f[_P_PULLED_VERSION])  # type: ignore[arg-type]
+    if _P_CLIENT_ID in f:
+        out.client_id = _string(f[_P_CLIENT_ID], "client_id")
+    out.seq = int(f.get(_P_SEQ, 0))  # type: ignore[arg-type]
+    if _P_SHARD_MAP in f:
+        out.shard_map = _message(pb.ShardMap, f[_P_SHARD_MAP], "shard_map")
+    if _P_SYNC in f:
+        out.sync = _message(pb.SyncPart, f[_P_SYNC], "sync")
     if not dense and out.ids is None:
         out.ids = np.zeros(0, np.int64)
     if out.grads is None:

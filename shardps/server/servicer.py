@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardps.core import codec, wire
+from shardps.core import codec, protocol, wire
 from shardps.core.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -32,11 +32,6 @@ from shardps.core.wire import Buffer
 from shardps.server.shard import PushResult, Shard, SyncPart
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
-
-# The bulk methods read their requests on the wire themselves (see shardps.core.wire) ...
-_FAST = frozenset({"Push", "PushDense", "PushBatch", "Stream"})
-# ... and these return their replies already serialized.
-_SERIALIZED_REPLIES = frozenset({"Pull", "PullDense", "PullBatch", "PushBatch", "Stream"})
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +62,8 @@ def parse(cls: Any, buf: Buffer) -> Any:
 def _rpc(method: F) -> F:
     """Run a servicer method on the raw request: parse it (unless the method reads the wire itself),
     and turn every error into a status code."""
-    request_type = getattr(pb, pb.DESCRIPTOR.services_by_name["Shard"].methods_by_name[method.__name__].input_type.name)
-    raw = method.__name__ in _FAST
+    spec = protocol.METHODS[method.__name__]
+    request_type, raw = spec.request, spec.wire_request
 
     @functools.wraps(method)
     def wrapper(self: ShardServicer, request: bytes, context: grpc.ServicerContext) -> Any:
@@ -224,7 +219,8 @@ class ShardServicer(pb_grpc.ShardServicer):
                 if total > self.shard.limits.max_message_bytes:
                     raise ResourceExhausted(f"a PullBatch reply over {self.shard.limits.max_message_bytes:,} bytes "
                                             "(--max-message-mb); split the batch")
-        return wire.encode_repeated([(1, replies), (2, dense)], frame)
+        return wire.encode_repeated(
+            [(pb.PullBatchResponse.PULLS_FIELD_NUMBER, replies), (pb.PullBatchResponse.DENSE_FIELD_NUMBER, dense)], frame)
 
     @_rpc
     def PushBatch(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -232,12 +228,15 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def _push_batch(self, request: Buffer) -> bytes:
         """Apply a PushBatch's pushes in order, then read its dense pulls: a serialized PushBatchResponse."""
-        groups = wire.decode_repeated(request, (1, 2, 3))
+        pushes, dense_pushes, pull_dense = (pb.PushBatchRequest.PUSHES_FIELD_NUMBER,
+                                            pb.PushBatchRequest.DENSE_FIELD_NUMBER,
+                                            pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER)
+        groups = wire.decode_repeated(request, (pushes, dense_pushes, pull_dense))
         entries = []
-        for field, dense in ((1, False), (2, True)):  # validate everything before applying anything
+        for field, dense in ((pushes, False), (dense_pushes, True)):  # validate everything before applying anything
             for view in groups.get(field, []):
                 entries.append((dense, *self._validated_push(view, dense), view))
-        pulls = [self._validated_pull_dense(parse(pb.PullDenseRequest, view)) for view in groups.get(3, [])]
+        pulls = [self._validated_pull_dense(parse(pb.PullDenseRequest, view)) for view in groups.get(pull_dense, [])]
         out = pb.PushBatchResponse()
         first_error: Any = None
         for dense, t, ids, d, view in entries:
@@ -250,7 +249,8 @@ class ShardServicer(pb_grpc.ShardServicer):
         if first_error is not None:
             raise first_error
         # Repeated fields concatenate: the pulled values follow the outcomes as field 3.
-        return out.SerializeToString() + wire.encode_repeated([(3, [self._read_dense(p) for p in pulls])])
+        return out.SerializeToString() + wire.encode_repeated(
+            [(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, [self._read_dense(p) for p in pulls])])
 
     def Stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serve pulls and pushes in the order they arrive on the stream, answering each in order.
@@ -277,19 +277,16 @@ class ShardServicer(pb_grpc.ShardServicer):
     def _stream_one(self, request: bytes) -> bytes:
         try:
             field, view = wire.unframe(request)
-            if field == 1:
-                return pb.StreamResponse(push=self._push(view, dense=False)).SerializeToString()
-            if field == 2:
-                return pb.StreamResponse(push_dense=self._push(view, dense=True)).SerializeToString()
-            if field == 3:
-                return wire.frame(3, self._push_batch(view))
-            if field == 4:
-                return self._pull(parse(pb.PullRequest, view), frame=4)
-            if field == 5:
-                return self._pull_dense(parse(pb.PullDenseRequest, view), frame=5)
-            if field == 6:
-                return self._pull_batch(parse(pb.PullBatchRequest, view), frame=6)
-            raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
+            method = protocol.by_stream_field(field)
+            if method is None:
+                raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
+            # Each reply is framed as the StreamResponse field of the same number.
+            if method.name in ("Push", "PushDense"):
+                return wire.frame(field, self._push(view, dense=method.name == "PushDense").SerializeToString())
+            if method.name == "PushBatch":
+                return wire.frame(field, self._push_batch(view))
+            read = {"Pull": self._pull, "PullDense": self._pull_dense, "PullBatch": self._pull_batch}[method.name]
+            return read(parse(method.request, view), frame=field)  # type: ignore[operator]
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
             code, message = self._status(e, "Stream")
         return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message)).SerializeToString()
@@ -341,9 +338,8 @@ def add_to_server(servicer: ShardServicer, server: grpc.Server) -> None:
     request that cannot be parsed is answered INVALID_ARGUMENT by us rather than INTERNAL by gRPC;
     the bulk methods' replies are already serialized (see shardps.core.wire)."""
     handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name["Shard"].methods:
-        serialize = None if method.name in _SERIALIZED_REPLIES else getattr(pb, method.output_type.name).SerializeToString
-        make = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[method.name] = make(getattr(servicer, method.name), request_deserializer=None,
-                                     response_serializer=serialize)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("shardps.v1.Shard", handlers),))
+    for m in protocol.METHODS.values():
+        serialize = None if m.wire_response else m.response.SerializeToString
+        make = grpc.stream_stream_rpc_method_handler if m.streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(getattr(servicer, m.name), request_deserializer=None, response_serializer=serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(protocol.SERVICE, handlers),))

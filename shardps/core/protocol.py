@@ -1,0 +1,101 @@
+"""The protocol table: every method of ``shardps.v1.Shard``, its messages, and how it travels.
+
+Built from the generated descriptors, so a field number is never written by hand:
+the servicer's dispatch, the client's stubs and its stream lanes all read it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from shardps.core import wire
+from shardps.v1 import shardps_pb2 as pb
+
+SERVICE = "shardps.v1.Shard"
+
+# Which methods use the hand-written wire codecs (shardps.core.wire) instead of protobuf objects:
+_WIRE_REQUESTS = frozenset({"Push", "PushDense", "PushBatch", "Stream"})  # the servicer reads the bytes itself
+_WIRE_RESPONSES = frozenset({"Pull", "PullDense", "PullBatch", "PushBatch", "Stream"})  # replies built as bytes
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the service.
+
+    Args:
+        name: the method's name, e.g. "Push".
+        request: the generated request class.
+        response: the generated response class.
+        stream_field: its field in StreamRequest and in StreamResponse (0: not carried on a Stream).
+        wire_request: the servicer reads the request's bytes with the wire codecs.
+        wire_response: the servicer returns the reply already serialized.
+        streaming: a bidirectional stream (Stream itself).
+        encode_request: the client's request serializer (wire requests arrive already encoded).
+        decode_reply: the client's reply deserializer (wire replies decoded without protobuf objects).
+    """
+
+    name: str
+    request: type
+    response: type
+    stream_field: int
+    wire_request: bool
+    wire_response: bool
+    streaming: bool
+    encode_request: Callable[[Any], bytes]
+    decode_reply: Callable[[Any], Any]
+
+    @property
+    def path(self) -> str:
+        return f"/{SERVICE}/{self.name}"
+
+
+def _serialize(request: Any) -> bytes:
+    """A message's bytes; bytes pass as they are (a pull resent by a lane falling back to unary calls)."""
+    return request if isinstance(request, (bytes, bytearray, memoryview)) else request.SerializeToString()
+
+
+def _reply_decoder(name: str, response: Any) -> Callable[[Any], Any]:
+    if name in ("Pull", "PullDense"):
+        return wire.decode_pull_response
+    if name == "PullBatch":
+        return wire.decode_repeated
+    return lambda buf: response.FromString(bytes(buf))
+
+
+def _methods() -> dict[str, Method]:
+    service = pb.DESCRIPTOR.services_by_name["Shard"]
+    # StreamRequest's oneof holds one field per request type; StreamResponse uses the same numbers.
+    stream_fields = {f.message_type.name: f.number for f in pb.StreamRequest.DESCRIPTOR.fields}
+    for f in pb.StreamResponse.DESCRIPTOR.fields:
+        if f.name != "error":
+            assert pb.StreamRequest.DESCRIPTOR.fields_by_number[f.number].name == f.name, f.name
+    out = {}
+    for m in service.methods:
+        out[m.name] = Method(
+            name=m.name, request=getattr(pb, m.input_type.name), response=getattr(pb, m.output_type.name),
+            stream_field=0 if m.client_streaming else stream_fields.get(m.input_type.name, 0),
+            wire_request=m.name in _WIRE_REQUESTS, wire_response=m.name in _WIRE_RESPONSES,
+            streaming=m.client_streaming, encode_request=_serialize,
+            decode_reply=_reply_decoder(m.name, getattr(pb, m.output_type.name)),
+        )
+    return out
+
+
+METHODS: dict[str, Method] = _methods()
+#: The method carried by each StreamRequest / StreamResponse field.
+BY_STREAM_FIELD: dict[int, Method] = {m.stream_field: m for m in METHODS.values() if m.stream_field}
+#: StreamResponse's field for a refused call.
+STREAM_ERROR_FIELD = pb.StreamResponse.ERROR_FIELD_NUMBER
+
+
+def stream_field(method: str) -> int:
+    """The StreamRequest field that carries ``method``."""
+    field = METHODS[method].stream_field
+    if not field:
+        raise ValueError(f"{method} is not carried on a Stream")
+    return field
+
+
+def by_stream_field(field: int) -> Optional[Method]:
+    return BY_STREAM_FIELD.get(field)
