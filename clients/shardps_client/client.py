@@ -344,7 +344,7 @@ class Client:
                 initializer=initializer or Initializer(kind="normal", std=1.0, seed=name_hash(name) >> 1),
                 staleness=staleness or Staleness(), allow_nonfinite=allow_nonfinite, sync=sync,
             )
-        except (_ServerInvalidArgument, ValueError) as e:
+        except _ServerInvalidArgument as e:
             raise InvalidArgumentError(str(e)) from None
         msg = table_spec_to_pb(spec)
         results = self._fan_out(

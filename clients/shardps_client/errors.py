@@ -6,6 +6,8 @@ from typing import Optional
 
 import grpc
 
+from shardps.core import status
+
 
 class ShardpsError(Exception):
     """Base class of client errors.
@@ -64,6 +66,7 @@ class ShardTimeoutError(ShardpsError):
     """A call did not finish within its deadline."""
 
 
+# Codes a shard's status table does not produce, or an older shard without kinds: by code alone.
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: TableNotFoundError,
@@ -75,25 +78,27 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ShardTimeoutError,
 }
+# Each kind of the status table (shardps.core.status), carried as data by the shard.
+_BY_KIND: dict[str, type] = {s.kind: globals()[s.client_error] for s in status.TABLE}
 
 
 def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:
     """Translate a gRPC error of call ``what`` to ``address`` into a client exception."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
-    return _error(code, details, address, what)
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    kind = next((v for k, v in trailing or () if k == status.KIND_METADATA), "")
+    return _error(code, details, address, what, kind)
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def from_status(code: int, details: str, address: str, what: str) -> ShardpsError:
-    """The client exception of a status carried in a message (a PushError of a push stream)."""
-    return _error(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, address, what)
+def from_status(code: int, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
+    """The client exception of a status carried in a message (a StreamError of a call stream)."""
+    return _error(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, address, what, kind)
 
 
-def _error(code: grpc.StatusCode, details: str, address: str, what: str) -> ShardpsError:
-    cls = _BY_CODE.get(code, ShardpsError)
-    if code == grpc.StatusCode.ABORTED and "sync step" in details:
-        cls = SyncStepError
+def _error(code: grpc.StatusCode, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
+    cls = _BY_KIND.get(kind) or _BY_CODE.get(code, ShardpsError)
     return cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)

@@ -179,7 +179,7 @@ class Lane:
                 self._answered = True
                 if field == protocol.STREAM_ERROR_FIELD:
                     err = pb.StreamError.FromString(bytes(view))
-                    item.future.set_exception(from_status(err.code, err.message, self.address, item.method))
+                    item.future.set_exception(from_status(err.code, err.message, self.address, item.method, err.kind))
                     continue
                 try:
                     reply = _reply(field, view)

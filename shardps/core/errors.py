@@ -1,4 +1,5 @@
-"""Exception types raised inside the shard; the servicer maps them to gRPC codes."""
+"""Exception types raised inside the shard and by spec validation; shardps.core.status maps each to its
+gRPC code and client exception."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ class ShardError(Exception):
     """Base class of errors a shard reports to its caller."""
 
 
-class InvalidArgument(ShardError):
-    """Malformed request: wrong dtype, shape, dim, non-finite values, empty ids."""
+class InvalidArgument(ShardError, ValueError):
+    """Malformed request or spec: wrong dtype, shape, dim, non-finite values, empty ids, a bad
+    hyperparameter. The one validation error of specs and optimizers alike (a ValueError too)."""
 
 
 class NotFound(ShardError):

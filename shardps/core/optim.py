@@ -20,6 +20,8 @@ from typing import Union
 
 import numpy as np
 
+from shardps.core.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class SGD:
@@ -189,7 +191,7 @@ def _check_finite(opt: object) -> None:
 
 def _check(cond: bool, message: str) -> None:
     if not cond:
-        raise ValueError(message)
+        raise InvalidArgument(message)
 
 
 def optimizer_to_dict(opt: Optimizer) -> dict:

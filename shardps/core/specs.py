@@ -250,21 +250,18 @@ def optimizer_to_pb(opt: Optimizer) -> pb.OptimizerSpec:
 
 def optimizer_from_pb(msg: pb.OptimizerSpec) -> Optimizer:
     kind = msg.WhichOneof("kind")
-    try:
-        if kind == "sgd":
-            s = msg.sgd
-            return SGD(lr=s.lr, momentum=s.momentum, dampening=s.dampening, weight_decay=s.weight_decay, nesterov=s.nesterov)
-        if kind == "adagrad":
-            a = msg.adagrad
-            return Adagrad(
-                lr=a.lr, lr_decay=a.lr_decay, weight_decay=a.weight_decay,
-                initial_accumulator_value=a.initial_accumulator_value, eps=a.eps,
-            )
-        if kind == "adam":
-            m = msg.adam
-            return Adam(lr=m.lr, betas=(m.beta1, m.beta2), eps=m.eps, weight_decay=m.weight_decay)
-    except ValueError as e:
-        raise InvalidArgument(str(e)) from None
+    if kind == "sgd":
+        s = msg.sgd
+        return SGD(lr=s.lr, momentum=s.momentum, dampening=s.dampening, weight_decay=s.weight_decay, nesterov=s.nesterov)
+    if kind == "adagrad":
+        a = msg.adagrad
+        return Adagrad(
+            lr=a.lr, lr_decay=a.lr_decay, weight_decay=a.weight_decay,
+            initial_accumulator_value=a.initial_accumulator_value, eps=a.eps,
+        )
+    if kind == "adam":
+        m = msg.adam
+        return Adam(lr=m.lr, betas=(m.beta1, m.beta2), eps=m.eps, weight_decay=m.weight_decay)
     raise InvalidArgument("optimizer is not set: choose sgd, adagrad or adam")
 
 

@@ -13,18 +13,12 @@ from typing import Any, Callable, Iterator, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from shardps.core import codec, protocol, wire
+from shardps.core import codec, protocol, status, wire
 from shardps.core.errors import (
-    AlreadyExists,
     InvalidArgument,
-    NotFound,
-    OutOfRange,
     ResourceExhausted,
-    ShardError,
     StaleUpdate,
     SyncStepFailed,
-    Unavailable,
-    WrongShard,
     clip,
 )
 from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
@@ -34,18 +28,6 @@ from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-_STATUS: dict[type, grpc.StatusCode] = {
-    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFound: grpc.StatusCode.NOT_FOUND,
-    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
-    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
-    WrongShard: grpc.StatusCode.FAILED_PRECONDITION,
-    StaleUpdate: grpc.StatusCode.ABORTED,
-    SyncStepFailed: grpc.StatusCode.ABORTED,
-    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
 
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_ERROR_CHARS = 1024  # status details travel in metadata (8 KiB by default): never echo a request into it
@@ -70,7 +52,10 @@ def _rpc(method: F) -> F:
         try:
             return method(self, request if raw else parse(request_type, request), context)
         except Exception as e:  # noqa: BLE001 - every error becomes a status (see _status)
-            context.abort(*self._status(e, method.__name__))
+            code, message, kind = self._status(e, method.__name__)
+            if kind:
+                context.set_trailing_metadata(((status.KIND_METADATA, kind),))
+            context.abort(code, message)
 
     return wrapper  # type: ignore[return-value]
 
@@ -139,15 +124,16 @@ class ShardServicer(pb_grpc.ShardServicer):
         rows, version = self.shard.pull(request.table, _ids(request.ids), codec.NP_DTYPES[wire_dtype].itemsize)
         return wire.encode_pull_response(rows, wire_dtype, version, frame)
 
-    def _status(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str]:
-        """The status code and message of an error in ``method`` (counted; internal errors logged)."""
-        if isinstance(e, ShardError):
+    def _status(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str, str]:
+        """The status code, message and kind (shardps.core.status) of an error in ``method``
+        (counted; an error of no kind is a bug: INTERNAL, logged)."""
+        st = status.of_error(e)
+        if st is not None:
             with self.shard.stats.lock:
                 self.shard.stats.errors += 1
-            return _STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), clip(f"shard {self.shard.index}: {e}",
-                                                                                 MAX_ERROR_CHARS)
+            return grpc.StatusCode[st.code], clip(f"shard {self.shard.index}: {e}", MAX_ERROR_CHARS), st.kind
         log.error("internal error in %s", method, exc_info=e)
-        return grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method}"
+        return grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method}", ""
 
     @_rpc
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
@@ -288,8 +274,8 @@ class ShardServicer(pb_grpc.ShardServicer):
             read = {"Pull": self._pull, "PullDense": self._pull_dense, "PullBatch": self._pull_batch}[method.name]
             return read(parse(method.request, view), frame=field)  # type: ignore[operator]
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
-            code, message = self._status(e, "Stream")
-        return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message)).SerializeToString()
+            code, message, kind = self._status(e, "Stream")
+        return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()
 
     def end_streams(self) -> None:
         """Refuse new streams and cancel the open ones (shutdown); clients resend what was not answered."""

@@ -447,12 +447,14 @@ class StreamRequest(_message.Message):
     def __init__(self, push: _Optional[_Union[PushRequest, _Mapping]] = ..., push_dense: _Optional[_Union[PushDenseRequest, _Mapping]] = ..., push_batch: _Optional[_Union[PushBatchRequest, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., pull_dense: _Optional[_Union[PullDenseRequest, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchRequest, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "kind")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    kind: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
     __slots__ = ("push", "push_dense", "push_batch", "pull", "pull_dense", "pull_batch", "error")
