@@ -699,9 +699,7 @@ class Shard:
             size = ckpt.write(path, meta, arrays)
             ckpt.prune(data_dir, self.config.keep_checkpoints)
             # WAL segments are kept back to the previous checkpoint, the fallback if this one breaks.
-            for seg in wal_mod.segments(data_dir):
-                if seg < self._prev_wal_segment:
-                    wal_mod.segment_path(data_dir, seg).unlink(missing_ok=True)
+            wal_mod.remove_before(data_dir, self._prev_wal_segment)
             self._prev_wal_segment = meta["wal_segment"]
             self.last_checkpoint = checkpoint_id
         log.info("shard %d: checkpoint %s at version %d (%d bytes, pause %.3fs)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -125,10 +125,6 @@ class StepBuffer:
         return sorted(r for r, n in self.expected_parts.items() if len(self.parts.get(r, ())) >= n)
 
 
-class StepFailed(Exception):
-    """A synchronous step failed (on_timeout="fail")."""
-
-
 class SyncTable:
     """Step buffers of one synchronous table or dense tensor on one shard."""
 
@@ -168,5 +164,3 @@ class SyncTable:
         for old in [s for s in self.finished if s < step - 64]:
             del self.finished[old]
 
-
-ApplyFn = Callable[[np.ndarray, np.ndarray], int]

@@ -94,6 +94,13 @@ def replay(data_dir: pathlib.Path, first_segment: int) -> Iterator[Record]:
             number += 1
 
 
+def remove_before(data_dir: pathlib.Path, segment: int) -> None:
+    """Delete the segments older than ``segment`` (covered by a checkpoint)."""
+    for seg in segments(data_dir):
+        if seg < segment:
+            segment_path(data_dir, seg).unlink(missing_ok=True)
+
+
 class CorruptLog(Exception):
     """A record inside a segment fails its checksum, with records after it."""
 
@@ -210,12 +217,6 @@ class WriteAheadLog:
             self.segment += 1
             self._file = open(segment_path(self.data_dir, self.segment), "ab")
             return self.segment
-
-    def remove_before(self, segment: int) -> None:
-        """Delete segments older than ``segment`` (covered by a checkpoint)."""
-        for seg in segments(self.data_dir):
-            if seg < segment:
-                segment_path(self.data_dir, seg).unlink(missing_ok=True)
 
     def close(self) -> None:
         with self._cond:
