@@ -55,7 +55,8 @@ class SyncStepError(ShardpsError):
 
 
 class RequestTooLargeError(ShardpsError):
-    """A request or reply exceeded a message size limit."""
+    """A request or reply exceeded a message size limit, or a shard's limit (memory budget, tables, rows,
+    ids per request, workers: ``shardps serve --max-*``)."""
 
 
 class ShardUnavailableError(ShardpsError):
