@@ -10,13 +10,13 @@ from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
 # numpy has no bfloat16: it travels as uint16 holding the upper half of a float32.
-NP_DTYPES = _NP_OF = {
+NP_DTYPES: dict[int, np.dtype] = {
     pb.FLOAT32: np.dtype("<f4"),
     pb.FLOAT16: np.dtype("<f2"),
     pb.BFLOAT16: np.dtype("<u2"),
     pb.INT64: np.dtype("<i8"),
 }
-DTYPE_NAMES = {pb.FLOAT32: "float32", pb.FLOAT16: "float16", pb.BFLOAT16: "bfloat16", pb.INT64: "int64"}
+DTYPE_NAMES: dict[int, str] = {pb.FLOAT32: "float32", pb.FLOAT16: "float16", pb.BFLOAT16: "bfloat16", pb.INT64: "int64"}
 WIRE_FLOAT_DTYPES = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
 MAX_NDIM = 32  # numpy allows 64; no message of this protocol needs more than 2
 
@@ -47,7 +47,7 @@ def wire_elements(array: np.ndarray, dtype: int) -> np.ndarray:
     """``array`` as the C-contiguous elements of wire ``dtype`` (bfloat16: rounded uint16 bit patterns)."""
     if dtype == pb.BFLOAT16:
         return float32_to_bfloat16_bits(array)
-    return np.ascontiguousarray(array, dtype=_NP_OF[dtype])
+    return np.ascontiguousarray(array, dtype=NP_DTYPES[dtype])
 
 
 def encode(array: np.ndarray, dtype: int = pb.DTYPE_UNSPECIFIED) -> pb.Tensor:
@@ -68,7 +68,7 @@ def decode(t: pb.Tensor, what: str, as_float32: bool = True) -> np.ndarray:
 
 def decode_raw(dtype: int, shape: list, data: bytes | memoryview, what: str, as_float32: bool = True) -> np.ndarray:
     """Decode (dtype, shape, raw bytes) to numpy, a view of ``data`` where possible."""
-    np_dtype = _NP_OF.get(dtype)
+    np_dtype = NP_DTYPES.get(dtype)
     if np_dtype is None:
         raise InvalidArgument(f"{what}: unsupported or missing dtype {dtype}")
     if len(shape) > MAX_NDIM:

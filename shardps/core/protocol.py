@@ -36,8 +36,8 @@ class Method:
     """
 
     name: str
-    request: type
-    response: type
+    request: Any  # a generated message class
+    response: Any
     stream_field: int
     wire_request: bool
     wire_response: bool
@@ -52,7 +52,9 @@ class Method:
 
 def _serialize(request: Any) -> bytes:
     """A message's bytes; bytes pass as they are (a pull resent by a lane falling back to unary calls)."""
-    return request if isinstance(request, (bytes, bytearray, memoryview)) else request.SerializeToString()
+    if isinstance(request, bytes):
+        return request
+    return bytes(request) if isinstance(request, (bytearray, memoryview)) else request.SerializeToString()
 
 
 def _reply_decoder(name: str, response: Any) -> Callable[[Any], Any]:
