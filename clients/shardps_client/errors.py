@@ -67,20 +67,13 @@ class ShardTimeoutError(ShardpsError):
     """A call did not finish within its deadline."""
 
 
-# Codes a shard's status table does not produce, or an older shard without kinds: by code alone.
-_BY_CODE = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
-    grpc.StatusCode.OUT_OF_RANGE: IdOutOfRangeError,
-    grpc.StatusCode.FAILED_PRECONDITION: ShardMapError,
-    grpc.StatusCode.ABORTED: StaleUpdateError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: RequestTooLargeError,
-    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: ShardTimeoutError,
-}
 # Each kind of the status table (shardps.core.status), carried as data by the shard.
 _BY_KIND: dict[str, type] = {s.kind: globals()[s.client_error] for s in status.TABLE}
+# Without a kind (an older shard, or a status gRPC itself produced), by code: the table's first kind of
+# that code, and the codes only gRPC produces.
+_BY_CODE: dict[grpc.StatusCode, type] = {grpc.StatusCode.DEADLINE_EXCEEDED: ShardTimeoutError}
+for _s in status.TABLE:
+    _BY_CODE.setdefault(grpc.StatusCode[_s.code], _BY_KIND[_s.kind])
 
 
 def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:

@@ -240,38 +240,32 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >> 63 else v
 
 
+_TENSOR_SINGULAR = {_T_DTYPE: _VARINT, _T_DATA: _LEN}
+
+
 def decode_tensor(buf: memoryview, what: str, as_float32: bool = True, allowed: Optional[tuple] = None) -> np.ndarray:
     """A Tensor message as a numpy view of ``buf`` (float16/bfloat16 widened to float32).
 
     ``allowed``: the dtypes accepted; another one is refused naming ``what``.
     """
-    dtype, shape, data = 0, [], memoryview(b"")
-    seen: set[int] = set()
-    for field, wt, value in _fields(buf):
-        if field == _T_SHAPE and wt == _LEN:  # packed shape entries; packed and unpacked runs concatenate, in order
-            sub, pos = value, 0
-            while pos < len(sub):  # type: ignore[arg-type]
-                v, pos = _read_varint(sub, pos)  # type: ignore[arg-type]
+    fields = _fields(buf)
+    f = _singular(fields, _TENSOR_SINGULAR, what)
+    dtype = int(f.get(_T_DTYPE, 0))  # type: ignore[arg-type]
+    data = f.get(_T_DATA, memoryview(b""))
+    shape: list[int] = []  # repeated: packed and unpacked runs concatenate, in order
+    for field, wt, value in fields:
+        if field == _T_SHAPE and wt == _LEN:
+            pos = 0
+            while pos < len(value):  # type: ignore[arg-type]
+                v, pos = _read_varint(value, pos)  # type: ignore[arg-type]
                 shape.append(_signed64(v))
-            continue
-        if field == _T_SHAPE and wt == _VARINT:
+        elif field == _T_SHAPE and wt == _VARINT:
             shape.append(_signed64(value))  # type: ignore[arg-type]
-            continue
-        if field in (_T_DTYPE, _T_DATA):
-            if field in seen:
-                raise InvalidArgument(f"malformed message: {what} field {field} appears more than once")
-            if wt != (_VARINT if field == _T_DTYPE else _LEN):
-                raise InvalidArgument(f"malformed message: {what} field {field} has wire type {wt}")
-            seen.add(field)
-            if field == _T_DTYPE:
-                dtype = value  # type: ignore[assignment]
-            else:
-                data = value  # type: ignore[assignment]
     if allowed is not None and dtype not in allowed:
         names = [codec.DTYPE_NAMES[d] for d in allowed]
         expected = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
         raise InvalidArgument(f"{what} must be {expected}, got {codec.dtype_name(dtype)}")
-    return codec.decode_raw(dtype, shape, data, what, as_float32)
+    return codec.decode_raw(dtype, shape, data, what, as_float32)  # type: ignore[arg-type]
 
 
 _PULL_RESPONSE = {_R_ROWS: _LEN, _R_VERSION: _VARINT}
@@ -312,11 +306,13 @@ def _string(value: Any, what: str) -> str:
         raise InvalidArgument(f"malformed message: {what} is not valid UTF-8") from None
 
 
-def _message(cls: Any, value: Any, what: str) -> Any:
+def parse(cls: Any, buf: Buffer, what: str = "") -> Any:
+    """A message of generated class ``cls`` parsed by protobuf; bytes it cannot parse are the
+    caller's error (InvalidArgument naming ``what``, by default the message type)."""
     try:
-        return cls.FromString(bytes(value))
+        return cls.FromString(bytes(buf))
     except DecodeError:
-        raise InvalidArgument(f"malformed message: {what} cannot be parsed") from None
+        raise InvalidArgument(f"malformed {what or cls.DESCRIPTOR.name}: cannot be parsed") from None
 
 
 def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
@@ -342,9 +338,9 @@ def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
         out.client_id = _string(f[_P_CLIENT_ID], "client_id")
     out.seq = int(f.get(_P_SEQ, 0))  # type: ignore[arg-type]
     if _P_SHARD_MAP in f:
-        out.shard_map = _message(pb.ShardMap, f[_P_SHARD_MAP], "shard_map")
+        out.shard_map = parse(pb.ShardMap, f[_P_SHARD_MAP], "shard_map")  # type: ignore[arg-type]
     if _P_SYNC in f:
-        out.sync = _message(pb.SyncPart, f[_P_SYNC], "sync")
+        out.sync = parse(pb.SyncPart, f[_P_SYNC], "sync")  # type: ignore[arg-type]
     if not dense and out.ids is None:
         out.ids = np.zeros(0, np.int64)
     if out.grads is None:

@@ -78,10 +78,11 @@ class Limits:
     def memory_bytes(self) -> int:
         return (self.max_memory_mb or default_memory_mb()) * MIB
 
-    def check(self, what: str, value: int, limit_name: str, flag: str) -> None:
-        """Refuse ``value`` of ``what`` above the limit ``limit_name`` with RESOURCE_EXHAUSTED."""
+    def check(self, what: str, value: int, limit_name: str) -> None:
+        """Refuse ``value`` of ``what`` above the limit ``limit_name`` with RESOURCE_EXHAUSTED, naming its flag."""
         limit = getattr(self, limit_name)
         if value > limit:
+            flag = "--" + limit_name.replace("_", "-")
             raise ResourceExhausted(f"{what}: {value:,} is over the shard's limit of {limit:,} ({flag})")
 
 
@@ -109,10 +110,6 @@ class MemoryBudget:
             self.used = max(0, self.used - nbytes)
 
 
-def unlimited_budget() -> MemoryBudget:
-    """A budget that never refuses (tools that load checkpoints offline, tests of storage alone)."""
-    return MemoryBudget(1 << 62)
-
-
 def optional_budget(budget: Optional[MemoryBudget]) -> MemoryBudget:
-    return budget if budget is not None else unlimited_budget()
+    """``budget``, or one that never refuses (tools that load checkpoints offline, tests of storage alone)."""
+    return budget if budget is not None else MemoryBudget(1 << 62)

@@ -1,6 +1,7 @@
 """gRPC servicer: decode the request, call the shard, encode the reply.
 
-Exceptions become status codes here and only here (``_STATUS``).
+Exceptions become status codes here and only here (``_status``, from the status table
+``shardps.core.status``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import threading
 from typing import Any, Callable, Iterator, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from shardps.core import codec, protocol, status, wire
 from shardps.core.errors import (
@@ -22,7 +22,7 @@ from shardps.core.errors import (
     clip,
 )
 from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
-from shardps.core.wire import Buffer
+from shardps.core.wire import Buffer, parse
 from shardps.server.shard import PushResult, Shard, SyncPart
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
@@ -31,14 +31,6 @@ log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 MAX_ERROR_CHARS = 1024  # status details travel in metadata (8 KiB by default): never echo a request into it
-
-
-def parse(cls: Any, buf: Buffer) -> Any:
-    """A request message from its bytes; bytes protobuf cannot parse are the caller's error."""
-    try:
-        return cls.FromString(bytes(buf))
-    except DecodeError:
-        raise InvalidArgument(f"malformed {cls.DESCRIPTOR.name}: protobuf cannot parse the request") from None
 
 
 def _rpc(method: F) -> F:
@@ -100,6 +92,15 @@ class ShardServicer(pb_grpc.ShardServicer):
         self._streams: set[grpc.ServicerContext] = set()
         self._streams_lock = threading.Lock()
         self._stopping = False
+        # How a stream frame of each method is served: (view, field) -> the reply framed as that field.
+        self._frames: dict[str, Callable[[memoryview, int], bytes]] = {
+            "Push": lambda view, field: wire.frame(field, self._push(view, dense=False).SerializeToString()),
+            "PushDense": lambda view, field: wire.frame(field, self._push(view, dense=True).SerializeToString()),
+            "PushBatch": lambda view, field: wire.frame(field, self._push_batch(view)),
+            "Pull": lambda view, field: self._pull(parse(pb.PullRequest, view), frame=field),
+            "PullDense": lambda view, field: self._pull_dense(parse(pb.PullDenseRequest, view), frame=field),
+            "PullBatch": lambda view, field: self._pull_batch(parse(pb.PullBatchRequest, view), frame=field),
+        }
 
     @_rpc
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
@@ -266,13 +267,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             method = protocol.by_stream_field(field)
             if method is None:
                 raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
-            # Each reply is framed as the StreamResponse field of the same number.
-            if method.name in ("Push", "PushDense"):
-                return wire.frame(field, self._push(view, dense=method.name == "PushDense").SerializeToString())
-            if method.name == "PushBatch":
-                return wire.frame(field, self._push_batch(view))
-            read = {"Pull": self._pull, "PullDense": self._pull_dense, "PullBatch": self._pull_batch}[method.name]
-            return read(parse(method.request, view), frame=field)  # type: ignore[operator]
+            return self._frames[method.name](view, field)  # framed as the StreamResponse field of that number
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
             code, message, kind = self._status(e, "Stream")
         return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()

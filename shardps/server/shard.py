@@ -275,7 +275,7 @@ class Shard:
         return t
 
     def _check_ids_count(self, n: int) -> None:
-        self.limits.check("ids in one request", n, "max_ids_per_request", "--max-ids-per-request")
+        self.limits.check("ids in one request", n, "max_ids_per_request")
 
     def check_reply(self, t: Table, rows: int, itemsize: int) -> None:
         """Refuse a read whose reply would exceed the largest message, before any row is read."""
@@ -288,10 +288,10 @@ class Shard:
 
     def _new_table(self, spec: Union[TableSpec, DenseSpec], owns: Any, expected: int) -> Table:
         """A table charged to this shard's budget (caller holds _lock and adds it)."""
-        self.limits.check("tables and dense tensors", len(self._tables) + 1, "max_tables", "--max-tables")
+        self.limits.check("tables and dense tensors", len(self._tables) + 1, "max_tables")
         self._check_name(spec.name)
         if spec.sync is not None:
-            self.limits.check(f"{spec.name}: sync workers", spec.sync.workers, "max_workers", "--max-workers")
+            self.limits.check(f"{spec.name}: sync workers", spec.sync.workers, "max_workers")
         return Table(spec, owns, expected, budget=self.budget, max_rows=self.limits.max_table_rows)
 
     def _owns_ids(self, ids: np.ndarray) -> np.ndarray:
@@ -545,14 +545,12 @@ class Shard:
 
     def register_dense(self, spec: DenseSpec, row_start: int, values: Optional[np.ndarray]) -> tuple[bool, bool]:
         """Create or verify a dense tensor; initialise rows from ``values`` if not done before."""
-        self.limits.check(f"{spec.name}: dense tensor elements", spec.rows * spec.cols, "max_dense_elements",
-                          "--max-dense-elements")
+        self.limits.check(f"{spec.name}: dense tensor elements", spec.rows * spec.cols, "max_dense_elements")
         if spec.chunk_rows and -(-spec.rows // spec.chunk_rows) > MAX_DENSE_CHUNKS:
             raise InvalidArgument(f"{spec.name}: chunk_rows {spec.chunk_rows} makes more than {MAX_DENSE_CHUNKS:,} "
                                   f"chunks of {spec.rows:,} rows")
         if not 0 <= row_start <= spec.rows:
             raise OutOfRange(f"{spec.name}: row_start {row_start} outside [0, {spec.rows}]")
-        self._check_name(spec.name)
         with self._lock:
             existing = self._tables.get(spec.name)
             created = existing is None
