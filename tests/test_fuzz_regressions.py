@@ -152,13 +152,13 @@ def test_torn_tail_of_a_segment_does_not_hide_the_segments_after_it(tmp_path):
     data = tmp_path / "data"
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))
     s.create_table(_spec())
-    t = s._table("t", dense=False)
+    t = s.registry.get("t", dense=False)
     s.apply_push(t, np.array([1]), np.ones((1, 8), np.float32), None, "", 0)
     s.close()
     with open(_segment(data), "ab") as f:  # died while writing a record: never acknowledged
         f.write(_log_record(wal.PUSH, b"x" * 40)[:20])
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))  # restart: a new segment
-    s.apply_push(s._table("t", dense=False), np.array([2]), np.ones((1, 8), np.float32), None, "", 0)
+    s.apply_push(s.registry.get("t", dense=False), np.array([2]), np.ones((1, 8), np.float32), None, "", 0)
     s.close()
     s, rows = _replayed(data)
     assert s.version == 2
@@ -172,7 +172,7 @@ def test_damaged_record_inside_the_log_is_not_taken_for_a_torn_tail(tmp_path):
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))
     s.create_table(_spec())
     for i in range(3):
-        s.apply_push(s._table("t", dense=False), np.array([i]), np.ones((1, 8), np.float32), None, "", 0)
+        s.apply_push(s.registry.get("t", dense=False), np.array([i]), np.ones((1, 8), np.float32), None, "", 0)
     s.close()
     seg = _segment(data)
     second_push = list(wal.replay(data, 0))[-2]

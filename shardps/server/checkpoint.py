@@ -12,6 +12,7 @@ truncated or corrupted file fails its checksum on load and is skipped.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -20,9 +21,19 @@ import os
 import pathlib
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Union
 
 import numpy as np
+
+from shardps.core.specs import (
+    DenseSpec,
+    TableSpec,
+    dense_spec_from_pb,
+    dense_spec_to_pb,
+    table_spec_from_pb,
+    table_spec_to_pb,
+)
+from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +53,21 @@ class Loaded:
     meta: dict[str, Any]
     arrays: dict[str, np.ndarray]
     path: pathlib.Path
+
+
+def spec_entry(spec: Union[TableSpec, DenseSpec]) -> dict[str, Any]:
+    """A table's entry in a checkpoint header: name, kind and spec (its protobuf form, base64)."""
+    dense = isinstance(spec, DenseSpec)
+    spec_pb = dense_spec_to_pb(spec) if dense else table_spec_to_pb(spec)  # type: ignore[arg-type]
+    return {"name": spec.name, "dense": dense, "spec": base64.b64encode(spec_pb.SerializeToString()).decode()}
+
+
+def spec_of(entry: dict[str, Any]) -> Union[TableSpec, DenseSpec]:
+    """The spec of a checkpoint header's table entry."""
+    raw = base64.b64decode(entry["spec"])
+    if entry["dense"]:
+        return dense_spec_from_pb(pb.DenseSpec.FromString(raw))
+    return table_spec_from_pb(pb.TableSpec.FromString(raw))
 
 
 class _HashingWriter:

@@ -117,11 +117,10 @@ class ShardServer:
         """Message buffers stay in the heap while traffic flows (``tune_malloc``); once calls
         stop for IDLE_TRIM_S, hand the free pages back, so a shard's memory after a burst
         (a bulk load, say) is what its tables hold."""
-        stats = self.shard.stats
         seen = trimmed = 0
         while not self._stop.wait(IDLE_TRIM_S):
-            with stats.lock:
-                calls = stats.pulls + stats.pushes
+            stats = self.shard.stats
+            calls = stats.pulls + stats.pushes
             if calls == seen and calls != trimmed:
                 release_free_memory()
                 trimmed = calls

@@ -9,7 +9,6 @@ counts are checked before anything is written.
 
 from __future__ import annotations
 
-import base64
 import logging
 import pathlib
 import re
@@ -20,10 +19,9 @@ import numpy as np
 
 from shardps.core.ids import unique_ids
 from shardps.core.routing import dense_rows_owned, shard_of_ids
-from shardps.core.specs import dense_spec_from_pb
+from shardps.core.specs import DenseSpec
 from shardps.server import checkpoint as ckpt
 from shardps.server.shard import Shard, ShardConfig
-from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +55,7 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
     snapshots = []
     for i, d in enumerate(dirs):
         shard = Shard(ShardConfig(i, old_n, data_dir=str(d), durability="checkpoint"))
-        meta, arrays, _ = shard._snapshot()
+        meta, arrays, _ = shard.snapshot()
         snapshots.append((meta, arrays))
         shard.close()
     # Every shard knows every table's spec; check they agree.
@@ -99,7 +97,8 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
             meta_j["tables"].append(entry)
             ids = merged[name]["ids"]
             if entry["dense"]:
-                spec = dense_spec_from_pb(pb.DenseSpec.FromString(base64.b64decode(entry["spec"])))
+                spec = ckpt.spec_of(entry)
+                assert isinstance(spec, DenseSpec)
                 mine = dense_rows_owned(name, spec.rows, spec.chunk_rows, num_shards, j)[ids]
             else:
                 mine = shard_of_ids(ids, num_shards) == j

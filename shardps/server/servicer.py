@@ -21,9 +21,11 @@ from shardps.core.errors import (
     SyncStepFailed,
     clip,
 )
-from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
+from shardps.core.specs import DenseSpec, dense_spec_from_pb, dense_spec_to_pb, table_spec_from_pb, table_spec_to_pb
 from shardps.core.wire import Buffer, parse
-from shardps.server.shard import PushResult, Shard, SyncPart
+from shardps.server.shard import Shard, ShardInfo, TableInfo
+from shardps.server.sync import SyncPart
+from shardps.server.updates import Counters, PushResult
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
@@ -83,6 +85,32 @@ def _push_response(r: PushResult) -> pb.PushResponse:
                            missing_ranks=r.missing_ranks)
 
 
+def _table_info(info: TableInfo) -> pb.TableInfo:
+    out = pb.TableInfo(num_rows=info.num_rows, bytes=info.bytes, bytes_per_row=info.bytes_per_row,
+                       payload_bytes=info.payload_bytes)
+    if isinstance(info.spec, DenseSpec):
+        out.dense.CopyFrom(dense_spec_to_pb(info.spec))
+    else:
+        out.spec.CopyFrom(table_spec_to_pb(info.spec))
+    return out
+
+
+def _stats(c: Counters) -> pb.ShardStats:
+    return pb.ShardStats(
+        pulls=c.pulls, pushes=c.pushes, rows_pulled=c.rows_pulled, rows_pushed=c.rows_pushed,
+        stale_rejected=c.stale_rejected, duplicates=c.duplicates, max_staleness=c.max_staleness,
+        mean_staleness=c.mean_staleness, errors=c.errors,
+    )
+
+
+def _shard_info(info: ShardInfo) -> pb.ShardInfoResponse:
+    return pb.ShardInfoResponse(
+        shard_index=info.shard_index, num_shards=info.num_shards, version=info.version,
+        tables=[_table_info(t) for t in info.tables], uptime_s=info.uptime_s, stats=_stats(info.stats),
+        durability=info.durability, last_checkpoint=info.last_checkpoint,
+    )
+
+
 class ShardServicer(pb_grpc.ShardServicer):
     """The ``shardps.v1.Shard`` service over one ``Shard``."""
 
@@ -102,14 +130,18 @@ class ShardServicer(pb_grpc.ShardServicer):
             "PullBatch": lambda view, field: self._pull_batch(parse(pb.PullBatchRequest, view), frame=field),
         }
 
+    def _check_map(self, shard_map: Any) -> None:
+        if shard_map is not None:
+            self.shard.check_shard_map(shard_map.shard_index, shard_map.num_shards)
+
     @_rpc
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
-        self.shard.check_shard_map(request.shard_map)
+        self._check_map(request.shard_map)
         return pb.CreateTableResponse(created=self.shard.create_table(table_spec_from_pb(request.spec)))
 
     @_rpc
     def DescribeTable(self, request: pb.DescribeTableRequest, context: grpc.ServicerContext) -> pb.TableInfo:
-        return self.shard.describe(request.name)
+        return _table_info(self.shard.describe(request.name))
 
     @_rpc
     def DropTable(self, request: pb.DropTableRequest, context: grpc.ServicerContext) -> pb.DropTableResponse:
@@ -120,7 +152,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         return self._pull(request)
 
     def _pull(self, request: pb.PullRequest, frame: int = 0) -> bytes:
-        self.shard.check_shard_map(request.shard_map)
+        self._check_map(request.shard_map)
         wire_dtype = _wire(request.wire_dtype)
         rows, version = self.shard.pull(request.table, _ids(request.ids), codec.NP_DTYPES[wire_dtype].itemsize)
         return wire.encode_pull_response(rows, wire_dtype, version, frame)
@@ -130,8 +162,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         (counted; an error of no kind is a bug: INTERNAL, logged)."""
         st = status.of_error(e)
         if st is not None:
-            with self.shard.stats.lock:
-                self.shard.stats.errors += 1
+            self.shard.count_error()
             return grpc.StatusCode[st.code], clip(f"shard {self.shard.index}: {e}", MAX_ERROR_CHARS), st.kind
         log.error("internal error in %s", method, exc_info=e)
         return grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method}", ""
@@ -148,7 +179,7 @@ class ShardServicer(pb_grpc.ShardServicer):
     def _validated_push(self, request: Buffer, dense: bool) -> tuple[Any, Any, Any]:
         """Decode and check a push without applying it: (table, row ids, decoded push)."""
         d = wire.decode_push(request, dense=dense)
-        self.shard.check_shard_map(d.shard_map)
+        self._check_map(d.shard_map)
         assert d.grads is not None
         if dense:
             t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads, _sync(d.sync))
@@ -162,7 +193,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def RegisterDense(self, request: pb.RegisterDenseRequest, context: grpc.ServicerContext) -> pb.RegisterDenseResponse:
-        self.shard.check_shard_map(request.shard_map)
+        self._check_map(request.shard_map)
         values = _grads(request.values, "values") if request.HasField("values") else None
         created, initialized = self.shard.register_dense(dense_spec_from_pb(request.spec), request.row_start, values)
         return pb.RegisterDenseResponse(created=created, initialized=initialized)
@@ -176,7 +207,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def _validated_pull_dense(self, request: pb.PullDenseRequest) -> tuple[Any, Any, int]:
         """Check a dense pull without reading it: (table, row ids, wire dtype)."""
-        self.shard.check_shard_map(request.shard_map)
+        self._check_map(request.shard_map)
         wire_dtype = _wire(request.wire_dtype)
         t, ids = self.shard.validate_pull_dense(request.name, request.row_start, request.row_end)
         self.shard.check_reply(t, ids.shape[0], codec.NP_DTYPES[wire_dtype].itemsize)
@@ -284,7 +315,7 @@ class ShardServicer(pb_grpc.ShardServicer):
     def ShardInfo(self, request: pb.ShardInfoRequest, context: grpc.ServicerContext) -> pb.ShardInfoResponse:
         from shardps import __version__
 
-        info = self.shard.info()
+        info = _shard_info(self.shard.info())
         info.server_version = f"shardps/{__version__}"
         return info
 

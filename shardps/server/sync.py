@@ -1,17 +1,28 @@
-"""Worker membership (heartbeats, SSP clocks) and synchronous step buffers of one shard."""
+"""Worker membership (heartbeats, SSP clocks) and synchronous steps of one shard.
+
+``SyncCoordinator`` collects the workers' parts of each step of each synchronous
+table and, once a step is complete (or its straggler policy says so), combines
+them and hands the result to the apply callback it was given (the shard's update
+path), so a step is applied, logged and counted like any other update.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-from shardps.core.errors import InvalidArgument, ResourceExhausted
+from shardps.core.errors import InvalidArgument, ResourceExhausted, SyncStepFailed
 from shardps.core.ids import coalesce
 from shardps.core.specs import SyncPolicy
+from shardps.server.aggregate import combine, stack
+from shardps.server.table import Table
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -164,3 +175,113 @@ class SyncTable:
         for old in [s for s in self.finished if s < step - 64]:
             del self.finished[old]
 
+
+
+@dataclass(frozen=True)
+class SyncPart:
+    """Where a push sits in a synchronous step (see SyncPart in the proto)."""
+
+    step: int
+    rank: int
+    part: int = 0
+    parts: int = 1
+
+
+@dataclass
+class StepOutcome:
+    """What a worker's part of a step got: the version after the step, or that it came too late."""
+
+    version: int = 0
+    late: bool = False
+    missing_ranks: list[int] = field(default_factory=list)
+    recorded_only: bool = False  # an earlier part of the worker's contribution: recorded, the step not awaited
+
+
+ApplyStep = Callable[[Table, np.ndarray, np.ndarray], int]  # (table, ids, combined grads) -> version after
+
+
+def check_sync(t: Table, sync: Optional[SyncPart]) -> None:
+    """A push carries a step part exactly when its table is synchronous, and a valid one."""
+    policy = t.spec.sync
+    if policy is not None and sync is None:
+        raise InvalidArgument(f"{t.spec.name} is synchronous: pushes must carry a step and rank")
+    if policy is None and sync is not None:
+        raise InvalidArgument(f"{t.spec.name} is asynchronous: pushes must not carry a sync step")
+    if policy is not None and sync is not None:
+        check_part(policy, sync.step, sync.rank, sync.part, sync.parts)
+
+
+class SyncCoordinator:
+    """The synchronous steps of one shard's tables; applies each complete step through ``apply``."""
+
+    def __init__(self, shard_index: int, membership: Membership, apply: ApplyStep) -> None:
+        self.shard_index = shard_index
+        self.membership = membership
+        self._apply = apply
+        self._cond = threading.Condition()
+        self._tables: dict[str, SyncTable] = {}
+
+    def push(self, t: Table, ids: np.ndarray, grads: np.ndarray, part: SyncPart) -> StepOutcome:
+        """Add one worker's part of a step.
+
+        The part that completes the worker's contribution returns once the step
+        is applied (or failed: SyncStepFailed); earlier parts return once recorded.
+        They must: a worker's parts arrive in order on one stream, so a part that
+        waited for the step would hold back the worker's remaining parts, and the
+        step with them.
+        """
+        policy = t.spec.sync
+        assert policy is not None
+        self.membership.touch(part.rank, policy.workers)
+        with self._cond:
+            st = self._tables.get(t.spec.name)
+            if st is None or st.policy != policy:
+                st = self._tables[t.spec.name] = SyncTable(policy, t.dim)
+            buf = st.add(part.step, part.rank, part.part, part.parts, ids, np.asarray(grads, dtype=np.float32))
+            if buf is None:
+                return StepOutcome(late=True)
+            if part.rank not in buf.complete_ranks():
+                return StepOutcome(recorded_only=True)
+            while not buf.done:
+                self._try_finish(t, st, part.step, buf)
+                if not buf.done:
+                    self._cond.wait(0.05)
+        if buf.error:
+            raise SyncStepFailed(buf.error)
+        return StepOutcome(version=buf.version, missing_ranks=buf.missing)
+
+    def _try_finish(self, t: Table, st: SyncTable, step: int, buf: StepBuffer) -> None:
+        """Apply (or fail) a step if every worker is in, or its straggler policy says so. Holds _cond."""
+        policy = st.policy
+        complete = buf.complete_ranks()
+        waiting = [r for r in range(policy.workers) if r not in complete]
+        if waiting:
+            timed_out = time.monotonic() - buf.started >= policy.timeout_s
+            all_gone = all(self.membership.is_gone(r) for r in waiting)
+            if timed_out and policy.on_timeout == "fail":
+                buf.error = (f"sync step {step} of {t.spec.name} failed: no push from ranks {waiting} "
+                             f"within {policy.timeout_s}s")
+                st.finish(step, buf)
+                self._cond.notify_all()
+                return
+            proceed = all_gone or (timed_out and policy.on_timeout == "proceed")
+            if not (proceed and complete):
+                return
+            log.warning("shard %d: step %d of %s proceeds without ranks %s", self.shard_index, step, t.spec.name,
+                        waiting)
+        union, stacked = stack(st.contributions(buf, complete), t.dim)
+        combined = combine(stacked, policy.aggregator, policy.trim_fraction)
+        buf.version = self._apply(t, union, combined)
+        buf.missing = waiting
+        st.finish(step, buf)
+        self._cond.notify_all()
+
+    def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool,
+                  wait_min_clock: Optional[int] = None, wait_s: float = 0.0) -> tuple[int, list[int], list[int]]:
+        """Record a worker's liveness and clock; optionally wait (at most 60 s) for the slowest one."""
+        self.membership.heartbeat(rank, world_size, clock, leaving)
+        if wait_min_clock is not None and wait_s > 0:  # NaN compares False: no wait
+            self.membership.wait_min_clock(wait_min_clock, min(wait_s, 60.0))
+        with self._cond:  # a rank that left may complete a waiting step
+            self._cond.notify_all()
+        return self.membership.status()

@@ -167,6 +167,11 @@ class Table:
             slots[missing] = new_slots[inverse]
         return slots
 
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` (a copy), absent ones created from the initializer. Caller holds ``lock``."""
+        slots = self._slots(ids, create=True)  # first: creating rows may grow (replace) self.rows
+        return np.take(self.rows, slots, axis=0)
+
     def check_present(self, ids: np.ndarray) -> None:
         """Raise unless every row of ``ids`` exists or can be made by the initializer (dense rows
         exist once registered with values)."""

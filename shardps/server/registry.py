@@ -1,0 +1,75 @@
+"""The tables and dense tensors of one shard, by name."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Union
+
+from shardps.core.errors import InvalidArgument, NotFound, clip
+from shardps.core.specs import DenseSpec, TableSpec
+from shardps.server.limits import Limits, MemoryBudget
+from shardps.server.table import Table
+
+
+class TableRegistry:
+    """Name -> Table, with the limits on names and counts, and the memory budget new tables charge.
+
+    ``lock`` orders changes to the set of tables; it comes before any table's lock.
+    """
+
+    def __init__(self, shard_index: int, limits: Limits) -> None:
+        self.shard_index = shard_index
+        self.limits = limits
+        self.budget = MemoryBudget(limits.memory_bytes)
+        self.lock = threading.RLock()
+        self._tables: dict[str, Table] = {}
+
+    def check_name(self, name: str) -> None:
+        if len(name) > self.limits.max_name_length:
+            raise InvalidArgument(f"name {clip(repr(name), 60)} is longer than the shard's limit of "
+                                  f"{self.limits.max_name_length} characters (--max-name-length)")
+
+    def find(self, name: str) -> Optional[Table]:
+        self.check_name(name)
+        with self.lock:
+            return self._tables.get(name)
+
+    def get(self, name: str, dense: bool) -> Table:
+        """The table (or dense tensor) ``name``; NotFound if there is none of that kind."""
+        t = self.find(name)
+        if t is None or t.is_dense != dense:
+            what = "dense tensor" if dense else "table"
+            raise NotFound(f"unknown {what} {name!r} on shard {self.shard_index}")
+        return t
+
+    def new(self, spec: Union[TableSpec, DenseSpec], owns: Any, expected_rows: int) -> Table:
+        """Create and add a table charged to the budget (callers hold ``lock`` and checked it is absent)."""
+        self.limits.check("tables and dense tensors", len(self._tables) + 1, "max_tables")
+        self.check_name(spec.name)
+        if spec.sync is not None:
+            self.limits.check(f"{spec.name}: sync workers", spec.sync.workers, "max_workers")
+        t = Table(spec, owns, expected_rows, budget=self.budget, max_rows=self.limits.max_table_rows)
+        self._tables[spec.name] = t
+        return t
+
+    def pop(self, name: str) -> Optional[Table]:
+        """Remove a table (callers hold ``lock``); its memory is released by the caller under its lock."""
+        return self._tables.pop(name, None)
+
+    def tables(self) -> list[Table]:
+        with self.lock:
+            return list(self._tables.values())
+
+    def sorted_items(self) -> list[tuple[str, Table]]:
+        with self.lock:
+            return sorted(self._tables.items())
+
+    def clear(self) -> None:
+        with self.lock:
+            for t in self._tables.values():
+                with t.lock:
+                    t.release()
+            self._tables.clear()
+
+    def __len__(self) -> int:
+        return len(self._tables)

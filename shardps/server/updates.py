@@ -1,0 +1,201 @@
+"""The one path every update of a shard takes: live pushes, synchronous steps and log replay.
+
+``UpdatePath`` owns what an update changes besides the rows: the shard's version
+counter, the exactly-once records (``SeenPushes``) and the counters (``Stats``).
+``apply`` takes the table lock, waits out a prepared checkpoint (``CheckpointGate``),
+measures staleness and applies the table's optimizer, bumps the version and
+appends the record to the shard's ``Durability``; replay calls the same ``apply``
+with the staleness the log recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import numpy as np
+
+from shardps.core.errors import StaleUpdate, SyncStepFailed, Unavailable
+from shardps.server.durability import Durability, Record, with_staleness
+from shardps.server.gate import CheckpointGate
+from shardps.server.table import Table
+
+
+class SeenPushes:
+    """Remembers which (client id, sequence number) pushes were applied.
+
+    Per client: every seq <= ``low`` and every seq in ``above`` was applied.
+    Gaps (pushes that failed) are forgotten once more than ``max_pending`` seqs
+    wait above them; the ``max_clients`` least recently seen clients are dropped.
+    """
+
+    def __init__(self, max_clients: int = 10_000, max_pending: int = 65_536) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[str, tuple[int, set[int]]] = {}
+        self._max_clients = max_clients
+        self._max_pending = max_pending
+
+    def begin(self, client: str, seq: int) -> bool:
+        """Mark (client, seq) as applied; False if it already was (a duplicate)."""
+        with self._lock:
+            low, above = self._clients.pop(client, (0, set()))
+            self._clients[client] = (low, above)  # most recently used last
+            if seq <= low or seq in above:
+                return False
+            above.add(seq)
+            while low + 1 in above:
+                low += 1
+                above.discard(low)
+            if len(above) > self._max_pending:
+                low = sorted(above)[len(above) // 2]
+                above = {s for s in above if s > low}
+            self._clients[client] = (low, above)
+            if len(self._clients) > self._max_clients:
+                del self._clients[next(iter(self._clients))]
+            return True
+
+    def abort(self, client: str, seq: int) -> None:
+        """Forget a seq whose push failed, so a retry is applied."""
+        with self._lock:
+            entry = self._clients.get(client)
+            if entry is not None:
+                entry[1].discard(seq)
+
+    def to_json(self) -> dict[str, list]:
+        with self._lock:
+            return {c: [low, sorted(above)] for c, (low, above) in self._clients.items()}
+
+    def load_json(self, d: dict[str, list]) -> None:
+        with self._lock:
+            self._clients = {c: (int(v[0]), set(int(s) for s in v[1])) for c, v in d.items()}
+
+
+@dataclass
+class Counters:
+    """A copy of a shard's counters since start (see ShardStats in the proto)."""
+
+    pulls: int = 0
+    pushes: int = 0
+    rows_pulled: int = 0
+    rows_pushed: int = 0
+    stale_rejected: int = 0
+    duplicates: int = 0
+    max_staleness: int = 0
+    staleness_sum: int = 0
+    errors: int = 0
+
+    @property
+    def mean_staleness(self) -> float:
+        return self.staleness_sum / self.pushes if self.pushes else 0.0
+
+
+class Stats:
+    """A shard's counters, each change under one lock that no caller sees."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c = Counters()
+
+    def pulled(self, rows: int) -> None:
+        with self._lock:
+            self._c.pulls += 1
+            self._c.rows_pulled += rows
+
+    def pushed(self, rows: int, staleness: int) -> None:
+        with self._lock:
+            self._c.pushes += 1
+            self._c.rows_pushed += rows
+            self._c.staleness_sum += staleness
+            self._c.max_staleness = max(self._c.max_staleness, staleness)
+
+    def count(self, name: str) -> None:
+        """Add one to ``stale_rejected``, ``duplicates`` or ``errors``."""
+        with self._lock:
+            setattr(self._c, name, getattr(self._c, name) + 1)
+
+    def snapshot(self) -> Counters:
+        with self._lock:
+            return Counters(**{f.name: getattr(self._c, f.name) for f in fields(Counters)})
+
+
+@dataclass
+class PushResult:
+    version: int
+    staleness: int
+    duplicate: bool
+    late: bool = False
+    missing_ranks: list[int] = field(default_factory=list)
+
+
+class UpdatePath:
+    """Version, exactly-once records and counters, and ``apply``: the only code that changes rows."""
+
+    def __init__(self, shard_index: int, durability: Durability, gate: CheckpointGate, gate_wait_s: float) -> None:
+        self.shard_index = shard_index
+        self.durability = durability
+        self.gate = gate
+        self.gate_wait_s = gate_wait_s
+        self.version = 0
+        self._vlock = threading.Lock()  # after Table.lock, before the durability's own
+        self.seen = SeenPushes()
+        self.stats = Stats()
+
+    def once(self, client_id: str, seq: int) -> bool:
+        """Claim a push for application; False (counted) if it was applied before."""
+        if not client_id or self.seen.begin(client_id, seq):
+            return True
+        self.stats.count("duplicates")
+        return False
+
+    def release(self, client_id: str, seq: int, error: BaseException) -> None:
+        """A claimed push failed: a retry applies it, unless its synchronous step is over (it would be late)."""
+        if client_id and not isinstance(error, SyncStepFailed):
+            self.seen.abort(client_id, seq)
+
+    def apply(self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int] = None,
+              record: Record = (0, b""), replayed_staleness: Optional[int] = None) -> tuple[int, int]:
+        """Apply one update; returns (version after it, staleness).
+
+        Live updates pass ``pulled_version`` (staleness is measured against it and
+        bounded by the table's ``max_staleness``) and their ``record``, which is
+        appended for durability and waited on before returning. Replay passes the
+        staleness the log recorded instead, and no record.
+        """
+        replaying = replayed_staleness is not None
+        while True:
+            with t.lock:
+                if replaying or self.gate.is_open:
+                    staleness = self._staleness(t, pulled_version, replayed_staleness)
+                    rows = t.apply(ids, grads, t.spec.staleness.lr_scale(staleness)) if ids.size else 0
+                    with self._vlock:
+                        self.version += 1
+                        version = self.version
+                    ticket = self.durability.append(with_staleness(record, staleness)) if record[0] else 0
+                    break
+            # A two-phase checkpoint is prepared: wait for it (bounded) outside the lock.
+            if not self.gate.wait(self.gate_wait_s):
+                raise Unavailable(f"shard {self.shard_index}: pushes held back by a checkpoint for too long")
+        self.durability.wait(ticket)
+        if not replaying:
+            self.stats.pushed(rows, staleness)
+        return version, staleness
+
+    def _staleness(self, t: Table, pulled_version: Optional[int], replayed: Optional[int]) -> int:
+        if replayed is not None:
+            return replayed
+        staleness = max(0, self.version - pulled_version) if pulled_version is not None else 0
+        limit = t.spec.staleness.max_staleness
+        if limit is not None and staleness > limit:
+            self.stats.count("stale_rejected")
+            raise StaleUpdate(f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
+                              f"{limit}; pull again and recompute")
+        return staleness
+
+    def read(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of validated ``ids`` of ``t`` (absent ones created) and the version they were read at."""
+        with t.lock:
+            rows = t.read(ids)
+            version = self.version
+        self.stats.pulled(ids.shape[0])
+        return rows, version
