@@ -94,9 +94,9 @@ def main() -> int:
         c.flush()
         phase = pb.CheckpointRequest.Phase
         t0 = time.perf_counter()
-        c._fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id="bench", phase=phase.PREPARE, hold_s=30))
+        c.transport.fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id="bench", phase=phase.PREPARE, hold_s=30))
                     for s in range(2)])
-        replies = c._fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id="bench", phase=phase.COMMIT))
+        replies = c.transport.fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id="bench", phase=phase.COMMIT))
                               for s in range(2)])
         total = time.perf_counter() - t0
     ckpt = {"rows": args.checkpoint_rows, "bytes": sum(r.bytes for r in replies),

@@ -2,7 +2,10 @@
 
 - shardps.core: imports neither the server, the client nor torch.
 - shardps.server: never imports torch or the client.
-- shardps_client: imports only shardps.core and the generated code of shardps.
+- shardps_client: imports only shardps.core and the generated code of shardps, and only its
+  transport imports grpc.
+- shardps.server: only the servicer, the gRPC server and the command line import grpc; only the
+  servicer (and the storage formats: durability records, checkpoint headers) convert protobuf.
 """
 
 from __future__ import annotations
@@ -71,8 +74,34 @@ def test_client_imports_only_core_and_generated_code():
     assert _offending("client", lambda n: not _is(n, "shardps") or _is(n, "shardps.core", "shardps.v1")) == []
 
 
+def test_only_the_transport_imports_grpc_in_the_client():
+    transport = LAYERS["client"] / "transport.py"
+    assert [p for p in _files("client") if p != transport and any(_is(n, "grpc") for n in imports(p))] == []
+    assert any(_is(n, "grpc") for n in imports(transport))
+
+
+def test_the_shard_and_its_parts_speak_plain_python():
+    """Protobuf conversion of requests and replies lives in the servicer, not in the shard's parts."""
+    parts = ["shard", "registry", "updates", "sync", "gate", "table", "index", "aggregate", "limits", "wal"]
+    for name in parts:
+        path = LAYERS["server"] / f"{name}.py"
+        assert [n for n in imports(path) if _is(n, "grpc", "shardps.v1")] == [], path.name
+
+
 def test_the_boundary_check_catches_a_violation(tmp_path):
     """A test that cannot fail is a bug: the reader does see a server import."""
     bad = tmp_path / "m.py"
     bad.write_text("import numpy\nfrom shardps.server.table import Table\n")
     assert "shardps.server.table" in imports(bad)
+
+
+def test_implementations_satisfy_their_protocols():
+    from shardps.core.optim import SGD, Adagrad, Adam, RowOptimizer
+    from shardps.server import durability
+
+    for opt in (SGD(), Adagrad(), Adam()):
+        assert isinstance(opt, RowOptimizer)
+    for impl in (durability.NoDurability, durability.CheckpointDurability, durability.LogDurability):
+        missing = [m for m in ("append", "wait", "cut", "checkpointed", "records", "close")
+                   if not callable(getattr(impl, m, None))]
+        assert missing == [], impl

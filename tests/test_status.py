@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
-from shardps_client import SGD, Client, Staleness, StaleUpdateError, SyncStepError
+from shardps_client import SGD, Client, Staleness, StaleUpdateError, SyncStepError, transport
 from shardps_client import errors as client_errors
 
 from shardps.core import errors, status
@@ -26,9 +26,9 @@ def test_every_shard_error_has_one_kind_one_code_one_client_exception():
 
 def test_kind_not_text_decides_the_client_exception():
     misleading = "push is stale; mentions a sync step in its text"
-    e = client_errors.from_status(grpc.StatusCode.ABORTED.value[0], misleading, "a:1", "Push", "stale_update")
+    e = transport.from_status(grpc.StatusCode.ABORTED.value[0], misleading, "a:1", "Push", "stale_update")
     assert type(e) is StaleUpdateError
-    e = client_errors.from_status(grpc.StatusCode.ABORTED.value[0], "no hint here", "a:1", "Push", "sync_step_failed")
+    e = transport.from_status(grpc.StatusCode.ABORTED.value[0], "no hint here", "a:1", "Push", "sync_step_failed")
     assert type(e) is SyncStepError
 
 

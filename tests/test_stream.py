@@ -36,9 +36,9 @@ def _interleaved_adam_matches_torch(c: Client) -> None:
 
 
 def test_pipelined_pushes_and_pulls_follow_program_order(client2):
-    assert all(lane.streaming for lane in client2._lanes)
+    assert all(lane.streaming for lane in client2.transport.lanes)
     _interleaved_adam_matches_torch(client2)
-    assert all(lane.streaming for lane in client2._lanes)
+    assert all(lane.streaming for lane in client2.transport.lanes)
 
 
 def test_unary_fallback_when_a_shard_refuses_streams(tmp_path):
@@ -47,7 +47,7 @@ def test_unary_fallback_when_a_shard_refuses_streams(tmp_path):
     try:
         with Client([p.address for p in procs], timeout=10, retry_timeout=5) as c:
             _interleaved_adam_matches_torch(c)
-            assert not any(lane.streaming for lane in c._lanes)
+            assert not any(lane.streaming for lane in c.transport.lanes)
     finally:
         for p in procs:
             p.kill()
@@ -88,7 +88,7 @@ def test_stream_errors_reach_the_caller_as_typed_exceptions(client2):
     c.create_table("t", dim=2, num_embeddings=10)
     c.drop_table("t")
     with pytest.raises(TableNotFoundError, match="t"):
-        c._lane_calls([(0, "Pull", pb.PullRequest(table="t", ids=wire_ids(np.array([0]))))])
+        c.transport.lane_calls([(0, "Pull", pb.PullRequest(table="t", ids=wire_ids(np.array([0]))))])
     c.create_table("u", dim=2, num_embeddings=10)
     assert c.pull("u", [1, 2]).shape == (2, 2)  # the lane still works
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 import torch
-from shardps_client import SGD, Client, SyncPolicy, SyncStepError
+from shardps_client import SGD, Client, SyncPolicy, SyncStepError, planner
 
 from shardps.core.specs import Initializer
 from tests.conftest import running_cluster
@@ -206,7 +206,7 @@ def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out
         parts_seen: list[int] = []
 
         def body(c: Client, rank: int) -> None:
-            parts_seen.append(-(-rows // 2 // c._rows_per_message(dim, c.wire_dtype)))
+            parts_seen.append(-(-rows // 2 // planner.rows_per_message(c.max_message_bytes, dim, c.wire_dtype)))
             for _step in range(2):
                 c.push("big", ids, torch.full((rows, dim), float(rank + 1)))
                 c.flush()
@@ -219,3 +219,22 @@ def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out
         with Client(addresses) as c:
             # Two steps, each the sum of both ranks' gradients (1 + 2), at lr 1.
             torch.testing.assert_close(c.pull("big", ids), torch.full((rows, dim), -6.0))
+
+
+def test_an_ssp_wait_has_a_deadline(monkeypatch):
+    """A worker held back by bounded staleness behind a live worker that never advances
+    gives up after the SSP wait's deadline, with ShardTimeoutError, instead of waiting for ever."""
+    from shardps_client import ShardTimeoutError, worker
+
+    monkeypatch.setattr(worker, "SSP_WAIT_S", 1.5)
+    with running_cluster(1) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses, rank=1, world_size=2, heartbeat_s=0.2), \
+                Client(addresses, rank=0, world_size=2, ssp_bound=0, heartbeat_s=0.2) as fast:
+            fast.create_table("t", dim=4, num_embeddings=10)
+            fast.pull("t", [1])  # clock 0: not ahead
+            fast.advance_clock()
+            t0 = time.monotonic()
+            with pytest.raises(ShardTimeoutError, match="ssp_bound 0"):
+                fast.pull("t", [1])
+            assert 1.4 <= time.monotonic() - t0 < 10

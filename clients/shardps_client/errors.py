@@ -1,10 +1,12 @@
-"""Exceptions raised by the client; each names the shard address involved."""
+"""Exceptions raised by the client; each names the shard address involved.
+
+Which exception a shard's status becomes is decided here, from the status table
+(``shardps.core.status``); the transport hands over the status's parts.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
-
-import grpc
+from typing import Any, Optional
 
 from shardps.core import status
 
@@ -17,7 +19,7 @@ class ShardpsError(Exception):
         code: the gRPC status code, when the error came from a shard.
     """
 
-    def __init__(self, message: str, address: Optional[str] = None, code: Optional[grpc.StatusCode] = None) -> None:
+    def __init__(self, message: str, address: Optional[str] = None, code: Optional[Any] = None) -> None:
         super().__init__(message)
         self.address = address
         self.code = code
@@ -69,30 +71,14 @@ class ShardTimeoutError(ShardpsError):
 
 # Each kind of the status table (shardps.core.status), carried as data by the shard.
 _BY_KIND: dict[str, type] = {s.kind: globals()[s.client_error] for s in status.TABLE}
-# Without a kind (an older shard, or a status gRPC itself produced), by code: the table's first kind of
-# that code, and the codes only gRPC produces.
-_BY_CODE: dict[grpc.StatusCode, type] = {grpc.StatusCode.DEADLINE_EXCEEDED: ShardTimeoutError}
+# Without a kind (an older shard, or a status gRPC itself produced), by code name: the table's first
+# kind of that code, and the codes only gRPC produces.
+_BY_CODE: dict[str, type] = {"DEADLINE_EXCEEDED": ShardTimeoutError}
 for _s in status.TABLE:
-    _BY_CODE.setdefault(grpc.StatusCode[_s.code], _BY_KIND[_s.kind])
+    _BY_CODE.setdefault(_s.code, _BY_KIND[_s.kind])
 
 
-def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:
-    """Translate a gRPC error of call ``what`` to ``address`` into a client exception."""
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-    details = e.details() if hasattr(e, "details") else str(e)
-    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-    kind = next((v for k, v in trailing or () if k == status.KIND_METADATA), "")
-    return _error(code, details, address, what, kind)
-
-
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def from_status(code: int, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
-    """The client exception of a status carried in a message (a StreamError of a call stream)."""
-    return _error(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, address, what, kind)
-
-
-def _error(code: grpc.StatusCode, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
-    cls = _BY_KIND.get(kind) or _BY_CODE.get(code, ShardpsError)
+def error_of(code: Any, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
+    """The client exception of a status (``code``: a grpc.StatusCode) of call ``what`` to ``address``."""
+    cls = _BY_KIND.get(kind) or _BY_CODE.get(code.name, ShardpsError)
     return cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)

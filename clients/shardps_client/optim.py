@@ -83,7 +83,7 @@ class ShardedOptimizer:
         self.dense_lag = dense_lag
         # Pushes of a step (embedding rows from backward hooks, dense gradients) go out
         # together at step(): one PushBatch per shard instead of one call per tensor.
-        client.defer_pushes = True
+        self._pushes = client.hold_pushes()
         named = list(params.named_parameters() if isinstance(params, nn.Module) else params)
         self.params = {prefix + name: p for name, p in named if p.requires_grad}
         #: tensor name on the shards -> the parameters it holds (one, or a bucket's in order).
@@ -180,7 +180,7 @@ class ShardedOptimizer:
         # The new values come back with the pushes, for the next zero_grad(); under bounded
         # staleness (ssp_bound) that pull must wait for slow workers first, so it stays a pull.
         names = list(self.tensors) if self.client.ssp_bound is None else []
-        returning = self.client.send_pushes(pull_dense=names)
+        returning = self._pushes.send(pull_dense=names)
         self._steps += 1
         self._stepped = True
         if returning is not None:

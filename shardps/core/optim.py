@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Protocol, Union, runtime_checkable
 
 import numpy as np
 
@@ -166,7 +166,26 @@ class Adam:
         param -= step_size.astype(np.float32)[:, None] * (m / denom)
 
 
-Optimizer = Union[SGD, Adagrad, Adam]
+Optimizer = Union[SGD, Adagrad, Adam]  # the optimizers a spec can name (and the wire can carry)
+
+
+@runtime_checkable
+class RowOptimizer(Protocol):
+    """What storage asks of an optimizer: its per-row state arrays and an in-place step over gathered rows.
+
+    A new optimizer implements these three methods (and gets a message in the proto and a case in
+    ``optimizer_to_dict``/``specs``); the tables never look at which one they hold.
+    """
+
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the per-row state arrays (each shaped like the rows)."""
+
+    def initial_state(self, name: str) -> float:
+        """The value a new row's state array ``name`` starts at."""
+
+    def step(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray,
+             lr_scale: float) -> None:
+        """Update gathered rows ``param`` in place from ``grad``; ``step``: each row's step count (from 1)."""
 
 
 def axpy(x: np.ndarray, a: float, y: np.ndarray) -> np.ndarray:

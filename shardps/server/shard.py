@@ -375,8 +375,10 @@ class Shard:
         return created, initialized
 
     def _dense_rows(self, t: Table, row_start: int, row_end: int) -> np.ndarray:
-        if not 0 <= row_start < row_end <= t.spec.rows:
-            raise OutOfRange(f"{t.spec.name}: rows [{row_start}, {row_end}) outside [0, {t.spec.rows})")
+        spec = t.spec
+        assert isinstance(spec, DenseSpec)
+        if not 0 <= row_start < row_end <= spec.rows:
+            raise OutOfRange(f"{spec.name}: rows [{row_start}, {row_end}) outside [0, {spec.rows})")
         ids = np.arange(row_start, row_end, dtype=np.int64)
         t.check_ids(ids)
         return ids

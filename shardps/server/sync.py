@@ -94,7 +94,8 @@ class Membership:
         """(min clock of live ranks, live ranks, gone ranks); unseen live ranks have clock 0."""
         with self.cond:
             now = time.monotonic()
-            live, gone = [], []
+            live: list[int] = []
+            gone: list[int] = []
             for r in range(max(self._world_size, max(self._workers, default=-1) + 1)):
                 (gone if self.is_gone(r, now) else live).append(r)
             clocks = [self._workers[r].clock if r in self._workers else 0 for r in live]

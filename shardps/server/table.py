@@ -18,7 +18,7 @@ import numpy as np
 from shardps.core.errors import InvalidArgument, OutOfRange, ResourceExhausted, WrongShard
 from shardps.core.ids import coalesce
 from shardps.core.memory import grown, zeros
-from shardps.core.optim import Optimizer
+from shardps.core.optim import RowOptimizer
 from shardps.core.specs import DenseSpec, Initializer, TableSpec
 from shardps.server.index import DirectIndex, HashIndex
 from shardps.server.limits import MemoryBudget, optional_budget
@@ -51,7 +51,7 @@ class Table:
         self.is_dense = isinstance(spec, DenseSpec)
         self.dim = spec.cols if isinstance(spec, DenseSpec) else spec.dim
         self.num_embeddings: Optional[int] = spec.rows if isinstance(spec, DenseSpec) else spec.num_embeddings
-        self.optimizer: Optimizer = spec.optimizer
+        self.optimizer: RowOptimizer = spec.optimizer
         self.initializer: Optional[Initializer] = None if isinstance(spec, DenseSpec) else spec.initializer
         self.budget = optional_budget(budget)
         self.max_rows = max_rows

@@ -1,4 +1,17 @@
-"""One shard's lane: this client's pulls and pushes to the shard, in order, pipelined.
+"""The client's transport, and its only module that imports grpc: channels, deadlines, retries, lanes.
+
+``Transport`` holds one channel per shard and offers three ways to call:
+
+- ``call``: one unary call with the client's deadline, retried with backoff while
+  the shard is UNAVAILABLE (restarting, not yet up) for up to ``retry_timeout``;
+- ``fan_out``: unary calls on several shards in parallel (gRPC's own futures);
+- ``submit``: a call on the shard's ``Lane``, in order after this client's earlier ones.
+
+Every gRPC error becomes a client exception here (``from_rpc_error``,
+``from_status``; which one is decided by ``shardps_client.errors``).
+
+Lanes
+-----
 
 Optimizers such as Adam are not commutative, so a client's pushes must reach a
 shard in the order they were made, and a pull should see the client's earlier
@@ -22,23 +35,40 @@ of the client's life.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import random
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import grpc
 
-from shardps.core import protocol, wire
+from shardps.core import protocol, status, wire
 from shardps.v1 import shardps_pb2 as pb
-from shardps_client.errors import ShardpsError, ShardTimeoutError, ShardUnavailableError, from_rpc_error, from_status
+from shardps_client.errors import ShardpsError, ShardTimeoutError, ShardUnavailableError, error_of
 
 log = logging.getLogger(__name__)
 
+MiB = 1 << 20
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 _RESEND = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _UNSUPPORTED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:
+    """Translate a gRPC error of call ``what`` to ``address`` into a client exception."""
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    kind = next((v for k, v in trailing or () if k == status.KIND_METADATA), "")
+    return error_of(code, details, address, what, kind)
+
+
+def from_status(code: int, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
+    """The client exception of a status carried in a message (a StreamError of a call stream)."""
+    return error_of(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, address, what, kind)
 
 
 def _reply(field: int, view: memoryview) -> Any:
@@ -238,3 +268,115 @@ class Lane:
 
 def _request_bytes(item: _Item) -> bytes:
     return item.request
+
+
+class Transport:
+    """Channels, stubs and lanes to every shard of a cluster.
+
+    Args:
+        addresses: shard addresses, in shard index order.
+        timeout: deadline in seconds of every call.
+        retry_timeout: how long calls keep retrying a shard that is UNAVAILABLE.
+        max_message_bytes: the largest request the client makes (channels accept a little more).
+    """
+
+    def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int) -> None:
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        limit = max(max_message_bytes + 64 * 1024, 4 * MiB)
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._stubs = [_Stub(ch) for ch in self._channels]
+        # One lane per shard carries this client's pulls and pushes to it on one stream, in the
+        # order they were made (optimizers such as Adam are not commutative, and a pull sees the
+        # pushes before it), many in flight; lanes of different shards run in parallel.
+        self.lanes = [
+            Lane(ch, a, functools.partial(self.call, i), timeout, retry_timeout)
+            for i, (ch, a) in enumerate(zip(self._channels, self.addresses))
+        ]
+
+    @property
+    def streaming(self) -> bool:
+        """True while every shard takes this client's calls on streams (so a pull follows earlier pushes)."""
+        return all(lane.streaming for lane in self.lanes)
+
+    def call(self, shard: int, method: str, request: Any, retry: bool = True) -> Any:
+        """One RPC with a deadline, retried with backoff while the shard is UNAVAILABLE."""
+        stub_method = getattr(self._stubs[shard], method)
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                return stub_method(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if retry and e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+                    time.sleep(delay * (0.5 + random.random()))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise from_rpc_error(e, self.addresses[shard], method) from None
+
+    def fan_out(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+        """Run calls on their shards in parallel; results in order; raises the first error.
+
+        Uses gRPC's own futures (no thread pool), so it is safe from any thread,
+        including the client's pool (prefetches); a call whose shard is
+        UNAVAILABLE is then retried through ``call``'s backoff.
+        """
+        if len(calls) == 1:
+            return [self.call(*calls[0])]
+        futures = [getattr(self._stubs[s], method).future(req, timeout=self.timeout) for s, method, req in calls]
+
+        def result(call: tuple[int, str, Any], f: Any) -> Any:
+            try:
+                return f.result()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(e, self.addresses[call[0]], call[1]) from None
+                return self.call(*call)
+
+        return results([functools.partial(result, call, f) for call, f in zip(calls, futures)])
+
+    def submit(self, shard: int, method: str, framed: bytes) -> Future:
+        """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field)."""
+        return self.lanes[shard].submit(method, framed)
+
+    def lane_calls(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+        """Run calls (messages) on their shards' lanes, in order after this client's earlier calls.
+
+        Results in order; raises the first error once every call has finished.
+        """
+        futures = [self.submit(s, method, wire.frame(protocol.stream_field(method), req.SerializeToString()))
+                   for s, method, req in calls]
+        return results([f.result for f in futures])
+
+    def close(self) -> None:
+        """Send what the lanes hold, then close them and the channels."""
+        for lane in self.lanes:
+            lane.close()
+        for ch in self._channels:
+            ch.close()
+
+
+def results(getters: list[Callable[[], Any]]) -> list[Any]:
+    """Every getter's result, in order; once all have finished, raise the first ShardpsError any raised."""
+    out, first_error = [], None
+    for get in getters:
+        try:
+            out.append(get())
+        except ShardpsError as e:
+            first_error = first_error or e
+            out.append(None)
+    if first_error is not None:
+        raise first_error
+    return out
+
+
+class _Stub:
+    """A callable per method, with the protocol table's (de)serializers (wire-level for the bulk methods)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        for m in protocol.METHODS.values():
+            if not m.streaming:
+                setattr(self, m.name, channel.unary_unary(m.path, request_serializer=m.encode_request,
+                                                          response_deserializer=m.decode_reply))

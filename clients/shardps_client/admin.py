@@ -1,0 +1,97 @@
+"""Admin calls and the spec cache: what the cluster holds, its shard map, and checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from typing import Optional
+
+from shardps.core.specs import DenseSpec, TableSpec, dense_spec_from_pb, table_spec_from_pb
+from shardps.v1 import shardps_pb2 as pb
+from shardps_client.errors import InvalidArgumentError, ShardMapError, ShardpsError
+from shardps_client.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    """Specs of the tables and dense tensors this client uses: asked of shard 0 once, then cached."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._lock = threading.Lock()
+        self._tables: dict[str, TableSpec] = {}
+        self._dense: dict[str, DenseSpec] = {}
+
+    def remember(self, spec: TableSpec | DenseSpec) -> None:
+        with self._lock:
+            if isinstance(spec, DenseSpec):
+                self._dense[spec.name] = spec
+            else:
+                self._tables[spec.name] = spec
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._tables.pop(name, None)
+            self._dense.pop(name, None)
+
+    def table(self, name: str) -> TableSpec:
+        spec = self._tables.get(name)
+        if spec is None:
+            info = self._transport.call(0, "DescribeTable", pb.DescribeTableRequest(name=name))
+            if not info.HasField("spec"):
+                raise InvalidArgumentError(f"{name!r} is a dense tensor, not a table")
+            spec = table_spec_from_pb(info.spec)
+            self.remember(spec)
+        return spec
+
+    def dense(self, name: str) -> DenseSpec:
+        spec = self._dense.get(name)
+        if spec is None:
+            info = self._transport.call(0, "DescribeTable", pb.DescribeTableRequest(name=name))
+            if not info.HasField("dense"):
+                raise InvalidArgumentError(f"{name!r} is a table, not a dense tensor")
+            spec = dense_spec_from_pb(info.dense)
+            self.remember(spec)
+        return spec
+
+
+def shard_info(transport: Transport) -> list[pb.ShardInfoResponse]:
+    """ShardInfo of every shard, in index order."""
+    return transport.fan_out([(s, "ShardInfo", pb.ShardInfoRequest()) for s in range(len(transport.addresses))])
+
+
+def check_shard_map(transport: Transport) -> list[pb.ShardInfoResponse]:
+    """Verify that shard i of the address list reports (index i, count len(addresses))."""
+    infos = shard_info(transport)
+    n = len(transport.addresses)
+    for i, info in enumerate(infos):
+        if (info.shard_index, info.num_shards) != (i, n):
+            raise ShardMapError(
+                f"address list does not match the cluster: position {i} ({transport.addresses[i]}) is shard "
+                f"{info.shard_index} of {info.num_shards}, but the client was given {n} "
+                f"addresses (list the shards in index order 0..{info.num_shards - 1})",
+                address=transport.addresses[i],
+            )
+    return infos
+
+
+def checkpoint(transport: Transport, checkpoint_id: Optional[str], hold_s: float) -> str:
+    """Two-phase checkpoint of every shard (see ``Client.checkpoint``); returns its id."""
+    cid = checkpoint_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    shards = range(len(transport.addresses))
+    phase = pb.CheckpointRequest.Phase
+    try:
+        transport.fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid, phase=phase.PREPARE, hold_s=hold_s))
+                           for s in shards])
+    except ShardpsError:
+        for s in shards:
+            try:
+                transport.call(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid, phase=phase.ABORT), retry=False)
+            except ShardpsError as e:
+                log.warning("abort of checkpoint %s on %s failed: %s", cid, transport.addresses[s], e)
+        raise
+    transport.fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id=cid, phase=phase.COMMIT)) for s in shards])
+    return cid

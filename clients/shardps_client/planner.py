@@ -1,0 +1,248 @@
+"""Pure functions that plan the client's calls: split requests by shard and by message size,
+group them into batches, and reassemble the replies. No network, no state; tested on their own.
+
+A *plan* is a list of calls ``(shard, method, request)``. Rows of a table are split
+by the shard that owns each id (``core.routing.split_by_shard``), rows of a dense
+tensor by the row chunks each shard owns (``core.routing.dense_row_ranges``); both
+are then cut into pieces of at most ``rows_per_message`` rows.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from shardps.core import codec, protocol, wire
+from shardps.core.routing import dense_row_ranges, split_by_shard
+from shardps.core.specs import DenseSpec, TableSpec
+from shardps.v1 import shardps_pb2 as pb
+
+WIRE: dict[str, int] = {"float32": pb.FLOAT32, "float16": pb.FLOAT16, "bfloat16": pb.BFLOAT16}
+WIRE_BYTES: dict[int, int] = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
+
+Call = tuple[int, str, Any]  # (shard, method, request)
+
+
+def shard_map(shard: int, num_shards: int) -> pb.ShardMap:
+    return pb.ShardMap(shard_index=shard, num_shards=num_shards)
+
+
+def rows_per_message(max_bytes: int, dim: int, wire_code: int) -> int:
+    """Rows (of ``dim`` values and an id) that fit in one message of ``max_bytes``."""
+    return max(1, max_bytes // (dim * WIRE_BYTES[wire_code] + 8))
+
+
+def groups(entries: list, size_of: Callable[[Any], int], limit: int) -> Iterator[list]:
+    """Consecutive runs of ``entries`` whose sizes add up to at most ``limit`` (a larger entry goes alone)."""
+    group: list = []
+    size = 0
+    for entry in entries:
+        n = size_of(entry)
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append(entry)
+        size += n
+    if group:
+        yield group
+
+
+# ---- where rows go ---------------------------------------------------------------------
+
+
+def id_pieces(uniq: np.ndarray, num_shards: int, step: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(shard, positions in ``uniq``) of at most ``step`` ids each, shard by shard."""
+    order, bounds = split_by_shard(uniq, num_shards)
+    for s in range(num_shards):
+        idx = order[bounds[s] : bounds[s + 1]]
+        for start in range(0, idx.shape[0], step):
+            yield s, idx[start : start + step]
+
+
+def dense_pieces(spec: DenseSpec, num_shards: int, max_bytes: int, wire_code: int) -> Iterator[tuple[int, int, int]]:
+    """(shard, row_start, row_end) pieces of a dense tensor, each fitting one message."""
+    step = rows_per_message(max_bytes, spec.cols, wire_code)
+    for s, start, end in dense_row_ranges(spec.name, spec.rows, spec.chunk_rows, num_shards):
+        for a in range(start, end, step):
+            yield s, a, min(a + step, end)
+
+
+# ---- pulls -----------------------------------------------------------------------------
+
+PerShard = list[list[tuple[Any, Any, Any, int]]]  # per shard: (key, part, request, reply bytes)
+
+
+def pull_plan(items: list[tuple[TableSpec, np.ndarray]], num_shards: int, wire_code: int, max_bytes: int) -> PerShard:
+    """Each shard's PullRequests for rows of sorted unique ids of several tables (key: the item's index)."""
+    per_shard: PerShard = [[] for _ in range(num_shards)]
+    for k, (spec, uniq) in enumerate(items):
+        for s, part in id_pieces(uniq, num_shards, rows_per_message(max_bytes, spec.dim, wire_code)):
+            req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire_code,  # type: ignore[arg-type]
+                                 shard_map=shard_map(s, num_shards))
+            per_shard[s].append((k, part, req, len(part) * (spec.dim * WIRE_BYTES[wire_code] + 8)))
+    return per_shard
+
+
+def dense_pull_requests(specs: dict[str, DenseSpec], num_shards: int, wire_code: int,
+                        max_bytes: int) -> Iterator[tuple[int, str, int, int, pb.PullDenseRequest, int]]:
+    """The PullDenseRequests reading ``specs`` whole: (shard, name, row_start, row_end, request, reply bytes)."""
+    for name, spec in specs.items():
+        for s, a, b in dense_pieces(spec, num_shards, max_bytes, wire_code):
+            req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire_code,  # type: ignore[arg-type]
+                                      shard_map=shard_map(s, num_shards))
+            yield s, name, a, b, req, (b - a) * spec.cols * WIRE_BYTES[wire_code]
+
+
+def dense_pull_plan(specs: dict[str, DenseSpec], num_shards: int, wire_code: int, max_bytes: int) -> PerShard:
+    """Each shard's PullDenseRequests for ``specs`` (key: the name; part: (row_start, row_end))."""
+    per_shard: PerShard = [[] for _ in range(num_shards)]
+    for s, name, a, b, req, nbytes in dense_pull_requests(specs, num_shards, wire_code, max_bytes):
+        per_shard[s].append((name, (a, b), req, nbytes))
+    return per_shard
+
+
+def pull_batches(per_shard: PerShard, single: str, make_batch: Callable[[list], Any],
+                 max_bytes: int) -> tuple[list[Call], list[list[tuple[Any, Any]]]]:
+    """Group each shard's requests into calls below the message limit.
+
+    A shard with one request gets the plain RPC (``single``); more go in
+    PullBatch calls. Returns the calls and, per call, the (key, part) of each entry.
+    """
+    calls: list[Call] = []
+    metas: list[list[tuple[Any, Any]]] = []
+    for s, entries in enumerate(per_shard):
+        if len(entries) == 1:
+            k, part, req, _ = entries[0]
+            calls.append((s, single, req))
+            metas.append([(k, part)])
+            continue
+        for group in groups(entries, lambda e: e[3], max_bytes):
+            calls.append((s, "PullBatch", make_batch([e[2] for e in group])))
+            metas.append([(e[0], e[1]) for e in group])
+    return calls, metas
+
+
+def pulled_blocks(calls: list[Call], metas: list[list[tuple[Any, Any]]], replies: list[Any],
+                  batch_field: int) -> Iterator[tuple[int, Any, Any, np.ndarray, int]]:
+    """(shard, key, part, rows, version) per request, from the replies to ``pull_batches``' calls
+    (``batch_field``: the PullBatchResponse field that holds this kind of reply)."""
+    for (s, method, _), meta, reply in zip(calls, metas, replies):
+        blocks = [reply] if method != "PullBatch" else [wire.decode_pull_response(v) for v in reply.get(batch_field, [])]
+        for (key, part), (rows, version) in zip(meta, blocks):
+            yield s, key, part, rows, version
+
+
+def assemble_rows(items: list[tuple[TableSpec, np.ndarray]],
+                  blocks: Iterable[tuple[int, int, np.ndarray, np.ndarray, int]]) -> list[tuple[np.ndarray, dict[int, int]]]:
+    """Rows of each item's unique ids, in their order, and the lowest version read per shard."""
+    outs = [np.empty((u.shape[0], spec.dim), dtype=np.float32) for spec, u in items]
+    versions: list[dict[int, int]] = [{} for _ in items]
+    for s, k, part, rows, version in blocks:
+        outs[k][part] = rows
+        versions[k][s] = min(version, versions[k].get(s, version))
+    return list(zip(outs, versions))
+
+
+def assemble_dense(specs: dict[str, DenseSpec],
+                   blocks: Iterable[tuple[int, str, int, int, np.ndarray, int]]) -> dict[str, tuple[torch.Tensor, dict[int, int]]]:
+    """Whole dense tensors from (shard, name, row_start, row_end, rows, version) blocks:
+    ``{name: (value in its registered shape, lowest version read per shard)}``."""
+    outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
+    versions: dict[str, dict[int, int]] = {name: {} for name in specs}
+    for s, name, a, b, rows, version in blocks:
+        outs[name][a:b] = rows
+        v = versions[name]
+        v[s] = min(version, v.get(s, version))
+    return {name: (torch.from_numpy(outs[name].reshape(spec.shape)), versions[name]) for name, spec in specs.items()}
+
+
+# ---- pushes ----------------------------------------------------------------------------
+
+
+def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, num_shards: int, wire_code: int,
+              max_bytes: int, pulled: Optional[dict[int, int]], client_id: str, next_seq: Callable[[int], int],
+              sync_step: int = 0, rank: int = 0) -> list[Call]:
+    """Framed Push calls for the summed gradients of sorted unique ids.
+
+    A synchronous worker (``sync_step``) sends every shard its part of the step, even an empty one.
+    """
+    step = rows_per_message(max_bytes, spec.dim, wire_code)
+    by_shard: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
+    for s, part in id_pieces(uniq, num_shards, step):
+        by_shard[s].append(part)
+    calls = []
+    for s, parts in enumerate(by_shard):
+        if not parts and sync_step:
+            parts = [np.zeros(0, np.int64)]
+        for k, part in enumerate(parts):
+            req = wire.encode_push(
+                spec.name, summed[part].reshape(len(part), spec.dim), wire_code, ids=uniq[part],
+                pulled_version=pulled.get(s) if pulled is not None else None, client_id=client_id,
+                seq=next_seq(s), shard_map=shard_map(s, num_shards),
+                sync=pb.SyncPart(step=sync_step, rank=rank, part=k, parts=len(parts)) if sync_step else None,
+                frame=protocol.stream_field("Push"),
+            )
+            calls.append((s, "Push", req))
+    return calls
+
+
+def dense_push_plan(spec: DenseSpec, grad: np.ndarray, num_shards: int, wire_code: int, max_bytes: int,
+                    pulled: Optional[dict[int, int]], client_id: str, next_seq: Callable[[int], int],
+                    sync_step: int = 0, rank: int = 0) -> list[Call]:
+    """Framed PushDense calls for the gradient ``grad`` ([rows, cols]) of a whole dense tensor."""
+    pieces = list(dense_pieces(spec, num_shards, max_bytes, wire_code))
+    per_shard = collections.Counter(s for s, _, _ in pieces)
+    seen: collections.Counter = collections.Counter()
+    calls = []
+    for s, a, b in pieces:
+        req = wire.encode_push(
+            spec.name, grad[a:b], wire_code, row_start=a,
+            pulled_version=pulled.get(s) if pulled is not None else None, client_id=client_id,
+            seq=next_seq(s), shard_map=shard_map(s, num_shards),
+            sync=pb.SyncPart(step=sync_step, rank=rank, part=seen[s], parts=per_shard[s]) if sync_step else None,
+            frame=protocol.stream_field("PushDense"),
+        )
+        seen[s] += 1
+        calls.append((s, "PushDense", req))
+    return calls
+
+
+def push_batches(deferred: list[tuple[str, list[Call]]], num_shards: int, max_bytes: int,
+                 returning: Optional[list[list[bytes]]] = None) -> tuple[list[tuple[list[str], Call]], dict[int, int]]:
+    """Queued pushes as one PushBatch per shard (or a few, below the size limit).
+
+    ``deferred``: (key, framed push calls) in the order they were made. ``returning``:
+    per shard, framed PullDense entries to carry in that shard's last batch. Returns
+    the calls, each with the keys of its entries in order, and per shard the index of
+    the call that carries its dense pulls.
+    """
+    per_shard: list[list[tuple[str, str, bytes]]] = [[] for _ in range(num_shards)]
+    for key, calls in deferred:
+        for s, method, req in calls:
+            per_shard[s].append((key, method, req))
+    work: list[tuple[list[str], Call]] = []
+    carries: dict[int, int] = {}
+    for s, entries in enumerate(per_shard):
+        pulls = returning[s] if returning is not None else []
+        if len(entries) == 1 and not pulls:
+            key, method, req = entries[0]
+            work.append(([key], (s, method, req)))
+            continue
+        room = max_bytes - sum(len(p) for p in pulls)
+        batches = list(groups(entries, lambda e: len(e[2]), room)) or [[]]
+        for k, group in enumerate(batches):
+            tail = pulls if k == len(batches) - 1 else []
+            if not group and not tail:
+                continue
+            rows = [g for g in group if g[1] == "Push"]
+            dense = [g for g in group if g[1] == "PushDense"]
+            # Framed pushes are PushBatchRequest entries as they are (same field numbers).
+            body = wire.frame(protocol.stream_field("PushBatch"), *[g[2] for g in rows + dense], *tail)
+            if tail:
+                carries[s] = len(work)
+            work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
+    return work, carries
+

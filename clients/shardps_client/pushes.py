@@ -1,0 +1,213 @@
+"""The push pipeline: what happens to a push between ``Client.push`` and the shard's answer.
+
+``PushPipeline`` owns, under its own lock, the pushes queued while a ``PushHold``
+is held (sent together as one PushBatch per shard), the pushes in flight (at most
+``max_inflight`` calls; by table, so a pull can wait for its table's), the first
+error of pushes nobody waits on (raised by ``flush``), reports of synchronous
+steps that did not include every worker, and dense values returned with pushes
+(``DensePull``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from shardps.core import codec
+from shardps.core.specs import DenseSpec
+from shardps.v1 import shardps_pb2 as pb
+from shardps_client import planner
+from shardps_client.errors import ShardpsError
+from shardps_client.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class DensePull:
+    """Dense values coming back with a step's pushes (``Client.send_pushes(pull_dense=...)``).
+
+    ``result()`` waits for the pushes that carry them and returns what
+    ``pull_dense_many`` returns; it raises the error of a push that failed.
+    """
+
+    def __init__(self, specs: dict[str, DenseSpec], num_shards: int, wrap: Callable[[dict[int, int]], Any]) -> None:
+        self.specs = specs
+        self.requests: list[list[bytes]] = [[] for _ in range(num_shards)]  # framed, per shard
+        self.pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(num_shards)]  # (name, rows) per request
+        self.futures: dict[int, Future] = {}
+        self._wrap = wrap  # versions by shard -> the client's Versions
+
+    def done(self) -> bool:
+        """True once every shard has answered (``result()`` will not wait)."""
+        return all(f.done() for f in self.futures.values())
+
+    def result(self) -> dict[str, tuple[torch.Tensor, Any]]:
+        values = planner.assemble_dense(self.specs, self._blocks())
+        return {name: (value, self._wrap(versions)) for name, (value, versions) in values.items()}
+
+    def _blocks(self) -> Iterator[tuple]:
+        for s, f in self.futures.items():
+            replies = list(f.result().pulled_dense)
+            if len(replies) != len(self.pieces[s]):
+                raise ShardpsError(f"shard {s} answered {len(replies)} of {len(self.pieces[s])} dense pulls sent "
+                                   "with its pushes (a server without PushBatch.pull_dense?)")
+            for (name, a, b), r in zip(self.pieces[s], replies):
+                yield s, name, a, b, codec.decode(r.rows, f"{name}: rows").reshape(b - a, self.specs[name].cols), r.version
+
+
+class PushHold:
+    """While held, this client's asynchronous pushes queue up until ``send``: one PushBatch per shard.
+
+    ``ShardedOptimizer`` holds one for its life, so a step's pushes (embedding rows
+    from backward hooks, dense gradients) go out together at ``step()``.
+    """
+
+    def __init__(self, pipeline: PushPipeline, send: Callable[..., Optional[DensePull]]) -> None:
+        self._pipeline = pipeline
+        self._send = send
+        self.held = True
+
+    def send(self, pull_dense: tuple[str, ...] | list[str] = ()) -> Optional[DensePull]:
+        """Send the queued pushes (see ``Client.send_pushes``)."""
+        return self._send(pull_dense)
+
+    def release(self) -> None:
+        """Stop holding (queued pushes are sent by the next push, pull or flush)."""
+        if self.held:
+            self.held = False
+            self._pipeline._release()
+
+
+class PushPipeline:
+    """Queued and in-flight pushes of one client (see the module docstring)."""
+
+    def __init__(self, transport: Transport, num_shards: int, max_message_bytes: int, max_inflight: int) -> None:
+        self._transport = transport
+        self._num_shards = num_shards
+        self._max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._deferred: list[tuple[str, list[planner.Call]]] = []
+        self._pending: dict[str, set[Future]] = {}
+        self._errors: list[BaseException] = []
+        self._inflight = threading.BoundedSemaphore(max_inflight)
+        #: (table, step, missing ranks, late) of synchronous steps that did not include every worker.
+        self.sync_reports: collections.deque = collections.deque(maxlen=1000)
+
+    # ---- holding -----------------------------------------------------------------------
+
+    def hold(self, send: Callable[..., Optional[DensePull]]) -> PushHold:
+        with self._lock:
+            self._holds += 1
+        return PushHold(self, send)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._holds -= 1
+
+    @property
+    def holding(self) -> bool:
+        return self._holds > 0
+
+    @property
+    def has_queued(self) -> bool:
+        return bool(self._deferred)
+
+    # ---- sending -----------------------------------------------------------------------
+
+    def dispatch(self, key: str, calls: list[planner.Call], wait: bool) -> None:
+        """Send (or, while held, queue) the framed push calls of one table or dense tensor."""
+        with self._lock:
+            if self._holds and not wait:
+                self._deferred.append((key, calls))
+                return
+        if self._deferred:
+            self.send()  # keep this client's pushes in order
+        self._submit([([key], call) for call in calls], wait)
+
+    def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
+        """Send the queued pushes, with ``returning``'s dense pulls carried by each shard's last batch."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        if not deferred and returning is None:
+            return None
+        work, carries = planner.push_batches(deferred, self._num_shards, self._max_message_bytes,
+                                             returning.requests if returning is not None else None)
+        futures = self._submit(work, wait=False)
+        if returning is not None:
+            returning.futures = {s: futures[i] for s, i in carries.items()}
+        return returning
+
+    def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool) -> list[Future]:
+        """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries."""
+        futures = []
+        for keys, (shard, method, request) in work:
+            self._inflight.acquire()
+            try:
+                f = self._transport.submit(shard, method, request)
+            except BaseException:
+                self._inflight.release()
+                raise
+            f.waited = wait  # type: ignore[attr-defined]  # errors of waited pushes go to the caller, not flush()
+            f.keys = keys  # type: ignore[attr-defined]
+            with self._lock:
+                for key in set(keys):
+                    self._pending.setdefault(key, set()).add(f)
+            f.add_done_callback(self._done)
+            futures.append(f)
+        if wait:
+            for f in futures:
+                f.result()
+        return futures
+
+    def _done(self, f: Future) -> None:
+        self._inflight.release()
+        keys: list[str] = f.keys  # type: ignore[attr-defined]
+        with self._lock:
+            for key in set(keys):
+                self._pending.get(key, set()).discard(f)
+            if f.exception() is not None:
+                if not f.waited:  # type: ignore[attr-defined]
+                    self._errors.append(f.exception())  # type: ignore[arg-type]
+                return
+        reply = f.result()
+        replies = list(reply.pushes) + list(reply.dense) if isinstance(reply, pb.PushBatchResponse) else [reply]
+        for key, r in zip(keys, replies):
+            if r.late or r.missing_ranks:
+                self.sync_reports.append((key, list(r.missing_ranks), r.late))
+                if r.late:
+                    log.warning("push to %s arrived after its synchronous step was applied; dropped", key)
+                else:
+                    log.warning("synchronous step of %s applied without ranks %s (stragglers)", key, list(r.missing_ranks))
+
+    # ---- waiting -----------------------------------------------------------------------
+
+    def wait(self, key: Optional[str] = None) -> None:
+        """Send what is queued, then wait for the pushes in flight (of ``key``, or all); errors stay for ``flush``."""
+        if self._deferred:
+            self.send()
+        with self._lock:
+            if key is None:
+                waiting = [f for fs in self._pending.values() for f in fs]
+            else:
+                waiting = list(self._pending.get(key, ()))
+        for f in waiting:
+            try:
+                f.result()
+            except BaseException:  # noqa: BLE001 - recorded by _done, raised by flush()
+                pass
+
+    def flush(self) -> None:
+        """Wait until every push sent so far is applied; raise the first error any of them met."""
+        self.wait()
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            for e in errors[1:]:
+                log.error("another push failed: %s", e)
+            raise errors[0]

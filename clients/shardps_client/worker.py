@@ -1,0 +1,123 @@
+"""The worker clock: this worker's rank, liveness heartbeats, SSP clock and waits, barrier, sync steps.
+
+Every wait has a deadline: ``barrier(timeout)`` and the bounded-staleness wait
+before a pull (``ssp_wait``, at most ``SSP_WAIT_S``) raise ShardTimeoutError
+instead of blocking for ever behind a worker that neither advances nor leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from shardps.v1 import shardps_pb2 as pb
+from shardps_client.errors import InvalidArgumentError, ShardpsError, ShardTimeoutError
+from shardps_client.transport import Transport
+
+log = logging.getLogger(__name__)
+
+SSP_WAIT_S = 600.0  # longest wait of a pull for slow workers under ssp_bound (as barrier's default)
+
+
+def env_int(name: str) -> Optional[int]:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+class WorkerClock:
+    """One worker's place in the training group, as the shards see it through heartbeats."""
+
+    def __init__(self, transport: Transport, num_shards: int, rank: Optional[int], world_size: Optional[int],
+                 ssp_bound: Optional[int], submit: Callable[[Callable[[], Any]], Any]) -> None:
+        self._transport = transport
+        self._num_shards = num_shards
+        self._submit = submit  # runs a heartbeat in the background (the client's pool)
+        self.rank = rank if rank is not None else env_int("RANK")
+        self.world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
+        if self.rank is not None and self.world_size is not None and not 0 <= self.rank < self.world_size:
+            raise InvalidArgumentError(f"rank {self.rank} is not in [0, world_size {self.world_size})")
+        if ssp_bound is not None and (ssp_bound < 0 or self.rank is None):
+            raise InvalidArgumentError("ssp_bound needs a rank (RANK or rank=) and must be >= 0")
+        self.ssp_bound = ssp_bound
+        self.clock = 0
+        self.min_clock = 0
+        self._sync_steps: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, period: float) -> None:
+        """Announce this worker and send heartbeats every ``period`` seconds (when its rank is known)."""
+        if self.rank is None:
+            return
+        self.heartbeat()
+        self._thread = threading.Thread(target=self._loop, args=(period,), name="shardps-heartbeat", daemon=True)
+        self._thread.start()
+
+    def heartbeat(self, leaving: bool = False, wait_min_clock: Optional[int] = None, wait_s: float = 0.0) -> None:
+        req = pb.HeartbeatRequest(rank=self.rank or 0, world_size=self.world_size or 0, clock=self.clock,
+                                  leaving=leaving, wait_s=wait_s)
+        if wait_min_clock is not None:
+            req.wait_min_clock = wait_min_clock
+        replies = self._transport.fan_out([(s, "Heartbeat", req) for s in range(self._num_shards)])
+        self.min_clock = min(r.min_clock for r in replies)
+
+    def _loop(self, period: float) -> None:
+        while not self._stop.wait(period):
+            try:
+                self.heartbeat()
+            except ShardpsError as e:
+                log.debug("heartbeat failed: %s", e)
+
+    def advance(self) -> int:
+        """End of a training step: the clock goes up and the shards hear of it (in the background)."""
+        self.clock += 1
+        if self.rank is not None:
+            self._submit(self.heartbeat)
+        return self.clock
+
+    def wait_until(self, target: int, timeout: float, what: str) -> None:
+        """Wait until every live worker's clock is at least ``target``; ShardTimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self.min_clock < target and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ShardTimeoutError(f"{what}: workers still below clock {target} after {timeout}s")
+            self.heartbeat(wait_min_clock=target, wait_s=min(1.0, left))
+
+    def barrier(self, timeout: float) -> None:
+        if self.rank is None:
+            raise InvalidArgumentError("barrier needs a rank (RANK/WORLD_SIZE or Client(rank=...))")
+        self.heartbeat()
+        self.wait_until(self.clock, timeout, "barrier")
+
+    def ssp_wait(self) -> None:
+        """Bounded staleness: wait while this worker is more than ssp_bound steps ahead of the slowest."""
+        if self.ssp_bound is not None and self.clock - self.min_clock > self.ssp_bound:
+            self.wait_until(self.clock - self.ssp_bound, SSP_WAIT_S, f"ssp_bound {self.ssp_bound}")
+
+    def next_sync_step(self, key: str) -> int:
+        """The step number of this worker's next push to synchronous ``key``."""
+        if self.rank is None:
+            raise InvalidArgumentError(
+                f"{key} is synchronous: the client needs its rank (RANK/WORLD_SIZE as set by torchrun, or Client(rank=...))"
+            )
+        self._sync_steps[key] = self._sync_steps.get(key, 0) + 1
+        return self._sync_steps[key]
+
+    def stop(self) -> None:
+        """Stop the heartbeats and tell the shards this worker left."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            try:
+                self.heartbeat(leaving=True)
+            except ShardpsError as e:
+                log.debug("leaving heartbeat failed: %s", e)

@@ -1,0 +1,93 @@
+"""The client's planner, without a network: requests split by owner and size, and put back together."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from shardps_client import planner
+
+from shardps.core import codec, wire
+from shardps.core.optim import SGD
+from shardps.core.routing import shard_of_ids
+from shardps.core.specs import DenseSpec, Initializer, SyncPolicy, TableSpec
+from shardps.v1 import shardps_pb2 as pb
+
+F32 = pb.FLOAT32
+
+
+def _spec(dim: int = 8, sync: SyncPolicy | None = None) -> TableSpec:
+    return TableSpec(name="t", dim=dim, num_embeddings=None, optimizer=SGD(), initializer=Initializer(), sync=sync)
+
+
+@pytest.mark.parametrize("num_shards,max_bytes", [(1, 4 << 20), (3, 4 << 20), (4, 700)])
+def test_pull_plan_sends_each_id_once_to_its_owner_within_the_size_limit(num_shards, max_bytes):
+    uniq = np.unique(np.random.default_rng(0).integers(0, 1 << 40, 500))
+    spec = _spec()
+    per_shard = planner.pull_plan([(spec, uniq)], num_shards, F32, max_bytes)
+    seen = []
+    for s, entries in enumerate(per_shard):
+        for key, part, req, nbytes in entries:
+            ids = codec.decode(req.ids, "ids")
+            assert key == 0 and np.array_equal(ids, uniq[part])
+            assert (shard_of_ids(ids, num_shards) == s).all()
+            assert (req.shard_map.shard_index, req.shard_map.num_shards) == (s, num_shards)
+            assert nbytes == len(ids) * (spec.dim * 4 + 8) <= max(max_bytes, spec.dim * 4 + 8)
+            seen.append(part)
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(uniq.shape[0]))
+
+
+def test_pull_batches_group_below_the_limit_and_assemble_puts_rows_back_in_order():
+    uniq = np.arange(0, 3000, 7, dtype=np.int64)
+    spec = _spec(dim=4)
+    max_bytes = 2000
+    per_shard = planner.pull_plan([(spec, uniq)], 2, F32, max_bytes)
+    calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs), max_bytes)
+    assert {m for _, m, _ in calls} == {"PullBatch"}  # several requests per shard: batched
+    replies = []
+    for s, _, batch in calls:
+        assert sum(len(r.SerializeToString()) for r in batch.pulls) < 2 * max_bytes
+        # a shard's answer: each row is its id repeated, at version 10 + shard
+        blocks = [wire.encode_pull_response(np.repeat(codec.decode(r.ids, "ids")[:, None], 4, 1).astype(np.float32), F32, 10 + s)
+                  for r in batch.pulls]
+        replies.append(wire.decode_repeated(wire.encode_repeated([(pb.PullBatchResponse.PULLS_FIELD_NUMBER, blocks)])))
+    blocks = planner.pulled_blocks(calls, metas, replies, pb.PullBatchResponse.PULLS_FIELD_NUMBER)
+    [(rows, versions)] = planner.assemble_rows([(spec, uniq)], blocks)
+    assert np.array_equal(rows, np.repeat(uniq[:, None], 4, 1).astype(np.float32))
+    assert versions == {0: 10, 1: 11}
+
+
+def test_push_plan_sums_nothing_itself_and_a_sync_worker_sends_every_shard_a_part():
+    uniq = np.array([5], dtype=np.int64)  # one id: one shard owns it
+    grads = np.ones((1, 8), np.float32)
+    seqs = itertools.count(1)
+    calls = planner.push_plan(_spec(sync=SyncPolicy(workers=2)), uniq, grads, 3, F32, 1 << 20, None, "c",
+                              lambda s: next(seqs), sync_step=4, rank=1)
+    assert sorted(s for s, _, _ in calls) == [0, 1, 2]
+    for s, method, framed in calls:
+        assert method == "Push"
+        d = wire.decode_push(wire.unframe(framed)[1], dense=False)
+        owned = d.ids.size > 0
+        assert owned == (int(shard_of_ids(uniq, 3)[0]) == s)
+        assert (d.sync.step, d.sync.rank, d.sync.part, d.sync.parts) == (4, 1, 0, 1)
+    assert sorted(wire.decode_push(wire.unframe(c[2])[1], dense=False).seq for c in calls) == [1, 2, 3]
+
+
+def test_dense_pieces_cover_every_row_once():
+    spec = DenseSpec(name="w", shape=(1000, 16), optimizer=SGD(), chunk_rows=64)
+    rows = []
+    for s, a, b in planner.dense_pieces(spec, 3, 16 * 4 * 20, F32):
+        assert 0 < b - a <= 20 and 0 <= s < 3
+        rows.extend(range(a, b))
+    assert sorted(rows) == list(range(1000))
+
+
+def test_push_batches_keep_order_split_below_the_limit_and_carry_dense_pulls_last():
+    calls = [(0, "Push", wire.frame(1, bytes(100))) for _ in range(10)]
+    deferred = [("a", calls[:5]), ("b", calls[5:])]
+    pulls = [[wire.frame(pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER, bytes(50))], []]
+    work, carries = planner.push_batches(deferred, 2, 450, pulls)
+    assert [keys for keys, _ in work] == [["a"] * 3, ["a", "a", "b"], ["b"] * 3, ["b"]]
+    assert all(call[1] == "PushBatch" and len(call[2]) <= 450 + 16 for _, call in work)
+    assert carries == {0: 3}
