@@ -102,6 +102,6 @@ def test_implementations_satisfy_their_protocols():
     for opt in (SGD(), Adagrad(), Adam()):
         assert isinstance(opt, RowOptimizer)
     for impl in (durability.NoDurability, durability.CheckpointDurability, durability.LogDurability):
-        missing = [m for m in ("append", "wait", "cut", "checkpointed", "records", "close")
+        missing = [m for m in ("open", "append", "wait", "cut", "checkpointed", "records", "close")
                    if not callable(getattr(impl, m, None))]
-        assert missing == [], impl
+        assert missing == [] and impl.mode in durability.MODES and isinstance(impl.wants_records, bool), impl

@@ -238,3 +238,26 @@ def test_an_ssp_wait_has_a_deadline(monkeypatch):
             with pytest.raises(ShardTimeoutError, match="ssp_bound 0"):
                 fast.pull("t", [1])
             assert 1.4 <= time.monotonic() - t0 < 10
+
+
+def test_a_refused_push_does_not_use_up_a_step_number():
+    """A push the client refuses (an unknown wire dtype) leaves the worker's step count alone,
+    so its next push still meets the other workers' pushes of the same step."""
+    from shardps_client import InvalidArgumentError
+
+    with running_cluster(1) as servers:
+        addresses = [s.address for s in servers]
+        with Client(addresses) as c:
+            c.create_table("s", dim=4, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           sync=SyncPolicy(workers=2, aggregator="sum", timeout_s=5, on_timeout="fail"))
+
+        def body(c: Client, rank: int) -> None:
+            if rank == 0:
+                with pytest.raises(InvalidArgumentError, match="wire_dtype"):
+                    c.push("s", [1], torch.ones(1, 4), wire_dtype="int8")
+            c.push("s", [1], torch.ones(1, 4))
+            c.flush()
+
+        assert not _run_workers(addresses, 2, body)
+        with Client(addresses) as c:
+            assert torch.equal(c.pull("s", [1]), torch.full((1, 4), -2.0))

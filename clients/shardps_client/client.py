@@ -159,9 +159,10 @@ class Client:
 
     @property
     def defer_pushes(self) -> bool:
-        """While True, push() and push_dense() queue their requests until send_pushes() (or flush(), or a
-        pull that must see them), which sends one PushBatch per shard (see ``hold_pushes``)."""
-        return self._hold is not None
+        """True while pushes are queued until send_pushes() (or flush(), or a pull that must see them), which
+        sends one PushBatch per shard: set by the user, or while a ``hold_pushes`` handle is held (as a
+        ``ShardedOptimizer`` holds one). Setting it False releases only the user's own hold."""
+        return self.pushes.holding
 
     @defer_pushes.setter
     def defer_pushes(self, value: bool) -> None:
@@ -402,12 +403,14 @@ class Client:
         blocks until applied.
         """
         spec = self.table_spec(table)
+        grads_np = _grads_to_numpy(grads, f"{table}: grads")  # (converted first: errors in the order they always came)
         ids_np = self._checked_ids(spec, ids)
-        g = _checked_grads(grads, table, "grads", ids_np.shape + (spec.dim,), "ids.shape + (dim,)",
+        g = _checked_grads(grads_np, table, "grads", ids_np.shape + (spec.dim,), "ids.shape + (dim,)",
                            spec.allow_nonfinite)
         uniq, summed = coalesce(ids_np.reshape(-1), g.reshape(-1, spec.dim))
+        wire_code = self._wire(wire_dtype)  # before the step number: a refused push must not use one up
         sync_step = self.worker.next_sync_step(table) if spec.sync is not None else 0
-        calls = planner.push_plan(spec, uniq, summed, self.num_shards, self._wire(wire_dtype), self.max_message_bytes,
+        calls = planner.push_plan(spec, uniq, summed, self.num_shards, wire_code, self.max_message_bytes,
                                   versions.by_shard if versions is not None else None, self.client_id,
                                   self._next_seq, sync_step, self.rank or 0)
         self.pushes.dispatch(table, calls, wait)
@@ -528,8 +531,9 @@ class Client:
         """Send the gradient of a whole dense tensor (asynchronous, like ``push``)."""
         spec = self.dense_spec(name)
         g = _checked_grads(grad, name, "grad", spec.shape, None, spec.allow_nonfinite)
+        wire_code = self._wire(wire_dtype)  # before the step number: a refused push must not use one up
         sync_step = self.worker.next_sync_step(name) if spec.sync is not None else 0
-        calls = planner.dense_push_plan(spec, g.reshape(spec.rows, spec.cols), self.num_shards, self._wire(wire_dtype),
+        calls = planner.dense_push_plan(spec, g.reshape(spec.rows, spec.cols), self.num_shards, wire_code,
                                         self.max_message_bytes, versions.by_shard if versions is not None else None,
                                         self.client_id, self._next_seq, sync_step, self.rank or 0)
         self.pushes.dispatch(name, calls, wait)

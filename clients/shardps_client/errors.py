@@ -82,3 +82,11 @@ def error_of(code: Any, details: str, address: str, what: str, kind: str = "") -
     """The client exception of a status (``code``: a grpc.StatusCode) of call ``what`` to ``address``."""
     cls = _BY_KIND.get(kind) or _BY_CODE.get(code.name, ShardpsError)
     return cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)
+
+
+def __getattr__(name: str):  # noqa: ANN202 - the converters that moved to the transport, still found here
+    if name in ("from_rpc_error", "from_status"):
+        from shardps_client import transport
+
+        return getattr(transport, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,7 @@
 Each change is turned into a record (``record_*``, outside the table lock, where
 encoding costs nothing to others), appended in application order (``append``,
 under the lock), then waited on before it is acknowledged (``wait``, outside the
-lock). Checkpoints ask for the point a snapshot covers (``cut``, with every
+lock). ``open`` starts storing once restore is done. Checkpoints ask for the point a snapshot covers (``cut``, with every
 table locked) and report the file they wrote (``checkpointed``). Restore reads
 back the records after a cut (``records``).
 
@@ -136,6 +136,9 @@ class Durability(Protocol):
     mode: str
     wants_records: bool  # False: callers may skip building records
 
+    def open(self) -> None:
+        """Start storing (after restore has read the old records back)."""
+
     def append(self, record: Record) -> int:
         """Store a record, in application order (callers hold the lock that orders it); a ticket to wait on."""
 
@@ -160,6 +163,9 @@ class NoDurability:
 
     mode = "none"
     wants_records = False
+
+    def open(self) -> None:
+        return None
 
     def append(self, record: Record) -> int:
         return 0

@@ -1,7 +1,7 @@
 """The two-phase checkpoint gate: holds updates back while a cluster-wide checkpoint is prepared.
 
 Phase 1 (``close``) stops new updates from starting; updates already inside a
-table lock finish first (the caller drains them). Phase 2 opens the gate once the
+table lock finish first (the caller drains them), and the hold starts (``hold``). Phase 2 opens the gate once the
 state is copied. A gate left closed by a coordinator that died opens by itself
 after its hold, so training cannot stall on it.
 """
@@ -27,11 +27,18 @@ class CheckpointGate:
     def is_open(self) -> bool:
         return self._open.is_set()
 
-    def close(self, hold_s: float) -> None:
-        """Hold updates back for at most ``hold_s`` seconds (a new hold replaces the previous one)."""
+    def close(self) -> None:
+        """Stop new updates (then drain the running ones, then ``hold``)."""
         with self._lock:
             self._cancel_timer()
             self._open.clear()
+
+    def hold(self, hold_s: float) -> None:
+        """Keep the gate closed for at most ``hold_s`` seconds from now, unless opened before."""
+        with self._lock:
+            self._cancel_timer()
+            if self._open.is_set():
+                return
             self._timer = threading.Timer(hold_s, self._expire)
             self._timer.daemon = True
             self._timer.start()

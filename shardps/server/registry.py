@@ -30,7 +30,12 @@ class TableRegistry:
                                   f"{self.limits.max_name_length} characters (--max-name-length)")
 
     def find(self, name: str) -> Optional[Table]:
+        """The table ``name``, or None (a name over the length limit is refused)."""
         self.check_name(name)
+        return self.lookup(name)
+
+    def lookup(self, name: str) -> Optional[Table]:
+        """The table ``name``, or None (no name check: ``new`` checks the names it adds)."""
         with self.lock:
             return self._tables.get(name)
 

@@ -170,8 +170,7 @@ class Shard:
         if self.data_dir is not None and self.durability.mode != "none":
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._restore()
-            if isinstance(self.durability, dur.LogDurability):
-                self.durability.open()
+            self.durability.open()
 
     def close(self) -> None:
         """Release files (the write-ahead log); the shard must not be used afterwards."""
@@ -229,7 +228,7 @@ class Shard:
     def create_table(self, spec: TableSpec) -> bool:
         """Create a table; False if an equal one exists; AlreadyExists if it differs."""
         with self.registry.lock:
-            existing = self.registry.find(spec.name)
+            existing = self.registry.lookup(spec.name)
             if existing is not None:
                 if existing.spec != spec:
                     raise AlreadyExists(
@@ -343,7 +342,7 @@ class Shard:
         if not 0 <= row_start <= spec.rows:
             raise OutOfRange(f"{spec.name}: row_start {row_start} outside [0, {spec.rows}]")
         with self.registry.lock:
-            existing = self.registry.find(spec.name)
+            existing = self.registry.lookup(spec.name)
             created = existing is None
             if existing is not None:
                 if existing.spec != spec:
@@ -428,10 +427,11 @@ class Shard:
         self._require_data_dir()
         hold = self.config.checkpoint_hold_s if not hold_s else min(hold_s, self.config.checkpoint_hold_s)
         with self._ckpt_lock:
-            self.gate.close(hold)
+            self.gate.close()
             for t in self.registry.tables():  # pushes that passed the gate before it closed finish first
                 with t.lock:
                     pass
+            self.gate.hold(hold)
 
     def abort_checkpoint(self) -> None:
         with self._ckpt_lock:
@@ -565,7 +565,8 @@ class Shard:
                 if ids.size:
                     t.check_ids(ids)
                 t.check_grads(ids, d.grads)
-            self.updates.once(d.client_id, d.seq)
+            if d.client_id:  # remembered, not counted: the snapshot may already hold it
+                self.updates.seen.begin(d.client_id, d.seq)
             self.updates.apply(t, ids, d.grads, replayed_staleness=change.staleness)
 
     def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
