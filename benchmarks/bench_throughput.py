@@ -133,13 +133,14 @@ def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: in
 
 
 def defaults_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: int, budget_s: float, queue) -> None:
-    """The loop a new user writes: a default Client, torch's default threads, pull then push."""
+    """The loop a new user writes: a default Client, torch's default threads, pull, then push
+    gradients computed by torch from rows of that size (``emb * 0.1``)."""
     try:
         from shardps_client import Client
 
         batches = unique_batches(100 + rank, 24, cfg.batch, cfg.rows, cfg.zipf)
         with Client(addresses) as c:
-            result = measure(lambda ids: c.pull("bench", ids), lambda ids, g: c.push("bench", ids, g), c.flush,
+            result = measure(lambda ids: c.pull("bench", ids), lambda ids, g: c.push("bench", ids, g * 0.1), c.flush,
                              batches, budget_s, pids if rank == 0 else [])
         queue.put((rank, result))
     except Exception:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,6 +95,12 @@ class Client:
             before its next pull (at most ``worker.SSP_WAIT_S``, then
             ShardTimeoutError). None: no bound.
         heartbeat_s: seconds between liveness heartbeats (sent while rank is known).
+        torch_threads: torch's intra-op threads in this process. "auto" (the default):
+            when shards run on this host (a loopback address) and neither
+            OMP_NUM_THREADS nor an earlier ``torch.set_num_threads`` chose otherwise,
+            one thread per core the local shards leave free (at least 1), because
+            torch's idle threads spin and take the shards' cores. An int: that many.
+            None: leave torch alone.
     """
 
     def __init__(
@@ -112,12 +119,14 @@ class Client:
         world_size: Optional[int] = None,
         ssp_bound: Optional[int] = None,
         heartbeat_s: float = 1.0,
+        torch_threads: Union[int, str, None] = "auto",
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
         if wire_dtype not in planner.WIRE:
             raise InvalidArgumentError(f"wire_dtype must be one of {sorted(planner.WIRE)}, got {wire_dtype!r}")
         tune_malloc()  # message-sized buffers stay in the heap (see shardps.core.memory)
+        _set_torch_threads(torch_threads, addresses)
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.timeout = timeout
@@ -570,6 +579,33 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_TORCH_DEFAULT_THREADS = torch.get_num_threads()  # at import: a later change is the user's choice
+_LOOPBACK = ("127.", "localhost:", "[::1]:", "::1")
+
+
+def _set_torch_threads(setting: Union[int, str, None], addresses: Sequence[str]) -> None:
+    """Apply ``Client(torch_threads=...)`` (see its docstring)."""
+    if setting is None:
+        return
+    if isinstance(setting, bool) or not (setting == "auto" or isinstance(setting, int)):
+        raise InvalidArgumentError(f"torch_threads must be 'auto', a positive int or None, got {setting!r}")
+    if isinstance(setting, int):
+        if setting < 1:
+            raise InvalidArgumentError(f"torch_threads must be >= 1, got {setting}")
+        torch.set_num_threads(setting)
+        return
+    local = sum(1 for a in addresses if a.startswith(_LOOPBACK))
+    current = torch.get_num_threads()
+    if not local or os.environ.get("OMP_NUM_THREADS") or current != _TORCH_DEFAULT_THREADS:
+        return
+    threads = max(1, (os.cpu_count() or 1) - local)
+    if threads < current:
+        torch.set_num_threads(threads)
+        log.info("%d shard(s) run on this host: torch uses %d intra-op thread(s), not %d, so its idle threads "
+                 "do not spin on the shards' cores (Client(torch_threads=None) leaves torch alone)",
+                 local, threads, current)
 
 
 def _ids_to_numpy(ids: IdsLike) -> np.ndarray:
