@@ -14,7 +14,7 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.mark.parametrize("script,name,extra", [
-    ("bench_throughput.py", "throughput", ["--backends", "shardps", "torch_rpc", "in_process", "--shards", "1",
+    ("bench_throughput.py", "throughput", ["--backends", "shardps", "shardps_defaults", "torch_rpc", "in_process", "--shards", "1",
                                            "--repeat", "2"]),
     ("bench_parts.py", "parts", []),
     ("bench_durability.py", "durability", []),
