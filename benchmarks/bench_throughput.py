@@ -116,31 +116,22 @@ def measure(pull, push, flush, batches: list[np.ndarray], budget_s: float, serve
     return out
 
 
-def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: int, budget_s: float, queue) -> None:
+def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: int, budget_s: float, queue,
+                    defaults: bool = False) -> None:
+    """As tuned (one torch thread, read_your_writes=False), or with ``defaults`` the loop a new user
+    writes: a default Client, torch's default threads, gradients computed by torch (``emb * 0.1``)."""
     try:
         from shardps_client import Client
 
-        torch.set_num_threads(1)
+        if not defaults:
+            torch.set_num_threads(1)
         batches = unique_batches(100 + rank, 24, cfg.batch, cfg.rows, cfg.zipf)
-        with Client(addresses, wire_dtype=cfg.wire, read_your_writes=False) as c:
-            spec = c.table_spec("bench")
-            assert spec.dim == DIM
-            result = measure(lambda ids: c.pull("bench", ids), lambda ids, g: c.push("bench", ids, g), c.flush,
-                             batches, budget_s, pids if rank == 0 else [])
-        queue.put((rank, result))
-    except Exception:
-        queue.put((rank, {"error": traceback.format_exc()}))
-
-
-def defaults_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: int, budget_s: float, queue) -> None:
-    """The loop a new user writes: a default Client, torch's default threads, pull, then push
-    gradients computed by torch from rows of that size (``emb * 0.1``)."""
-    try:
-        from shardps_client import Client
-
-        batches = unique_batches(100 + rank, 24, cfg.batch, cfg.rows, cfg.zipf)
-        with Client(addresses) as c:
-            result = measure(lambda ids: c.pull("bench", ids), lambda ids, g: c.push("bench", ids, g * 0.1), c.flush,
+        kwargs = {} if defaults else {"wire_dtype": cfg.wire, "read_your_writes": False}
+        scale = 0.1 if defaults else None
+        with Client(addresses, **kwargs) as c:
+            assert c.table_spec("bench").dim == DIM
+            result = measure(lambda ids: c.pull("bench", ids),
+                             lambda ids, g: c.push("bench", ids, g if scale is None else g * scale), c.flush,
                              batches, budget_s, pids if rank == 0 else [])
         queue.put((rank, result))
     except Exception:
@@ -210,8 +201,7 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
                            initializer=None if defaults else Initializer("zeros"))
         pids = [p.popen.pid for p in cluster.procs]
         queue = ctx.Queue()
-        trainer = defaults_trainer if defaults else shardps_trainer
-        procs = [ctx.Process(target=trainer, args=(cfg, cluster.addresses, pids, r, budget_s, queue))
+        procs = [ctx.Process(target=shardps_trainer, args=(cfg, cluster.addresses, pids, r, budget_s, queue, defaults))
                  for r in range(cfg.trainers)]
         for p in procs:
             p.start()

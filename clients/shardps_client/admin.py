@@ -38,25 +38,24 @@ class Catalog:
             self._dense.pop(name, None)
 
     def table(self, name: str) -> TableSpec:
-        spec = self._tables.get(name)
-        if spec is None:
-            info = self._transport.call(0, "DescribeTable", pb.DescribeTableRequest(name=name))
-            if not info.HasField("spec"):
-                raise InvalidArgumentError(f"{name!r} is a dense tensor, not a table")
-            spec = table_spec_from_pb(info.spec)
-            self.remember(spec)
+        spec = self._tables.get(name) or self._describe(name, "spec")
+        assert isinstance(spec, TableSpec)
         return spec
 
     def dense(self, name: str) -> DenseSpec:
-        spec = self._dense.get(name)
-        if spec is None:
-            info = self._transport.call(0, "DescribeTable", pb.DescribeTableRequest(name=name))
-            if not info.HasField("dense"):
-                raise InvalidArgumentError(f"{name!r} is a table, not a dense tensor")
-            spec = dense_spec_from_pb(info.dense)
-            self.remember(spec)
+        spec = self._dense.get(name) or self._describe(name, "dense")
+        assert isinstance(spec, DenseSpec)
         return spec
 
+    def _describe(self, name: str, field: str) -> TableSpec | DenseSpec:
+        """Ask shard 0 for ``name``'s spec, expecting TableInfo field ``field`` ("spec" or "dense"); cache it."""
+        info = self._transport.call(0, "DescribeTable", pb.DescribeTableRequest(name=name))
+        if not info.HasField(field):
+            kinds = ("a dense tensor", "a table") if field == "spec" else ("a table", "a dense tensor")
+            raise InvalidArgumentError(f"{name!r} is {kinds[0]}, not {kinds[1]}")
+        spec = table_spec_from_pb(info.spec) if field == "spec" else dense_spec_from_pb(info.dense)
+        self.remember(spec)
+        return spec
 
 def shard_info(transport: Transport) -> list[pb.ShardInfoResponse]:
     """ShardInfo of every shard, in index order."""

@@ -123,15 +123,14 @@ class Client:
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
-        if wire_dtype not in planner.WIRE:
-            raise InvalidArgumentError(f"wire_dtype must be one of {sorted(planner.WIRE)}, got {wire_dtype!r}")
+        wire_code = _wire_code(wire_dtype)
         tune_malloc()  # message-sized buffers stay in the heap (see shardps.core.memory)
         _set_torch_threads(torch_threads, addresses)
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.timeout = timeout
         self.retry_timeout = retry_timeout
-        self.wire_dtype = planner.WIRE[wire_dtype]
+        self.wire_dtype = wire_code
         self.max_message_bytes = int(max_message_bytes)
         self.read_your_writes = read_your_writes
         self.client_id = client_id or uuid.uuid4().hex
@@ -191,11 +190,7 @@ class Client:
             return next(self._seq[shard])
 
     def _wire(self, wire_dtype: Optional[str]) -> int:
-        if wire_dtype is None:
-            return self.wire_dtype
-        if wire_dtype not in planner.WIRE:
-            raise InvalidArgumentError(f"wire_dtype must be one of {sorted(planner.WIRE)}, got {wire_dtype!r}")
-        return planner.WIRE[wire_dtype]
+        return self.wire_dtype if wire_dtype is None else _wire_code(wire_dtype)
 
     def _see_own_pushes(self, key: str) -> None:
         """Before a pull of ``key`` (read_your_writes): make it see this client's pushes.
@@ -412,9 +407,9 @@ class Client:
         blocks until applied.
         """
         spec = self.table_spec(table)
-        grads_np = _grads_to_numpy(grads, f"{table}: grads")  # (converted first: errors in the order they always came)
+        g = _grads_to_numpy(grads, f"{table}: grads")  # (converted first: errors in the order they always came)
         ids_np = self._checked_ids(spec, ids)
-        g = _checked_grads(grads_np, table, "grads", ids_np.shape + (spec.dim,), "ids.shape + (dim,)",
+        _check_grads(g, table, "grads", ids_np.shape + (spec.dim,), "ids.shape + (dim,)",
                            spec.allow_nonfinite)
         uniq, summed = coalesce(ids_np.reshape(-1), g.reshape(-1, spec.dim))
         wire_code = self._wire(wire_dtype)  # before the step number: a refused push must not use one up
@@ -539,7 +534,8 @@ class Client:
     ) -> None:
         """Send the gradient of a whole dense tensor (asynchronous, like ``push``)."""
         spec = self.dense_spec(name)
-        g = _checked_grads(grad, name, "grad", spec.shape, None, spec.allow_nonfinite)
+        g = _grads_to_numpy(grad, f"{name}: grad")
+        _check_grads(g, name, "grad", spec.shape, None, spec.allow_nonfinite)
         wire_code = self._wire(wire_dtype)  # before the step number: a refused push must not use one up
         sync_step = self.worker.next_sync_step(name) if spec.sync is not None else 0
         calls = planner.dense_push_plan(spec, g.reshape(spec.rows, spec.cols), self.num_shards, wire_code,
@@ -579,6 +575,12 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wire_code(wire_dtype: str) -> int:
+    if wire_dtype not in planner.WIRE:
+        raise InvalidArgumentError(f"wire_dtype must be one of {sorted(planner.WIRE)}, got {wire_dtype!r}")
+    return planner.WIRE[wire_dtype]
 
 
 _TORCH_DEFAULT_THREADS = torch.get_num_threads()  # at import: a later change is the user's choice
@@ -632,17 +634,14 @@ def _grads_to_numpy(g: Union[torch.Tensor, np.ndarray], what: str) -> np.ndarray
     return arr.astype(np.float32, copy=False)
 
 
-def _checked_grads(g: Union[torch.Tensor, np.ndarray], name: str, noun: str, shape: tuple,
-                   shape_words: Optional[str], allow_nonfinite: bool) -> np.ndarray:
-    """Gradients as float32 numpy of ``shape``, finite unless the table allows otherwise."""
-    what = f"{name}: {noun}"
-    arr = _grads_to_numpy(g, what)
+def _check_grads(arr: np.ndarray, name: str, noun: str, shape: tuple, shape_words: Optional[str],
+                 allow_nonfinite: bool) -> None:
+    """Refuse gradients not of ``shape``, or not finite unless the table allows it."""
     if tuple(arr.shape) != tuple(shape):
         words = f" ({shape_words})" if shape_words else ""
-        raise InvalidArgumentError(f"{what} must have shape {list(shape)}{words}, got {list(arr.shape)}")
+        raise InvalidArgumentError(f"{name}: {noun} must have shape {list(shape)}{words}, got {list(arr.shape)}")
     if not allow_nonfinite and not np.isfinite(arr).all():
         raise InvalidArgumentError(f"{name}: gradient contains NaN or Inf; push rejected")
-    return arr
 
 
 __all__ = ["Client", "DensePull", "PushHold", "Versions"]

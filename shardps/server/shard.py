@@ -25,7 +25,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -219,9 +219,11 @@ class Shard:
     def _owns_ids(self, ids: np.ndarray) -> np.ndarray:
         return shard_of_ids(ids, self.num_shards) == self.index
 
-    def _record(self, record: dur.Record) -> int:
-        """Append a change to the durability (callers hold the lock that orders it); a ticket to wait on."""
-        return self.durability.append(record) if self.durability.wants_records else 0
+    def _record(self, make: Callable[..., dur.Record], *args: Any) -> int:
+        """Append the change ``make(*args)`` to the durability (callers hold the lock that orders it); a ticket
+        to wait on. The record is built only when the durability keeps records (a dense tensor's values are
+        encoded for the log alone)."""
+        return self.durability.append(make(*args)) if self.durability.wants_records else 0
 
     # ---- tables ----------------------------------------------------------------------
 
@@ -237,7 +239,7 @@ class Shard:
                 return False
             expected = 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
             self.registry.new(spec, self._owns_ids, expected)
-            ticket = self._record(dur.record_create_table(spec))
+            ticket = self._record(dur.record_create_table, spec)
         log.info("shard %d: created table %s", self.index, spec.name)
         self.durability.wait(ticket)
         return True
@@ -246,7 +248,7 @@ class Shard:
         self.registry.check_name(name)
         with self.registry.lock:
             t = self.registry.pop(name)
-            ticket = self._record(dur.record_drop(name)) if t is not None else 0
+            ticket = self._record(dur.record_drop, name) if t is not None else 0
         if t is not None:
             with t.lock:
                 t.release()
@@ -359,7 +361,7 @@ class Shard:
                 t = self.registry.new(spec, owns, int(owned.sum()))
         if values is None or values.size == 0:
             if created:
-                self.durability.wait(self._record(dur.record_register_dense(spec)))
+                self.durability.wait(self._record(dur.record_register_dense, spec))
             return created, False
         if values.ndim != 2 or values.shape[1] != t.dim:
             raise InvalidArgument(f"{spec.name}: values must have shape [rows, {t.dim}], got {list(values.shape)}")
@@ -369,7 +371,7 @@ class Shard:
             raise InvalidArgument(f"{spec.name}: initial values contain NaN or Inf")
         with self.registry.lock:  # log order = application order for first-writer-wins
             initialized = t.assign(ids, values)
-            ticket = self._record(dur.record_register_dense(spec, row_start, values)) if initialized or created else 0
+            ticket = self._record(dur.record_register_dense, spec, row_start, values) if initialized or created else 0
         self.durability.wait(ticket)
         return created, initialized
 
