@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m shardps.core.kernels  # compile the numba kernels once, into their on-disk cache
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardps.core import kernels
+
 
 def is_sorted_unique(ids: np.ndarray) -> bool:
     """True if a 1-D id array is strictly increasing (what np.unique returns): no dedup needed."""
@@ -41,5 +43,13 @@ def coalesce(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray
     if first.all():
         return sorted_ids, np.take(grads, order, axis=0).astype(np.float32, copy=False)
     starts = np.flatnonzero(first)
-    summed = np.add.reduceat(np.take(grads, order, axis=0).astype(np.float32, copy=False), starts, axis=0)
-    return sorted_ids[starts], summed
+    k = kernels.jit()
+    if k is not None and grads.ndim == 2:
+        return sorted_ids[starts], k.sum_runs(np.ascontiguousarray(grads, dtype=np.float32), order, starts)
+    return sorted_ids[starts], sum_runs_numpy(grads, order, starts)
+
+
+def sum_runs_numpy(grads: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The reference of the coalescing kernel: rows ``order`` of ``grads`` summed (float32) over runs from
+    ``starts``."""
+    return np.add.reduceat(np.take(grads, order, axis=0).astype(np.float32, copy=False), starts, axis=0)

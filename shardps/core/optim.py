@@ -20,6 +20,7 @@ from typing import Protocol, Union, runtime_checkable
 
 import numpy as np
 
+from shardps.core import kernels
 from shardps.core.errors import InvalidArgument
 
 
@@ -71,6 +72,16 @@ class SGD:
             d_p = axpy(d_p, self.momentum, buf) if self.nesterov else buf
         param[...] = axpy(param, -self.lr * lr_scale, d_p)
 
+    def apply(self, rows: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray, grad: np.ndarray,
+              step: np.ndarray, lr_scale: float) -> None:
+        k = kernels.jit()
+        if k is None:
+            return apply_numpy(self, rows, state, slots, grad, step, lr_scale)
+        buf = state.get("momentum_buffer", rows)  # (rows stands in when there is no buffer; never written)
+        k.sgd_apply(rows, buf, slots, step == 1, _c(grad), _f32(-self.lr * lr_scale), self.weight_decay != 0,
+                    _f32(self.weight_decay), self.momentum != 0, _f32(self.momentum), np.float32(self.momentum),
+                    _f32(1 - self.dampening), self.nesterov)
+
 
 @dataclass(frozen=True)
 class Adagrad:
@@ -112,11 +123,22 @@ class Adagrad:
     ) -> None:
         if self.weight_decay != 0:
             grad = axpy(grad, self.weight_decay, param)
-        clr = (self.lr * lr_scale) / (1 + (step.astype(np.float64) - 1) * self.lr_decay)
         acc = state["sum"]
         acc += grad * grad
         std = np.sqrt(acc) + np.float32(self.eps)
-        param -= clr.astype(np.float32)[:, None] * (grad / std)
+        param -= self._clr(step, lr_scale)[:, None] * (grad / std)
+
+    def _clr(self, step: np.ndarray, lr_scale: float) -> np.ndarray:
+        """Each row's learning rate (float32), decayed by its own step count."""
+        return ((self.lr * lr_scale) / (1 + (step.astype(np.float64) - 1) * self.lr_decay)).astype(np.float32)
+
+    def apply(self, rows: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray, grad: np.ndarray,
+              step: np.ndarray, lr_scale: float) -> None:
+        k = kernels.jit()
+        if k is None:
+            return apply_numpy(self, rows, state, slots, grad, step, lr_scale)
+        k.adagrad_apply(rows, state["sum"], slots, self._clr(step, lr_scale), _c(grad), self.weight_decay != 0,
+                        _f32(self.weight_decay), np.float32(self.eps))
 
 
 @dataclass(frozen=True)
@@ -159,11 +181,28 @@ class Adam:
         m += np.float32(1 - beta1) * (grad - m)
         v *= np.float32(beta2)
         v += np.float32(1 - beta2) * (grad * grad)
+        step_size, bc2_sqrt = self._factors(step, lr_scale)
+        denom = np.sqrt(v) / bc2_sqrt[:, None] + np.float32(self.eps)
+        param -= step_size[:, None] * (m / denom)
+
+    def _factors(self, step: np.ndarray, lr_scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's step size and square root of the second moment's bias correction (float32)."""
+        beta1, beta2 = self.betas
         steps = step.astype(np.float64)
         step_size = (self.lr * lr_scale) / (1 - beta1**steps)
         bc2_sqrt = np.sqrt(1 - beta2**steps)
-        denom = np.sqrt(v) / bc2_sqrt.astype(np.float32)[:, None] + np.float32(self.eps)
-        param -= step_size.astype(np.float32)[:, None] * (m / denom)
+        return step_size.astype(np.float32), bc2_sqrt.astype(np.float32)
+
+    def apply(self, rows: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray, grad: np.ndarray,
+              step: np.ndarray, lr_scale: float) -> None:
+        k = kernels.jit()
+        if k is None:
+            return apply_numpy(self, rows, state, slots, grad, step, lr_scale)
+        beta1, beta2 = self.betas
+        step_size, bc2_sqrt = self._factors(step, lr_scale)
+        k.adam_apply(rows, state["exp_avg"], state["exp_avg_sq"], slots, step_size, bc2_sqrt, _c(grad),
+                     self.weight_decay != 0, _f32(self.weight_decay), np.float32(1 - beta1), np.float32(beta2),
+                     np.float32(1 - beta2), np.float32(self.eps))
 
 
 Optimizer = Union[SGD, Adagrad, Adam]  # the optimizers a spec can name (and the wire can carry)
@@ -173,7 +212,7 @@ Optimizer = Union[SGD, Adagrad, Adam]  # the optimizers a spec can name (and the
 class RowOptimizer(Protocol):
     """What storage asks of an optimizer: its per-row state arrays and an in-place step over gathered rows.
 
-    A new optimizer implements these three methods (and gets a message in the proto and a case in
+    A new optimizer implements these four methods (``apply`` may just call ``apply_numpy``) (and gets a message in the proto and a case in
     ``optimizer_to_dict``/``specs``); the tables never look at which one they hold.
     """
 
@@ -186,6 +225,31 @@ class RowOptimizer(Protocol):
     def step(self, param: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray], step: np.ndarray,
              lr_scale: float) -> None:
         """Update gathered rows ``param`` in place from ``grad``; ``step``: each row's step count (from 1)."""
+
+    def apply(self, rows: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray, grad: np.ndarray,
+              step: np.ndarray, lr_scale: float) -> None:
+        """``step`` on rows ``slots`` (unique) of a table's ``rows`` and ``state`` arrays, in place: a compiled
+        kernel where there is one, else :func:`apply_numpy` (gather, ``step``, scatter)."""
+
+
+def apply_numpy(opt: RowOptimizer, rows: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray,
+                grad: np.ndarray, step: np.ndarray, lr_scale: float) -> None:
+    """The reference of every ``apply``: gather the rows, ``step`` them, scatter them back."""
+    param = np.take(rows, slots, axis=0)
+    gathered = {k: np.take(v, slots, axis=0) for k, v in state.items()}
+    opt.step(param, grad, gathered, step, lr_scale)
+    rows[slots] = param
+    for k, v in gathered.items():
+        state[k][slots] = v
+
+
+def _f32(x: float) -> float:
+    """A hyper-parameter as the reference's ``axpy`` uses it: rounded to float32, carried as float64."""
+    return float(np.float32(x))
+
+
+def _c(grad: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(grad, dtype=np.float32)
 
 
 def axpy(x: np.ndarray, a: float, y: np.ndarray) -> np.ndarray:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardps.core import kernels
+
 # splitmix64 finaliser constants (Steele, Lea & Flood, 2014).
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -35,6 +37,14 @@ def mix64(x: np.ndarray, seed: np.uint64 = ROUTING_SEED) -> np.ndarray:
 
 def shard_of_ids(ids: np.ndarray, num_shards: int) -> np.ndarray:
     """Index of the shard that owns each id (int64 array of the same shape)."""
+    k = kernels.jit()
+    if k is not None and num_shards >= 1 and isinstance(ids, np.ndarray) and ids.dtype == np.int64:
+        return k.shard_of_ids(ids.reshape(-1), num_shards, ROUTING_SEED).reshape(ids.shape)
+    return shard_of_ids_numpy(ids, num_shards)
+
+
+def shard_of_ids_numpy(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The reference of :func:`shard_of_ids` (and of its kernel)."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if num_shards == 1:
@@ -90,7 +100,15 @@ def split_by_shard(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.nda
     Returns ``(order, bounds)``: ``ids[order[bounds[s]:bounds[s+1]]]`` are the ids
     of shard ``s``, in their original relative order.
     """
-    owner = shard_of_ids(ids, num_shards)
+    k = kernels.jit()
+    if k is not None and num_shards >= 1 and ids.dtype == np.int64 and ids.ndim == 1:
+        return k.split_by_shard(ids, num_shards, ROUTING_SEED)
+    return split_by_shard_numpy(ids, num_shards)
+
+
+def split_by_shard_numpy(ids: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference of :func:`split_by_shard` (and of its kernel)."""
+    owner = shard_of_ids_numpy(ids, num_shards)
     if num_shards <= 8:  # a few linear scans beat a sort
         groups = [np.flatnonzero(owner == s) for s in range(num_shards)]
         bounds = np.zeros(num_shards + 1, dtype=np.int64)

@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 
+from shardps.core import kernels
 from shardps.core.errors import InvalidArgument, clip
 from shardps.core.optim import SGD, Adagrad, Adam, Optimizer
 from shardps.core.routing import mix64
@@ -55,30 +56,98 @@ class Initializer:
     def rows(self, ids: np.ndarray, dim: int) -> np.ndarray:
         """Initial rows for ``ids`` (float32, shape [len(ids), dim]), deterministic per (seed, id).
 
-        Each 64-bit hash of (seed, id, column pair) yields two 24-bit uniforms:
-        two uniform values, or two normal values by Box-Muller.
+        "normal": value j of a row is ``float32(mean + std * z)``, z drawn by a
+        256-layer ziggurat from 64-bit hashes of (seed, id, j): no transcendental
+        function for 99% of the values, about 0.1 us per 64-dim row compiled.
+        "uniform": each hash of (seed, id, column pair) gives two 24-bit uniforms.
         """
         n = len(ids)
         if self.kind == "zeros" or n == 0:
             return np.zeros((n, dim), dtype=np.float32)
+        if self.kind == "normal":
+            ids64 = np.ascontiguousarray(ids, dtype=np.int64)
+            k = kernels.jit()
+            if k is not None:
+                return k.normal_rows(ids64, dim, self._row_seed(), _DRAW_SEED, float(self.mean), float(self.std),
+                                     kernels.ZIG_K, kernels.ZIG_W, kernels.ZIG_F)
+            return self.normal_rows_numpy(ids64, dim)
         pairs = (dim + 1) // 2
         counters = ids.astype(np.uint64)[:, None] * np.uint64(pairs) + np.arange(pairs, dtype=np.uint64)
         with np.errstate(over="ignore"):
-            bits = mix64(counters, np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03) + np.uint64(1))
+            bits = mix64(counters, self._row_seed())
         scale = np.float32(1.0 / (1 << 24))
         u1 = (bits >> np.uint64(40)).astype(np.float32) * scale  # [0, 1)
         u2 = ((bits & np.uint64(0xFFFFFF)).astype(np.float32) + np.float32(0.5)) * scale  # (0, 1)
         out = np.empty((n, 2 * pairs), dtype=np.float32)
-        if self.kind == "uniform":
-            a = np.float32(self.a)
-            out[:, 0::2] = (u1 * 2 - 1) * a
-            out[:, 1::2] = (u2 * 2 - 1) * a
-        else:
-            r = np.sqrt(np.float32(-2.0) * np.log(u2)) * np.float32(self.std)
-            theta = np.float32(2 * np.pi) * u1
-            out[:, 0::2] = r * np.cos(theta) + np.float32(self.mean)
-            out[:, 1::2] = r * np.sin(theta) + np.float32(self.mean)
+        a = np.float32(self.a)
+        out[:, 0::2] = (u1 * 2 - 1) * a
+        out[:, 1::2] = (u2 * 2 - 1) * a
         return out[:, :dim] if dim % 2 else out
+
+    def _row_seed(self) -> np.uint64:
+        with np.errstate(over="ignore"):
+            return np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03) + np.uint64(1)
+
+    def normal_rows_numpy(self, ids: np.ndarray, dim: int) -> np.ndarray:
+        """The reference of the "normal" rows (and of their kernel): the ziggurat's first draw for every value
+        at once, then the rare values it does not accept at once (about 1%) one by one."""
+        base = mix64(ids, self._row_seed())
+        with np.errstate(over="ignore"):
+            words = mix64(base[:, None] + (np.arange(dim, dtype=np.uint64) << np.uint64(20)), _DRAW_SEED)
+        idx = (words & np.uint64(0xFF)).astype(np.intp)
+        mag = (words >> np.uint64(9)) & _MASK52
+        z = mag.astype(np.float64) * kernels.ZIG_W[idx]
+        z = np.where((words >> np.uint64(8)) & np.uint64(1) == 1, -z, z)
+        for i, j in zip(*np.nonzero(mag >= kernels.ZIG_K[idx])):
+            z[i, j] = _ziggurat_slow(int(base[i]), int(j))
+        return (z * float(self.std) + float(self.mean)).astype(np.float32)
+
+
+_DRAW_SEED = np.uint64(0x2545F4914F6CDD1D)  # the per-value hashes of the normal initializer
+_MASK52 = np.uint64((1 << 52) - 1)
+_M64 = (1 << 64) - 1
+
+
+def _mix_int(x: int, seed: int) -> int:
+    """splitmix64 (routing.mix64) of one Python int."""
+    z = ((x ^ seed) + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _ziggurat_slow(base: int, column: int) -> float:
+    """A standard normal value by the ziggurat, drawing words (base, column, attempt) until one is accepted."""
+    r_tail = kernels.ZIGGURAT_R
+    zk, zw, zf = kernels.ZIG_K, kernels.ZIG_W, kernels.ZIG_F
+
+    def draw(attempt: int) -> int:
+        return _mix_int((base + ((column << 20) | attempt)) & _M64, int(_DRAW_SEED))
+
+    def unit(word: int) -> float:
+        return float(word >> 11) * (1.0 / 9007199254740992.0)
+
+    attempt = 0
+    while attempt < kernels.ZIG_ATTEMPTS:
+        r = draw(attempt)
+        attempt += 1
+        idx, negative, mag = r & 0xFF, (r >> 8) & 1 == 1, (r >> 9) & ((1 << 52) - 1)
+        x = float(mag) * float(zw[idx])
+        if mag < int(zk[idx]):
+            return -x if negative else x
+        if idx == 0:  # the tail beyond R, by Marsaglia's exponential method
+            while attempt + 1 < kernels.ZIG_ATTEMPTS:
+                xx = -math.log1p(-unit(draw(attempt))) / r_tail
+                yy = -math.log1p(-unit(draw(attempt + 1)))
+                attempt += 2
+                if yy + yy > xx * xx:
+                    return -(r_tail + xx) if negative else r_tail + xx
+            return 0.0
+        u = unit(draw(attempt))
+        attempt += 1
+        if (float(zf[idx - 1]) - float(zf[idx])) * u + float(zf[idx]) < math.exp(-0.5 * x * x):
+            return -x if negative else x
+    return 0.0
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Optional
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from shardps.core import kernels
 from shardps.core.memory import release_free_memory, tune_malloc
 from shardps.server.servicer import ShardServicer, add_to_server
 from shardps.server.shard import Shard, ShardConfig
@@ -157,8 +158,12 @@ class ShardServer:
 
 def serve(shard_config: ShardConfig, server_config: ServerConfig, ready_file: Optional[str] = None) -> int:
     """Run a shard until SIGTERM or SIGINT; returns the process exit code."""
+    # The compiled kernels load (or compile, with an empty cache) before the shard listens: the first request
+    # is then as fast as the others, and a shard that is serving has its memory already.
+    kernels.warm_up()
     server = ShardServer(shard_config, server_config).start()
-    print(f"shardps shard {shard_config.shard_index}/{shard_config.num_shards} listening on {server.address}", flush=True)
+    print(f"shardps shard {shard_config.shard_index}/{shard_config.num_shards} listening on {server.address} "
+          f"(kernels: {kernels.describe()})", flush=True)
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(server.address)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardps.core import kernels
 from shardps.core.memory import full, grown, zeros
 from shardps.core.routing import mix64
 
@@ -73,6 +74,13 @@ class HashIndex(_SlotIds):
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id (int64), -1 where absent."""
         ids = np.asarray(ids, dtype=np.int64)
+        k = kernels.jit()
+        if k is not None:
+            return k.hash_lookup(self._table, self._ids, ids, _INDEX_SEED)
+        return self.lookup_numpy(ids)
+
+    def lookup_numpy(self, ids: np.ndarray) -> np.ndarray:
+        """The reference of :meth:`lookup` (and of its kernel): one vectorised pass per probe round."""
         out = np.full(ids.shape[0], -1, dtype=np.int64)
         pending = np.arange(ids.shape[0])
         pos = self._home(ids)
@@ -106,6 +114,15 @@ class HashIndex(_SlotIds):
             self._place(ids, values)
 
     def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
+        k = kernels.jit()
+        if k is not None:
+            k.hash_place(self._table, ids, values, _INDEX_SEED)
+        else:
+            self.place_numpy(ids, values)
+
+    def place_numpy(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """The reference of :meth:`_place`: every probe round places the first claimant of each free position
+        (the kernel places ids one by one; the layouts may differ, the lookups agree)."""
         mask = int(self._mask)
         pos = self._home(ids)
         while ids.size:

@@ -184,13 +184,8 @@ class Table:
         """Apply one optimizer step to the rows of ``ids`` (duplicates summed). Caller holds ``lock``."""
         uniq, grads = coalesce(ids, grads)
         slots = self._slots(uniq, create=True)
-        param = np.take(self.rows, slots, axis=0)
-        state = {k: np.take(v, slots, axis=0) for k, v in self.state.items()}
         step = self.steps[slots] + 1
-        self.optimizer.step(param, grads, state, step, lr_scale)
-        self.rows[slots] = param
-        for k, v in state.items():
-            self.state[k][slots] = v
+        self.optimizer.apply(self.rows, self.state, slots, grads, step, lr_scale)
         self.steps[slots] = step
         return int(uniq.shape[0])
 
