@@ -26,7 +26,7 @@ import os
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -49,6 +49,7 @@ from shardps.core.specs import (
 )
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import admin, planner
+from shardps_client.cache import CacheStats, RowCache
 from shardps_client.errors import IdOutOfRangeError, InvalidArgumentError, ShardpsError
 from shardps_client.pushes import DensePull, PushHold, PushPipeline
 from shardps_client.transport import Transport
@@ -65,6 +66,52 @@ class Versions:
     """The shard versions a pull read at: ``{shard index: version}``; pass it back to ``push``."""
 
     by_shard: dict[int, int]
+
+    @staticmethod
+    def oldest(a: Versions, b: Versions) -> Versions:
+        """The older version of each shard (rows read at two times: staleness counts from the older)."""
+        return Versions({s: min(v, b.by_shard.get(s, v)) for s, v in a.by_shard.items()} |
+                        {s: v for s, v in b.by_shard.items() if s not in a.by_shard})
+
+
+@dataclass
+class _Wanted:
+    """One table's part of a pull: its unique ids, those a row cache holds, those a prefetch brought."""
+
+    spec: TableSpec
+    shape: tuple[int, ...]
+    uniq: np.ndarray
+    inverse: Optional[np.ndarray]
+    cached: Optional[tuple[np.ndarray, np.ndarray]] = None  # (mask over uniq, rows of the held ids)
+    need: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ids to read from the shards
+    prefetched: Optional[tuple[np.ndarray, np.ndarray, Versions]] = None  # (ids, rows, versions)
+    have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # mask over need: prefetched
+    rows_of_need: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+
+    @property
+    def to_pull(self) -> np.ndarray:
+        return self.need if self.prefetched is None else self.need[~self.have]
+
+    def assemble(self, pulled: Optional[tuple[np.ndarray, Versions]]) -> tuple[np.ndarray, Versions]:
+        """Rows of ``uniq`` from the cache, the prefetch and ``pulled`` (the rows of ``to_pull``)."""
+        if self.prefetched is None:
+            assert pulled is not None
+            rows, versions = pulled
+        else:
+            ids, got, versions = self.prefetched
+            rows = np.empty((self.need.shape[0], self.spec.dim), dtype=np.float32)
+            rows[self.have] = got[np.searchsorted(ids, self.need[self.have])]
+            if pulled is not None:
+                rows[~self.have] = pulled[0]
+                versions = Versions.oldest(versions, pulled[1])
+        self.rows_of_need = rows
+        if self.cached is None:
+            return rows, versions
+        hit, hit_rows = self.cached
+        full = np.empty((self.uniq.shape[0], self.spec.dim), dtype=np.float32)
+        full[hit] = hit_rows
+        full[~hit] = rows
+        return full, versions
 
 
 class Client:
@@ -141,7 +188,9 @@ class Client:
         self.worker = WorkerClock(self.transport, self.num_shards, rank, world_size, ssp_bound, self._pool.submit)
         self._seq = [itertools.count(1) for _ in self.addresses]
         self._seq_lock = threading.Lock()
-        self._prefetched: dict[tuple[str, int, int], tuple[np.ndarray, Future]] = {}
+        # (table, hash of the unique ids, wire) -> (unique ids, the ids pulled for them, their pull)
+        self._prefetched: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, Future]] = {}
+        self._caches: dict[str, RowCache] = {}
         self._prefetch_lock = threading.Lock()
         self._hold: Optional[PushHold] = None  # defer_pushes
         self._closed = False
@@ -311,21 +360,30 @@ class Client:
         """
         return self.prefetch_many({table: ids}, wire_dtype)
 
-    def _take_prefetched(self, table: str, uniq: np.ndarray, wire_code: int) -> Optional[tuple[np.ndarray, Versions]]:
+    def _take_prefetched(self, table: str, uniq: np.ndarray,
+                         wire_code: int) -> Optional[tuple[np.ndarray, np.ndarray, Versions]]:
+        """(ids, rows, versions) prefetched for the unique ids ``uniq`` (all of them, or those a row cache
+        did not hold then), or None."""
         with self._prefetch_lock:
             entry = self._prefetched.pop((table, hash(uniq.tobytes()), wire_code), None)
         if entry is None or not np.array_equal(entry[0], uniq):
             return None
         try:
-            return entry[1].result()
+            rows, versions = entry[2].result()
         except ShardpsError as e:
             log.warning("prefetch of %s failed (%s); pulling again", table, e)
             return None
+        return entry[1], rows, versions
 
     def _pull_unique_many(
         self, items: list[tuple[TableSpec, np.ndarray]], wire_code: int
     ) -> list[tuple[np.ndarray, Versions]]:
         """Rows of sorted unique ids of several tables: one call per shard (more if over the size limit)."""
+        if not all(u.shape[0] for _, u in items):  # (a cache can leave a table nothing to pull)
+            some = [(spec, u) for spec, u in items if u.shape[0]]
+            got = iter(self._pull_unique_many(some, wire_code) if some else [])
+            return [next(got) if u.shape[0] else (np.zeros((0, spec.dim), np.float32), Versions({}))
+                    for spec, u in items]
         per_shard = planner.pull_plan(items, self.num_shards, wire_code, self.max_message_bytes)
         calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs),
                                             self.max_message_bytes)
@@ -347,19 +405,31 @@ class Client:
         for table, ids in requests.items():
             spec = self.table_spec(table)
             ids_np = self._checked_ids(spec, ids)
+            cache = self._caches.get(table)
+            if cache is not None:  # a new step: rows past their k steps go, their summed gradients out
+                for expired_ids, grads in cache.advance():
+                    self._push_unique(spec, expired_ids, grads, None, False, wire_code)
             if self.read_your_writes:
                 self._see_own_pushes(table)
             flat = ids_np.reshape(-1)
             uniq, inverse = (flat, None) if is_sorted_unique(flat) else np.unique(flat, return_inverse=True)
-            prepared[table] = (spec, ids_np.shape, uniq, inverse, self._take_prefetched(table, uniq, wire_code))
-        missing = [t for t, p in prepared.items() if p[4] is None]
-        pulled = dict(zip(missing, self._pull_unique_many([(prepared[t][0], prepared[t][2]) for t in missing], wire_code)))
+            w = _Wanted(spec, ids_np.shape, uniq, inverse, cached=cache.lookup(uniq) if cache is not None else None)
+            w.need = uniq[~w.cached[0]] if w.cached is not None else uniq
+            w.prefetched = self._take_prefetched(table, uniq, wire_code)
+            if w.prefetched is not None:
+                w.have = planner.found_in(w.prefetched[0], w.need)
+            prepared[table] = w
+        missing = [t for t, w in prepared.items() if w.prefetched is None or not w.have.all()]
+        pulled = dict(zip(missing, self._pull_unique_many([(prepared[t].spec, prepared[t].to_pull) for t in missing],
+                                                          wire_code)))
         out = {}
-        for table, (spec, shape, _, inverse, prefetched) in prepared.items():
-            rows, versions = prefetched or pulled[table]
-            if inverse is not None:
-                rows = rows[inverse.reshape(-1)]
-            t = torch.from_numpy(rows.reshape(shape + (spec.dim,)))
+        for table, w in prepared.items():
+            rows, versions = w.assemble(pulled.get(table))
+            if w.cached is not None:
+                self._caches[table].admit(w.need, w.rows_of_need)
+            if w.inverse is not None:
+                rows = rows[w.inverse.reshape(-1)]
+            t = torch.from_numpy(rows.reshape(w.shape + (w.spec.dim,)))
             out[table] = ((t.to(device, non_blocking=True) if device is not None else t), versions)
         return out
 
@@ -370,11 +440,15 @@ class Client:
         for table, ids in requests.items():
             spec = self.table_spec(table)
             uniq = unique_ids(self._checked_ids(spec, ids).reshape(-1))
-            items.append((spec, uniq))
+            cache = self._caches.get(table)
+            # Rows a cache holds are not prefetched: served from it next step, or, if they expire then, pulled
+            # once their summed gradients are pushed.
+            need = uniq[~cache.held(uniq)] if cache is not None else uniq
+            items.append((spec, need))
             f: Future = Future()
             futures.append(f)
             with self._prefetch_lock:
-                self._prefetched[(table, hash(uniq.tobytes()), wire_code)] = (uniq, f)
+                self._prefetched[(table, hash(uniq.tobytes()), wire_code)] = (uniq, need, f)
                 while len(self._prefetched) > 256:
                     self._prefetched.pop(next(iter(self._prefetched)))
 
@@ -413,11 +487,22 @@ class Client:
                            spec.allow_nonfinite)
         uniq, summed = coalesce(ids_np.reshape(-1), g.reshape(-1, spec.dim))
         wire_code = self._wire(wire_dtype)  # before the step number: a refused push must not use one up
-        sync_step = self.worker.next_sync_step(table) if spec.sync is not None else 0
+        cache = self._caches.get(table)
+        if cache is not None:  # rows the cache holds sum their gradients locally
+            absorbed = cache.accumulate(uniq, summed)
+            if absorbed.all():
+                return
+            uniq, summed = uniq[~absorbed], summed[~absorbed]
+        self._push_unique(spec, uniq, summed, versions, wait, wire_code)
+
+    def _push_unique(self, spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, versions: Optional[Versions],
+                     wait: bool, wire_code: int) -> None:
+        """Push the summed gradients of sorted unique ids."""
+        sync_step = self.worker.next_sync_step(spec.name) if spec.sync is not None else 0
         calls = planner.push_plan(spec, uniq, summed, self.num_shards, wire_code, self.max_message_bytes,
                                   versions.by_shard if versions is not None else None, self.client_id,
                                   self._next_seq, sync_step, self.rank or 0)
-        self.pushes.dispatch(table, calls, wait)
+        self.pushes.dispatch(spec.name, calls, wait)
 
     def send_pushes(self, pull_dense: Sequence[str] = ()) -> Optional[DensePull]:
         """Send the queued pushes (``defer_pushes``): one PushBatch per shard (or a few, below the size limit).
@@ -446,8 +531,48 @@ class Client:
         return out
 
     def flush(self) -> None:
-        """Wait until every push sent so far is applied; raise the first error any of them met."""
+        """Push what the row caches summed (emptying them), wait until every push sent so far is applied, and
+        raise the first error any of them met."""
+        for table, cache in list(self._caches.items()):
+            self._drain_cache(table, cache)
         self.pushes.flush()
+
+    def _drain_cache(self, table: str, cache: RowCache) -> None:
+        spec = self.table_spec(table)
+        for ids, grads in cache.drain():
+            self._push_unique(spec, ids, grads, None, False, self.wire_dtype)
+
+    # ---- the trainer-side row cache ----------------------------------------------------
+
+    def cache_table(self, table: str, steps: int, max_rows: int = 1_000_000) -> None:
+        """Serve ``table``'s rows from this process for ``steps`` steps after each pull (bounded staleness).
+
+        A row pulled at step s (a step: one pull of the table) is served locally
+        at steps s .. s+steps-1, and the gradients pushed for it meanwhile are
+        summed here and pushed as one when its steps are over, or at ``flush()``
+        (see ``shardps_client.cache``). ``steps=0`` turns the cache off (what it
+        summed is pushed): every pull and push then goes to the shards, exactly as
+        without a cache. ``max_rows`` bounds the rows held (``max_rows * dim * 8``
+        bytes). Synchronous tables cannot be cached.
+        """
+        spec = self.table_spec(table)
+        if steps < 0:
+            raise InvalidArgumentError(f"{table}: cache steps must be >= 0, got {steps}")
+        if max_rows < 1:
+            raise InvalidArgumentError(f"{table}: cache max_rows must be >= 1, got {max_rows}")
+        if spec.sync is not None and steps:
+            raise InvalidArgumentError(f"{table}: a synchronous table cannot be cached (every worker pushes every "
+                                       "step)")
+        old = self._caches.pop(table, None)
+        if old is not None:
+            self._drain_cache(table, old)
+        if steps:
+            self._caches[table] = RowCache(spec.dim, steps, max_rows)
+
+    def cache_stats(self, table: str) -> Optional[CacheStats]:
+        """Counters of ``table``'s row cache (None when it has none)."""
+        cache = self._caches.get(table)
+        return None if cache is None else cache.stats
 
     # ---- dense tensors ---------------------------------------------------------------
 

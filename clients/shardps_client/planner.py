@@ -72,6 +72,14 @@ def dense_pieces(spec: DenseSpec, num_shards: int, max_bytes: int, wire_code: in
 
 # ---- pulls -----------------------------------------------------------------------------
 
+
+def found_in(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Mask of ``ids`` present in the sorted array ``sorted_ids``."""
+    if not sorted_ids.shape[0]:
+        return np.zeros(ids.shape[0], dtype=bool)
+    pos = np.minimum(np.searchsorted(sorted_ids, ids), sorted_ids.shape[0] - 1)
+    return sorted_ids[pos] == ids
+
 PerShard = list[list[tuple[Any, Any, Any, int]]]  # per shard: (key, part, request, reply bytes)
 
 
