@@ -1,8 +1,9 @@
 """End to end: samples/s of the DLRM example trained through the shards against local training.
 
 Runs clients/examples/dlrm.py (the same model, data and optimizers) with 1 and
-2 worker processes, without prefetch, with prefetch, and with prefetch and the
-dense values lagging a step (--dense-lag 1), and the local torch.optim
+2 worker processes, without prefetch, with prefetch, with prefetch and the
+dense values lagging a step (--dense-lag 1), and with those and the trainer's
+row cache for k = 2 and 8 steps (--cache-steps), and the local torch.optim
 baseline, and reports samples/s and test AUC side by side with ratios.
 
     python benchmarks/bench_e2e.py [--train 200000] [--repeat 3] [--quick]
@@ -27,8 +28,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DLRM = ROOT / "clients" / "examples" / "dlrm.py"
 
 
-# Variants of the shardps runs: (label, extra dlrm.py arguments).
+# Variants of the shardps runs: (label, extra dlrm.py arguments); --cache-steps adds cached ones.
 VARIANTS = [("no", []), ("yes", ["--prefetch"]), ("yes, dense lag 1", ["--prefetch", "--dense-lag", "1"])]
+
+
+def cached(k: int) -> tuple[str, list[str]]:
+    return f"yes, lag 1, cache {k}", ["--prefetch", "--dense-lag", "1", "--cache-steps", str(k)]
 
 
 def run(args: argparse.Namespace, workers: int, extra: list[str], local: bool) -> dict:
@@ -53,6 +58,9 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="passes over every run, the local baseline included (each ratio is to its own pass's local "
                         "run); the table shows medians and the ratio's range")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker process counts")
+    p.add_argument("--cache-steps", type=int, nargs="*", default=[2, 8],
+                   help="row-cache steps k of the cached variants (prefetch, dense lag 1, Client.cache_table)")
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -60,7 +68,8 @@ def main() -> int:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.quick:
         args.train, args.test, args.rows = 20_000, 5_000, 50_000
-    configs = [(workers, label, extra) for workers in (1, 2) for label, extra in VARIANTS]
+    variants = VARIANTS + [cached(k) for k in args.cache_steps]
+    configs = [(workers, label, extra) for workers in args.workers for label, extra in variants]
     progress = Progress(len(configs) * args.repeat, "e2e")
     runs: dict[tuple[str, int, str], list[dict]] = {}  # (trainer, workers, prefetch) -> one result per pass
     for rep in range(args.repeat):
@@ -93,10 +102,10 @@ def main() -> int:
     out = pathlib.Path(args.out)
     write_outputs("e2e", {"args": vars(args)}, rows, out)
     series = {}
-    for pf, _ in VARIANTS:
+    for pf, _ in variants:
         pts = [r for r in rows if r["trainer"] == "shardps" and r["prefetch"] == pf]
         series[f"shardps, prefetch {pf}"] = ([r["workers"] for r in pts], [r["samples_per_s"] for r in pts])
-    series["local torch.optim"] = ([1, 2], [local["samples_per_s"]] * 2)
+    series["local torch.optim"] = (list(args.workers), [local["samples_per_s"]] * len(args.workers))
     plot(out / "e2e.png", [("DLRM samples/s", "worker processes", series)], "samples/s")
     print(f"\nwrote {out / 'e2e.json'} and {out / 'e2e.png'}")
     return 0

@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
                                            "--repeat", "2"]),
     ("bench_parts.py", "parts", []),
     ("bench_durability.py", "durability", []),
-    ("bench_e2e.py", "e2e", []),
+    ("bench_e2e.py", "e2e", ["--cache-steps", "4"]),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, extra):
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(tmp_path), *extra],
@@ -40,7 +40,7 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
         local, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0
         assert [(r["workers"], r["prefetch"]) for r in ours] == [
-            (w, p) for w in (1, 2) for p in ("no", "yes", "yes, dense lag 1")]
+            (w, p) for w in (1, 2) for p in ("no", "yes", "yes, dense lag 1", "yes, lag 1, cache 4")]
         for r in ours:
             assert r["x_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"])
             assert 0.5 < r["auc"] <= r["best_auc"]  # it learned something, and not more than the planted truth allows

@@ -147,6 +147,9 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
     ssp = args.ssp_bound if args.mode == "ssp" else None
     with Client(addresses, rank=rank, world_size=world, ssp_bound=ssp) as client:
         sync = create_tables(args, client, world)
+        if args.cache_steps:
+            for f in range(NUM_SPARSE):
+                client.cache_table(table_name(f) + f".{args.mode}", steps=args.cache_steps, max_rows=args.cache_rows)
         embs = [RemoteEmbedding(client, table_name(f) + f".{args.mode}") for f in range(NUM_SPARSE)]
         model = DLRM(embs, args.dim)
         opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.", sync=sync,
@@ -223,18 +226,25 @@ def main() -> int:
     p.add_argument("--dense-lag", type=int, default=0,
                    help="steps the MLP's values may lag behind (async mode): 1 lets a step start before the last "
                         "step's new values are back")
+    p.add_argument("--cache-steps", type=int, default=0,
+                   help="serve each pulled row from the trainer for this many steps, pushing its summed gradients "
+                        "then (Client.cache_table; 0: no cache, async mode only)")
+    p.add_argument("--cache-rows", type=int, default=500_000, help="rows the cache may hold per table")
     p.add_argument("--no-local", action="store_true", help="skip the local torch.optim baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.dense_lag and args.mode != "async":
         p.error("--dense-lag needs --mode async (synchronous and SSP steps bound staleness themselves)")
+    if args.cache_steps and args.mode == "sync":
+        p.error("--cache-steps needs --mode async or ssp (a synchronous step takes every worker's gradients)")
     ident = worker_identity()
     if ident is not None:  # one worker (under torchrun or started below)
         return worker(args, worker_addresses(args), *ident)
     print(f"DLRM: {NUM_SPARSE} sparse features x {args.rows:,} rows (dim {args.dim}) + {NUM_DENSE} dense; "
           f"{args.train:,} training samples, {args.workers} worker(s), mode {args.mode}"
-          f"{', prefetch' if args.prefetch else ''}", flush=True)
+          f"{', prefetch' if args.prefetch else ''}{f', cache {args.cache_steps} steps' if args.cache_steps else ''}",
+          flush=True)
     results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
     os.environ["SHARDPS_RESULTS_DIR"] = results_dir
     with cluster(args) as addresses:
