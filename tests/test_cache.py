@@ -8,10 +8,12 @@ one holds (up to float32 summation order).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
-from shardps_client import Client, InvalidArgumentError
+from shardps_client import Client, InvalidArgumentError, Prefetcher
 
 from shardps.core.optim import SGD
 from shardps.core.specs import Initializer, SyncPolicy
@@ -88,26 +90,37 @@ def test_a_full_cache_passes_rows_through(client2: Client) -> None:
     torch.testing.assert_close(client2.pull("c", ids), before - 1.0)
 
 
-def test_prefetched_steps_serve_what_unprefetched_ones_do(client2: Client) -> None:
-    """Prefetching the next step's rows skips the rows the cache will still hold, and changes nothing served."""
-    for name in ("a", "b"):
-        _table(client2, name, lr=0.5)
-        client2.cache_table(name, steps=2, max_rows=1000)
+def test_prefetched_cached_steps_need_no_pull_of_their_own_and_lose_no_update(client2: Client) -> None:
+    """With Prefetcher and a cache, every step's rows come from the cache or the prefetch (no pull waits),
+    and after flush() the shards hold every gradient applied once (torch.optim.SGD on the summed gradients)."""
+    _table(client2, "c", lr=0.5)
+    client2.cache_table("c", steps=3, max_rows=1000)
     rng = np.random.default_rng(0)
-    batches = [torch.from_numpy(rng.integers(0, 40, 30)) for _ in range(9)]
-    client2.prefetch("b", batches[0])
-    for step, ids in enumerate(batches):
-        a = client2.pull("a", ids)
-        b = client2.pull("b", ids)
-        if step + 1 < len(batches):
-            client2.prefetch("b", batches[step + 1])
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-        g = torch.from_numpy(rng.standard_normal((30, DIM)).astype(np.float32))
-        client2.push("a", ids, g)
-        client2.push("b", ids, g)
+    batches = [torch.from_numpy(rng.integers(0, 40, 30)) for _ in range(12)]
+    grads = [torch.from_numpy(rng.standard_normal((30, DIM)).astype(np.float32)) for _ in batches]
+    start = client2.pull("c", torch.arange(40))
+    client2.flush()  # (the pull above made a generation; start clean)
+    waited = []
+    real = client2._pull_unique_many
+
+    def counting(items, wire_code):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is threading.main_thread():
+            waited.append(sum(u.shape[0] for _, u in items))
+        return real(items, wire_code)
+
+    client2._pull_unique_many = counting  # type: ignore[method-assign]
+    total = torch.zeros(40, DIM)
+    for ids, g in zip(Prefetcher(batches, client2, lambda b: {"c": b}, depth=1), grads):
+        client2.pull("c", ids)
+        client2.push("c", ids, g)
+        total.index_add_(0, ids, g)
+    assert sum(waited) == 0, waited
     client2.flush()
-    torch.testing.assert_close(client2.pull("a", torch.arange(40)), client2.pull("b", torch.arange(40)))
-    assert client2.cache_stats("b").hits == client2.cache_stats("a").hits > 0
+    reference = torch.nn.Parameter(start.clone())
+    reference.grad = total
+    torch.optim.SGD([reference], lr=0.5).step()
+    torch.testing.assert_close(client2.pull("c", torch.arange(40)), reference.detach(), rtol=1e-5, atol=1e-5)
+    assert client2.cache_stats("c").hits > 0
 
 
 def test_bad_cache_settings_are_refused(client2: Client) -> None:

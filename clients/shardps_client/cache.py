@@ -10,7 +10,11 @@ that is the same update as k separate pushes; for Adagrad and Adam it is the
 step of a k-times larger batch of that row.
 
 A step is one pull of the table (``pull``, ``pull_many``, a ``RemoteEmbedding``
-forward). Rows are kept in generations, one per step, each a sorted id array
+forward). A prefetch for the pull ``steps_ahead`` steps later pushes first the
+sums of the rows that will have expired by then (they are still served until
+they do) and reads only the rows the cache will not serve, so a prefetched step
+needs no pull of its own; a row whose sums were pushed after a prefetch read it
+is read again at its pull. Rows are kept in generations, one per step, each a sorted id array
 with its rows and summed gradients, so lookups are a few ``searchsorted`` calls
 and no per-row Python runs. ``max_rows`` bounds the rows held; rows pulled
 while the cache is full are not cached (their gradients go out at once, as
@@ -33,6 +37,7 @@ class _Generation:
     rows: np.ndarray  # float32 [n, dim]
     grads: np.ndarray  # float32 [n, dim], summed since the pull
     touched: np.ndarray  # bool [n]: has a gradient to push
+    flushed: bool = False  # summed gradients pushed ahead of a prefetch: still served, absorbs no more
 
 
 @dataclass
@@ -67,6 +72,8 @@ class RowCache:
         self.step = 0
         self.lock = threading.Lock()
         self._gens: deque[_Generation] = deque()
+        self.epoch = 0  # counts pushes of summed gradients
+        self._pushed: deque[tuple[int, np.ndarray]] = deque(maxlen=64)  # (epoch, sorted ids) of the last ones
         self.stats = CacheStats()
 
     @property
@@ -80,8 +87,22 @@ class RowCache:
             self.step += 1
             out = []
             while self._gens and self._gens[0].step + self.steps <= self.step:
-                out.extend(self._take(self._gens.popleft()))
+                g = self._gens.popleft()
+                if not g.flushed:
+                    out.extend(self._take(g))
             self.stats.rows = self.rows_held
+            return out
+
+    def flush_expiring(self, steps_ahead: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Before a prefetch for the pull ``steps_ahead`` steps from now: push (return) the summed gradients of
+        the rows that will have expired by then, so the prefetch reads them with those updates. They are still
+        served until they expire; their later gradients go straight out."""
+        with self.lock:
+            out = []
+            for g in self._gens:
+                if not g.flushed and g.step + self.steps <= self.step + steps_ahead:
+                    g.flushed = True
+                    out.extend(self._take(g))
             return out
 
     def drain(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -98,7 +119,24 @@ class RowCache:
         if not n:
             return []
         self.stats.pushed += n
-        return [(g.ids[g.touched], g.grads[g.touched])]
+        ids = g.ids[g.touched]
+        self.epoch += 1
+        self._pushed.append((self.epoch, ids))
+        return [(ids, g.grads[g.touched])]
+
+    def pushed_since(self, epoch: int, ids: np.ndarray) -> np.ndarray:
+        """Mask of the sorted unique ids whose summed gradients were pushed after ``epoch`` (rows read before
+        then lack them)."""
+        with self.lock:
+            if epoch == self.epoch:
+                return np.zeros(ids.shape[0], dtype=bool)
+            if not self._pushed or self._pushed[0][0] > epoch + 1:
+                return np.ones(ids.shape[0], dtype=bool)  # (older than what is remembered: all of them)
+            out = np.zeros(ids.shape[0], dtype=bool)
+            for e, pushed in self._pushed:
+                if e > epoch:
+                    out |= np.isin(ids, pushed, assume_unique=True)
+            return out
 
     def _find(self, ids: np.ndarray) -> list[tuple[_Generation, np.ndarray, np.ndarray]]:
         """(generation, mask over ids, positions in the generation) of the ids each generation holds."""
@@ -128,11 +166,12 @@ class RowCache:
             return hit, rows[hit]
 
     def held(self, uniq: np.ndarray) -> np.ndarray:
-        """Mask of the sorted unique ids held now."""
+        """Mask of the sorted unique ids held now and still summing their gradients (not flushed)."""
         with self.lock:
             hit = np.zeros(uniq.shape[0], dtype=bool)
-            for _, found, _ in self._find(uniq):
-                hit |= found
+            for g, found, _ in self._find(uniq):
+                if not g.flushed:
+                    hit |= found
             return hit
 
     def admit(self, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -156,6 +195,8 @@ class RowCache:
         with self.lock:
             absorbed = np.zeros(uniq.shape[0], dtype=bool)
             for g, found, pos in self._find(uniq):
+                if g.flushed:
+                    continue
                 g.grads[pos] += grads[found]
                 g.touched[pos] = True
                 absorbed |= found

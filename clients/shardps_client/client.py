@@ -188,8 +188,8 @@ class Client:
         self.worker = WorkerClock(self.transport, self.num_shards, rank, world_size, ssp_bound, self._pool.submit)
         self._seq = [itertools.count(1) for _ in self.addresses]
         self._seq_lock = threading.Lock()
-        # (table, hash of the unique ids, wire) -> (unique ids, the ids pulled for them, their pull)
-        self._prefetched: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, Future]] = {}
+        # (table, hash of the unique ids, wire) -> (unique ids, the ids pulled for them, their pull, cache epoch)
+        self._prefetched: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray, Future, int]] = {}
         self._caches: dict[str, RowCache] = {}
         self._prefetch_lock = threading.Lock()
         self._hold: Optional[PushHold] = None  # defer_pushes
@@ -373,7 +373,13 @@ class Client:
         except ShardpsError as e:
             log.warning("prefetch of %s failed (%s); pulling again", table, e)
             return None
-        return entry[1], rows, versions
+        ids = entry[1]
+        cache = self._caches.get(table)
+        if cache is not None:  # rows whose summed gradients went out after the prefetch read them: read again
+            fresh = ~cache.pushed_since(entry[3], ids)
+            if not fresh.all():
+                ids, rows = ids[fresh], rows[fresh]
+        return ids, rows, versions
 
     def _pull_unique_many(
         self, items: list[tuple[TableSpec, np.ndarray]], wire_code: int
@@ -433,22 +439,32 @@ class Client:
             out[table] = ((t.to(device, non_blocking=True) if device is not None else t), versions)
         return out
 
-    def prefetch_many(self, requests: dict[str, IdsLike], wire_dtype: Optional[str] = None) -> Future:
-        """Start pulling rows of several tables in one round trip per shard (see ``prefetch``)."""
+    def prefetch_many(self, requests: dict[str, IdsLike], wire_dtype: Optional[str] = None,
+                      steps_ahead: int = 1) -> Future:
+        """Start pulling rows of several tables in one round trip per shard (see ``prefetch``).
+
+        ``steps_ahead``: the rows are for the pull that many pulls of the table from now (``Prefetcher``
+        passes its depth + 1); a row cache (``cache_table``) uses it to tell which rows it will serve then.
+        """
         wire_code = self._wire(wire_dtype)
         items, futures = [], []
         for table, ids in requests.items():
             spec = self.table_spec(table)
             uniq = unique_ids(self._checked_ids(spec, ids).reshape(-1))
             cache = self._caches.get(table)
-            # Rows a cache holds are not prefetched: served from it next step, or, if they expire then, pulled
-            # once their summed gradients are pushed.
-            need = uniq[~cache.held(uniq)] if cache is not None else uniq
+            need, epoch = uniq, 0
+            if cache is not None:  # rows the cache will serve are not read; those it will not are read after
+                sums = cache.flush_expiring(steps_ahead)  # their summed gradients went out
+                for expiring, grads in sums:
+                    self._push_unique(spec, expiring, grads, None, False, wire_code)
+                if sums:
+                    self._see_own_pushes(table)
+                need, epoch = uniq[~cache.held(uniq)], cache.epoch
             items.append((spec, need))
             f: Future = Future()
             futures.append(f)
             with self._prefetch_lock:
-                self._prefetched[(table, hash(uniq.tobytes()), wire_code)] = (uniq, need, f)
+                self._prefetched[(table, hash(uniq.tobytes()), wire_code)] = (uniq, need, f, epoch)
                 while len(self._prefetched) > 256:
                     self._prefetched.pop(next(iter(self._prefetched)))
 

@@ -36,7 +36,7 @@ class Prefetcher:
     def __iter__(self) -> Iterator[Any]:
         queue: list[Any] = []
         for batch in iter(self.loader):
-            pending = self.client.prefetch_many(dict(self.ids_fn(batch)))
+            pending = self.client.prefetch_many(dict(self.ids_fn(batch)), steps_ahead=self.depth + 1)
             if self.depth == 0:
                 pending.result()
             queue.append(batch)
