@@ -99,8 +99,11 @@ class _Wanted:
             rows, versions = pulled
         else:
             ids, got, versions = self.prefetched
-            rows = np.empty((self.need.shape[0], self.spec.dim), dtype=np.float32)
-            rows[self.have] = got[np.searchsorted(ids, self.need[self.have])]
+            if ids.shape[0] == self.need.shape[0] and self.have.all():  # the prefetch brought exactly these
+                rows = got
+            else:
+                rows = np.empty((self.need.shape[0], self.spec.dim), dtype=np.float32)
+                rows[self.have] = got[np.searchsorted(ids, self.need[self.have])]
             if pulled is not None:
                 rows[~self.have] = pulled[0]
                 versions = Versions.oldest(versions, pulled[1])
@@ -412,10 +415,10 @@ class Client:
             spec = self.table_spec(table)
             ids_np = self._checked_ids(spec, ids)
             cache = self._caches.get(table)
-            if cache is not None:  # a new step: rows past their k steps go, their summed gradients out
-                for expired_ids, grads in cache.advance():
-                    self._push_unique(spec, expired_ids, grads, None, False, wire_code)
-            if self.read_your_writes:
+            expired = cache.advance() if cache is not None else []  # a new step: rows past their k steps go
+            for expired_ids, grads in expired:  # ... and their summed gradients out, before the pull reads them
+                self._push_unique(spec, expired_ids, grads, None, False, wire_code)
+            if self.read_your_writes or expired:
                 self._see_own_pushes(table)
             flat = ids_np.reshape(-1)
             uniq, inverse = (flat, None) if is_sorted_unique(flat) else np.unique(flat, return_inverse=True)
