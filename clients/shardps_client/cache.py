@@ -23,6 +23,7 @@ without a cache).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class CacheStats:
 
     hits: int = 0
     misses: int = 0
-    rows: int = 0  # rows held now
+    rows: int = 0  # rows held (when the copy was taken)
     absorbed: int = 0  # row gradients summed locally instead of pushed
     pushed: int = 0  # summed row gradients pushed when their rows expired or at flush
     not_cached: int = 0  # rows pulled while the cache was full
@@ -74,7 +75,13 @@ class RowCache:
         self._gens: deque[_Generation] = deque()
         self.epoch = 0  # counts pushes of summed gradients
         self._pushed: deque[tuple[int, np.ndarray]] = deque(maxlen=64)  # (epoch, sorted ids) of the last ones
-        self.stats = CacheStats()
+        self._stats = CacheStats()
+
+    @property
+    def stats(self) -> CacheStats:
+        """A copy of the counters, with the rows held now."""
+        with self.lock:
+            return dataclasses.replace(self._stats, rows=self.rows_held)
 
     @property
     def rows_held(self) -> int:
@@ -90,7 +97,6 @@ class RowCache:
                 g = self._gens.popleft()
                 if not g.flushed:
                     out.extend(self._take(g))
-            self.stats.rows = self.rows_held
             return out
 
     def flush_expiring(self, steps_ahead: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -111,14 +117,13 @@ class RowCache:
             out = []
             while self._gens:
                 out.extend(self._take(self._gens.popleft()))
-            self.stats.rows = 0
             return out
 
     def _take(self, g: _Generation) -> list[tuple[np.ndarray, np.ndarray]]:
         n = int(g.touched.sum())
         if not n:
             return []
-        self.stats.pushed += n
+        self._stats.pushed += n
         ids = g.ids[g.touched]
         self.epoch += 1
         self._pushed.append((self.epoch, ids))
@@ -161,8 +166,8 @@ class RowCache:
                 hit |= found
                 rows[found] = g.rows[pos]
             n = int(hit.sum())
-            self.stats.hits += n
-            self.stats.misses += uniq.shape[0] - n
+            self._stats.hits += n
+            self._stats.misses += uniq.shape[0] - n
             return hit, rows[hit]
 
     def held(self, uniq: np.ndarray) -> np.ndarray:
@@ -179,15 +184,14 @@ class RowCache:
         with self.lock:
             room = self.max_rows - self.rows_held
             if room <= 0 or not ids.shape[0]:
-                self.stats.not_cached += ids.shape[0]
+                self._stats.not_cached += ids.shape[0]
                 return
             if ids.shape[0] > room:
-                self.stats.not_cached += ids.shape[0] - room
+                self._stats.not_cached += ids.shape[0] - room
                 ids, rows = ids[:room], rows[:room]
             n = ids.shape[0]
             self._gens.append(_Generation(self.step, ids.copy(), np.array(rows, dtype=np.float32, copy=True),
                                           np.zeros((n, self.dim), np.float32), np.zeros(n, dtype=bool)))
-            self.stats.rows = self.rows_held
 
     def accumulate(self, uniq: np.ndarray, grads: np.ndarray) -> np.ndarray:
         """Sum the gradients of held rows (sorted unique ids) locally; returns the mask of the ids absorbed
@@ -200,5 +204,5 @@ class RowCache:
                 g.grads[pos] += grads[found]
                 g.touched[pos] = True
                 absorbed |= found
-            self.stats.absorbed += int(absorbed.sum())
+            self._stats.absorbed += int(absorbed.sum())
             return absorbed

@@ -86,14 +86,13 @@ class _Wanted:
     need: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ids to read from the shards
     prefetched: Optional[tuple[np.ndarray, np.ndarray, Versions]] = None  # (ids, rows, versions)
     have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # mask over need: prefetched
-    rows_of_need: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
 
     @property
     def to_pull(self) -> np.ndarray:
         return self.need if self.prefetched is None else self.need[~self.have]
 
-    def assemble(self, pulled: Optional[tuple[np.ndarray, Versions]]) -> tuple[np.ndarray, Versions]:
-        """Rows of ``uniq`` from the cache, the prefetch and ``pulled`` (the rows of ``to_pull``)."""
+    def rows_of_need(self, pulled: Optional[tuple[np.ndarray, Versions]]) -> tuple[np.ndarray, Versions]:
+        """Rows of ``need`` from the prefetch and ``pulled`` (the rows of ``to_pull``)."""
         if self.prefetched is None:
             assert pulled is not None
             rows, versions = pulled
@@ -107,14 +106,17 @@ class _Wanted:
             if pulled is not None:
                 rows[~self.have] = pulled[0]
                 versions = Versions.oldest(versions, pulled[1])
-        self.rows_of_need = rows
+        return rows, versions
+
+    def with_cached(self, rows: np.ndarray) -> np.ndarray:
+        """Rows of ``uniq``: those the cache held, and ``rows`` (of ``need``) for the others."""
         if self.cached is None:
-            return rows, versions
+            return rows
         hit, hit_rows = self.cached
         full = np.empty((self.uniq.shape[0], self.spec.dim), dtype=np.float32)
         full[hit] = hit_rows
         full[~hit] = rows
-        return full, versions
+        return full
 
 
 class Client:
@@ -425,17 +427,19 @@ class Client:
             w = _Wanted(spec, ids_np.shape, uniq, inverse, cached=cache.lookup(uniq) if cache is not None else None)
             w.need = uniq[~w.cached[0]] if w.cached is not None else uniq
             w.prefetched = self._take_prefetched(table, uniq, wire_code)
-            if w.prefetched is not None:
-                w.have = planner.found_in(w.prefetched[0], w.need)
+            if w.prefetched is not None:  # (without a cache, a prefetch as long as need brought all of uniq)
+                same = w.cached is None and w.prefetched[0].shape[0] == w.need.shape[0]
+                w.have = np.ones(w.need.shape[0], dtype=bool) if same else planner.found_in(w.prefetched[0], w.need)
             prepared[table] = w
         missing = [t for t, w in prepared.items() if w.prefetched is None or not w.have.all()]
         pulled = dict(zip(missing, self._pull_unique_many([(prepared[t].spec, prepared[t].to_pull) for t in missing],
                                                           wire_code)))
         out = {}
         for table, w in prepared.items():
-            rows, versions = w.assemble(pulled.get(table))
+            rows, versions = w.rows_of_need(pulled.get(table))
             if w.cached is not None:
-                self._caches[table].admit(w.need, w.rows_of_need)
+                self._caches[table].admit(w.need, rows)
+                rows = w.with_cached(rows)
             if w.inverse is not None:
                 rows = rows[w.inverse.reshape(-1)]
             t = torch.from_numpy(rows.reshape(w.shape + (w.spec.dim,)))

@@ -11,6 +11,9 @@ import numba
 import numpy as np
 
 from shardps.core.kernels import ZIG_ATTEMPTS, ZIGGURAT_R
+from shardps.core.routing import SPLITMIX_GOLDEN as _GOLDEN
+from shardps.core.routing import SPLITMIX_M1 as _M1
+from shardps.core.routing import SPLITMIX_M2 as _M2
 
 
 def _njit(fn):  # type: ignore[no-untyped-def]
@@ -19,9 +22,6 @@ def _njit(fn):  # type: ignore[no-untyped-def]
 
 # ---- hashing (the same splitmix64 as routing.mix64) -----------------------------------
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)

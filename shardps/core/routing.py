@@ -10,10 +10,11 @@ import numpy as np
 
 from shardps.core import kernels
 
-# splitmix64 finaliser constants (Steele, Lea & Flood, 2014).
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+# splitmix64 finaliser constants (Steele, Lea & Flood, 2014); the kernels and the initializer's reference
+# mix with them too.
+SPLITMIX_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+SPLITMIX_M1 = np.uint64(0xBF58476D1CE4E5B9)
+SPLITMIX_M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
@@ -26,11 +27,11 @@ def mix64(x: np.ndarray, seed: np.uint64 = ROUTING_SEED) -> np.ndarray:
     z = np.asarray(x).astype(np.uint64, copy=True)
     with np.errstate(over="ignore"):
         z ^= seed
-        z += _GOLDEN
+        z += SPLITMIX_GOLDEN
         z ^= z >> _S30
-        z *= _M1
+        z *= SPLITMIX_M1
         z ^= z >> _S27
-        z *= _M2
+        z *= SPLITMIX_M2
         z ^= z >> _S31
     return z
 

@@ -12,7 +12,7 @@ import numpy as np
 from shardps.core import kernels
 from shardps.core.errors import InvalidArgument, clip
 from shardps.core.optim import SGD, Adagrad, Adam, Optimizer
-from shardps.core.routing import mix64
+from shardps.core.routing import SPLITMIX_GOLDEN, SPLITMIX_M1, SPLITMIX_M2, mix64
 from shardps.v1 import shardps_pb2 as pb
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
@@ -110,9 +110,9 @@ _M64 = (1 << 64) - 1
 
 def _mix_int(x: int, seed: int) -> int:
     """splitmix64 (routing.mix64) of one Python int."""
-    z = ((x ^ seed) + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z = ((x ^ seed) + int(SPLITMIX_GOLDEN)) & _M64
+    z = ((z ^ (z >> 30)) * int(SPLITMIX_M1)) & _M64
+    z = ((z ^ (z >> 27)) * int(SPLITMIX_M2)) & _M64
     return z ^ (z >> 31)
 
 
