@@ -2,7 +2,9 @@
 
 Runs clients/examples/dlrm.py (the same model, data and optimizers) with 1 and
 2 worker processes, without prefetch, with prefetch, with prefetch and the
-dense values lagging a step (--dense-lag 1), and with those and the trainer's
+dense values lagging a step (--dense-lag 1), with prefetch and the MLPs trained
+by DistributedDataParallel instead of on the shards (--dense ddp, the hybrid),
+and with prefetch, lag 1 and the trainer's
 row cache for k = 2 and 8 steps (--cache-steps), and the local torch.optim
 baseline, and reports samples/s and test AUC side by side with ratios.
 
@@ -29,7 +31,8 @@ DLRM = ROOT / "clients" / "examples" / "dlrm.py"
 
 
 # Variants of the shardps runs: (label, extra dlrm.py arguments); --cache-steps adds cached ones.
-VARIANTS = [("no", []), ("yes", ["--prefetch"]), ("yes, dense lag 1", ["--prefetch", "--dense-lag", "1"])]
+VARIANTS = [("no", []), ("yes", ["--prefetch"]), ("yes, dense lag 1", ["--prefetch", "--dense-lag", "1"]),
+            ("yes, DDP dense", ["--prefetch", "--dense", "ddp"])]
 
 
 def cached(k: int) -> tuple[str, list[str]]:

@@ -40,7 +40,7 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
         local, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0
         assert [(r["workers"], r["prefetch"]) for r in ours] == [
-            (w, p) for w in (1, 2) for p in ("no", "yes", "yes, dense lag 1", "yes, lag 1, cache 4")]
+            (w, p) for w in (1, 2) for p in ("no", "yes", "yes, dense lag 1", "yes, DDP dense", "yes, lag 1, cache 4")]
         for r in ours:
             assert r["x_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"])
             assert 0.5 < r["auc"] <= r["best_auc"]  # it learned something, and not more than the planted truth allows

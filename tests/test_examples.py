@@ -55,3 +55,17 @@ def test_examples_run_under_torchrun(tmp_path):
         )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "20 steps x 2 workers" in out.stdout
+
+
+def test_dlrm_hybrid_ddp_dense_learns_with_replicas_in_step(tmp_path):
+    """--dense ddp: the MLPs are replicated by DistributedDataParallel (gloo) and stepped by a local
+    torch.optim.Adam, the embeddings train on the shards. DDP must keep the replicas identical, and the
+    model must learn what local training learns."""
+    result = tmp_path / "dlrm.json"
+    _run([str(EXAMPLES / "dlrm.py"), "--workers", "2", "--rows", "200000", "--train", "120000", "--test", "30000",
+          "--dense", "ddp", "--dense-lr", "4e-3", "--json", str(result)])
+    r = json.loads(result.read_text())
+    prints = r["shardps"]["dense_fingerprints"]
+    assert len(prints) == 2 and prints[0] == prints[1], prints  # every rank ended with the same MLP values
+    ours, local = r["shardps"]["auc"], r["local"]["auc"]
+    assert ours > 0.72 and abs(ours - local) < 0.03, r

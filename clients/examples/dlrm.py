@@ -8,6 +8,7 @@ same model trained locally with torch.optim runs afterwards for comparison.
 
     python clients/examples/dlrm.py                       # local cluster, 2 async workers
     python clients/examples/dlrm.py --mode sync --prefetch
+    python clients/examples/dlrm.py --dense ddp           # MLPs by DistributedDataParallel, embeddings on the shards
     torchrun --nproc-per-node 2 clients/examples/dlrm.py --cluster-file shardps-cluster.json
 """
 
@@ -24,11 +25,22 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Progress, add_cluster_args, cluster, run_workers, worker_addresses, worker_identity, worker_threads  # noqa: E402
+from common import (  # noqa: E402
+    Progress,
+    add_cluster_args,
+    cluster,
+    free_port,
+    run_workers,
+    worker_addresses,
+    worker_identity,
+    worker_threads,
+)
 from shardps_client import (  # noqa: E402
     Adagrad,
     Adam,
@@ -80,10 +92,12 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1))
 
 
-def batches(ids: np.ndarray, dense: np.ndarray, labels: np.ndarray, batch: int) -> Iterator[tuple[torch.Tensor, ...]]:
+def batches(ids: np.ndarray, dense: np.ndarray, labels: np.ndarray, batch: int,
+            device: torch.device = torch.device("cpu")) -> Iterator[tuple[torch.Tensor, ...]]:
+    """(sparse ids, dense features, labels) per step; ids stay on the CPU (RemoteEmbedding pulls them there)."""
     for i in range(0, len(labels), batch):
-        yield (torch.from_numpy(ids[i : i + batch]), torch.from_numpy(dense[i : i + batch]),
-               torch.from_numpy(labels[i : i + batch]))
+        yield (torch.from_numpy(ids[i : i + batch]), torch.from_numpy(dense[i : i + batch]).to(device),
+               torch.from_numpy(labels[i : i + batch]).to(device))
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -130,33 +144,54 @@ def create_tables(args: argparse.Namespace, client: Client, world: int) -> Optio
     return sync
 
 
-def evaluate(model: nn.Module, ids: np.ndarray, dense: np.ndarray, labels: np.ndarray) -> float:
+def evaluate(model: nn.Module, ids: np.ndarray, dense: np.ndarray, labels: np.ndarray,
+             device: torch.device = torch.device("cpu")) -> float:
     model.eval()
     scores = []
     with torch.no_grad():
-        for s, d, _ in batches(ids, dense, labels, 8192):
-            scores.append(torch.sigmoid(model(s, d)).numpy())
+        for s, d, _ in batches(ids, dense, labels, 8192, device):
+            scores.append(torch.sigmoid(model(s, d)).cpu().numpy())
     model.train()
     return auc(np.concatenate(scores), labels)
+
+
+def dense_fingerprint(model: nn.Module) -> float:
+    """A sum over the MLPs' parameters: equal on every rank when DDP kept them in step."""
+    return float(sum(p.detach().double().sum().item() for n, p in model.named_parameters() if not n.startswith("emb.")))
 
 
 def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(worker_threads(addresses, world))
+    device = torch.device(args.device)
     ids, dense, labels, _ = click_log(args.train // world, args.rows, args.seed, stream=1 + rank)
     ssp = args.ssp_bound if args.mode == "ssp" else None
+    ddp = args.dense == "ddp"
+    if ddp:  # MASTER_ADDR/MASTER_PORT come from torchrun, or from main() below
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     with Client(addresses, rank=rank, world_size=world, ssp_bound=ssp) as client:
         sync = create_tables(args, client, world)
         if args.cache_steps:
             for f in range(NUM_SPARSE):
                 client.cache_table(table_name(f) + f".{args.mode}", steps=args.cache_steps, max_rows=args.cache_rows)
-        embs = [RemoteEmbedding(client, table_name(f) + f".{args.mode}") for f in range(NUM_SPARSE)]
-        model = DLRM(embs, args.dim)
-        opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.", sync=sync,
-                               dense_lag=args.dense_lag)
+        embs = [RemoteEmbedding(client, table_name(f) + f".{args.mode}", device=device) for f in range(NUM_SPARSE)]
+        model = DLRM(embs, args.dim).to(device)
+        if ddp:
+            # The hybrid: the MLPs are replicated and their gradients all-reduced by DDP (its constructor
+            # gives every rank rank 0's values), a local torch.optim.Adam steps them; the embedding rows
+            # live on the shards, whose Adagrad steps them. ShardedOptimizer over no dense parameters only
+            # gathers a step's row pushes into one batch per shard (and advances the SSP clock).
+            net: nn.Module = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+            dense_opt: Optional[torch.optim.Optimizer] = torch.optim.Adam(
+                [p for n, p in model.named_parameters() if not n.startswith("emb.")], lr=args.dense_lr)
+            opt = ShardedOptimizer(client, [], prefix=f"dlrm.{args.mode}.", sync=sync)
+        else:
+            net, dense_opt = model, None
+            opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.",
+                                   sync=sync, dense_lag=args.dense_lag)
         # All 8 tables' rows of a batch are pulled in one round trip per shard; with --prefetch,
         # while the previous batch trains.
-        data = Prefetcher(batches(ids, dense, labels, args.batch_size), client,
+        data = Prefetcher(batches(ids, dense, labels, args.batch_size, device), client,
                           lambda b: {table_name(f) + f".{args.mode}": b[0][:, f] for f in range(NUM_SPARSE)},
                           depth=1 if args.prefetch else 0)
         steps = (len(labels) + args.batch_size - 1) // args.batch_size
@@ -164,22 +199,30 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
         t0 = time.perf_counter()
         for step, (s, d, y) in enumerate(data, 1):
             opt.zero_grad()
-            loss = F.binary_cross_entropy_with_logits(model(s, d), y)
+            if dense_opt is not None:
+                dense_opt.zero_grad()
+            loss = F.binary_cross_entropy_with_logits(net(s, d), y)
             loss.backward()
             opt.step()
+            if dense_opt is not None:
+                dense_opt.step()
             progress.update(step, len(y), loss=loss.item())
         opt.flush()
         elapsed = time.perf_counter() - t0
         client.barrier()
         result = {"rank": rank, "samples": len(labels), "seconds": elapsed, "samples_per_s": len(labels) / elapsed}
+        if ddp:
+            result["dense_fingerprint"] = dense_fingerprint(model)
         if rank == 0:
             opt.pull()
             test_ids, test_dense, test_labels, _ = click_log(args.test, args.rows, args.seed, stream=0)
-            result["auc"] = evaluate(model, test_ids, test_dense, test_labels)
+            result["auc"] = evaluate(model, test_ids, test_dense, test_labels, device)
             print(f"shardps: test AUC {result['auc']:.4f} after {elapsed:.1f}s", flush=True)
         if os.environ.get("SHARDPS_RESULTS_DIR"):
             with open(os.path.join(os.environ["SHARDPS_RESULTS_DIR"], f"rank{rank}.json"), "w") as f:
                 json.dump(result, f)
+    if ddp:
+        dist.destroy_process_group()
     return 0
 
 
@@ -230,12 +273,19 @@ def main() -> int:
                    help="serve each pulled row from the trainer for this many steps, pushing its summed gradients "
                         "then (Client.cache_table; 0: no cache, async mode only)")
     p.add_argument("--cache-rows", type=int, default=500_000, help="rows the cache may hold per table")
+    p.add_argument("--dense", choices=("shards", "ddp"), default="shards",
+                   help="where the MLPs train: on the shards (ShardedOptimizer) or replicated by "
+                        "DistributedDataParallel (gloo on CPU, nccl on CUDA) with a local Adam")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model computes (rows are pulled to it)")
     p.add_argument("--no-local", action="store_true", help="skip the local torch.optim baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.dense_lag and args.mode != "async":
         p.error("--dense-lag needs --mode async (synchronous and SSP steps bound staleness themselves)")
+    if args.dense_lag and args.dense == "ddp":
+        p.error("--dense-lag applies to --dense shards (DDP's all-reduce keeps the replicas in step)")
     if args.cache_steps and args.mode == "sync":
         p.error("--cache-steps needs --mode async or ssp (a synchronous step takes every worker's gradients)")
     ident = worker_identity()
@@ -248,7 +298,7 @@ def main() -> int:
     results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
     os.environ["SHARDPS_RESULTS_DIR"] = results_dir
     with cluster(args) as addresses:
-        code = run_workers(args, addresses, os.path.abspath(__file__))
+        code = run_workers(args, addresses, os.path.abspath(__file__), {"MASTER_PORT": str(free_port())})
     if code != 0:
         return code
     ranks = [json.load(open(os.path.join(results_dir, f"rank{r}.json"))) for r in range(args.workers)]
@@ -259,12 +309,17 @@ def main() -> int:
     }
     if not args.no_local:
         results["local"] = train_local(args)
-    print(f"\n{'':<34}{'test AUC':>9}{'samples/s':>12}")
-    print(f"{'best achievable (planted truth)':<34}{results['best_auc']:>9.4f}{'-':>12}")
-    label = f"shardps ({args.workers} workers, {args.mode})"
-    print(f"{label:<34}{results['shardps']['auc']:>9.4f}{results['shardps']['samples_per_s']:>12,.0f}")
+    if args.dense == "ddp":
+        results["shardps"]["dense_fingerprints"] = [r["dense_fingerprint"] for r in ranks]
+    label = f"shardps ({args.workers} workers, {args.mode}{', DDP dense' if args.dense == 'ddp' else ''})"
+    lines = [("best achievable (planted truth)", results["best_auc"], None),
+             (label, results["shardps"]["auc"], results["shardps"]["samples_per_s"])]
     if "local" in results:
-        print(f"{'local torch.optim (1 process)':<34}{results['local']['auc']:>9.4f}{results['local']['samples_per_s']:>12,.0f}")
+        lines.append(("local torch.optim (1 process)", results["local"]["auc"], results["local"]["samples_per_s"]))
+    width = max(len(name) for name, _, _ in lines) + 2
+    print(f"\n{'':<{width}}{'test AUC':>9}{'samples/s':>12}")
+    for name, a, rate in lines:
+        print(f"{name:<{width}}{a:>9.4f}{'-' if rate is None else f'{rate:,.0f}':>12}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **results}, f, indent=2)
