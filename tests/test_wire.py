@@ -72,3 +72,15 @@ def test_push_and_dense_push_share_field_numbers():
     assert [f.number for f in push] == [f.number for f in dense]
     for a, b in zip(push, dense):
         assert a.name == b.name or (a.name, b.name) in {("table", "name"), ("ids", "row_start")}, (a.name, b.name)
+
+
+def test_signed_byte_buffers_decode_as_bytes():
+    """A buffer exporting signed chars (as pyarrow's and ctypes' do) is read as the same bytes:
+    read as signed, the byte 0x96 of a varint would be a negative number."""
+    import ctypes
+
+    framed = wire.frame(3, b"\x96\x01" * 100)
+    signed = (ctypes.c_byte * len(framed)).from_buffer_copy(framed)
+    assert memoryview(signed).format == "<b"
+    field, view = wire.unframe(signed)
+    assert field == 3 and bytes(view) == b"\x96\x01" * 100

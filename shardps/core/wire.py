@@ -109,7 +109,7 @@ def unframe(buf: Buffer) -> tuple[int, memoryview]:
     Anything else (no field, another wire type, a second field, which protobuf would
     merge or prefer) is refused.
     """
-    fields = _fields(memoryview(buf))
+    fields = _fields(_view(buf))
     if len(fields) != 1:
         raise InvalidArgument(f"malformed message: expected exactly one field, got {len(fields)}")
     field, wt, value = fields[0]
@@ -156,6 +156,13 @@ def encode_push(
 
 
 # ---- decoding -------------------------------------------------------------------------------
+
+
+def _view(buf: Buffer) -> memoryview:
+    """``buf`` as unsigned bytes: a buffer of signed chars (pyarrow's, ctypes') would read bytes
+    above 0x7f as negative numbers."""
+    view = memoryview(buf)
+    return view if view.format == "B" else view.cast("B")
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -273,7 +280,7 @@ _PULL_RESPONSE = {_R_ROWS: _LEN, _R_VERSION: _VARINT}
 
 def decode_pull_response(buf: Buffer) -> tuple[np.ndarray, int]:
     """(rows, version) of a serialized PullResponse; rows are float32 (a view when sent as float32)."""
-    f = _singular(_fields(memoryview(buf)), _PULL_RESPONSE, "PullResponse")
+    f = _singular(_fields(_view(buf)), _PULL_RESPONSE, "PullResponse")
     rows = decode_tensor(f[_R_ROWS], "rows") if _R_ROWS in f else np.zeros((0,), np.float32)  # type: ignore[arg-type]
     return rows, int(f.get(_R_VERSION, 0))  # type: ignore[arg-type]
 
@@ -321,7 +328,7 @@ def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
     Strict (see ``_fields`` and ``_singular``): what this accepts, protobuf's own
     parser reads the same way, so the write-ahead log may hold the raw request.
     """
-    f = _singular(_fields(memoryview(buf)), _PUSH_DENSE if dense else _PUSH, "push")
+    f = _singular(_fields(_view(buf)), _PUSH_DENSE if dense else _PUSH, "push")
     out = DecodedPush()
     if _P_NAME in f:
         out.name = _string(f[_P_NAME], "the table name")
@@ -367,7 +374,7 @@ def decode_repeated(buf: Buffer, fields: Optional[tuple[int, ...]] = None) -> di
     other fields are skipped. Without ``fields``: every length-delimited field.
     """
     out: dict[int, list[memoryview]] = {}
-    for field, wt, value in _fields(memoryview(buf)):
+    for field, wt, value in _fields(_view(buf)):
         if fields is None and wt == _LEN or fields is not None and field in fields:
             if wt != _LEN:
                 raise InvalidArgument(f"malformed message: field {field} has wire type {wt}, expected {_LEN}")
