@@ -5,7 +5,7 @@
 - gather rows per second (numpy.take), against torch.index_select;
 - optimizer apply rows per second (SGD, Adagrad, Adam on 64-dim rows), against torch.optim on the
   same rows as a dense parameter;
-- shard memory: RSS growth of a real shard process after 2M rows of 64 float32 are touched
+- shard memory: RSS growth of a real shard process after 10M rows of 64 float32 are touched
   (right after loading, at rest, and per row), against rows x dim x 4 plus optimizer state.
 
     python benchmarks/bench_parts.py [--quick]
@@ -155,7 +155,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--index-rows", type=int, default=10_000_000, help="ids in the lookup benchmark's index")
-    p.add_argument("--memory-rows", type=int, default=2_000_000, help="rows touched in the memory benchmark")
+    p.add_argument("--memory-rows", type=int, default=10_000_000,
+                   help="rows touched in the memory benchmark (10M: about 8 GB for the Adam tables)")
     p.add_argument("--quick", action="store_true", help="small sizes, short budget (smoke run)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
