@@ -41,7 +41,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_throughput import DIM, measure  # noqa: E402
-from benchmarks.common import RESULTS, Progress, cpu_seconds, median_and_range, plot, table, unique_batches, write_outputs  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    Progress,
+    cpu_seconds,
+    median_and_range,
+    plot,
+    table,
+    unique_batches,
+    write_outputs,
+)
 
 ECHO = b"shardps-echo"  # a DoExchange command: answer each frame with itself (the round-trip probe)
 
@@ -118,11 +127,10 @@ class FlightLane:
         return future
 
     def _read(self) -> None:
-        from shardps.core import protocol
-        from shardps.v1 import shardps_pb2 as pb
         from shardps_client.transport import _reply, from_status
 
-        from shardps.core import wire
+        from shardps.core import protocol, wire
+        from shardps.v1 import shardps_pb2 as pb
 
         for chunk in self._reader:
             future = self._pending.popleft()
@@ -166,8 +174,8 @@ def probe(shard: tuple, n: int) -> list[dict]:
     for size in (64, 563_000):
         frame = wire.frame(1, b"x" * size)
         for transport in ("grpc stream", "flight"):
-            # gRPC: a stream to the shard's Health.Watch is no echo; use a Flight echo for Flight and, for gRPC,
-            # a raw stream-stream echo that the shard does not serve: so both probes talk to a bare echo server.
+            # Both probes talk to a bare echo: Flight's in a shard process, gRPC's in a server of its own
+            # (a shard has no gRPC echo method), each fed as the client's lanes feed it.
             if transport == "flight":
                 lane = FlightLane(address, port, ECHO)
                 s0 = cpu_seconds(pid)
@@ -187,8 +195,9 @@ _ECHO_SERVER: dict = {}
 
 
 def _echo_process(queue) -> None:
-    import grpc
     from concurrent import futures
+
+    import grpc
 
     opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     server = grpc.server(futures.ThreadPoolExecutor(8), options=opts)
@@ -239,7 +248,6 @@ def _grpc_echo(channel, frame: bytes, n: int) -> tuple[float, float, float]:
 def trainer(addresses: list[str], flight_ports: list[int], pids: list[int], transport: str, budget_s: float,
             rank: int, queue) -> None:
     import torch
-
     from shardps_client import Client
 
     torch.set_num_threads(1)
@@ -252,6 +260,10 @@ def trainer(addresses: list[str], flight_ports: list[int], pids: list[int], tran
         result = measure(lambda ids: c.pull("bench", ids), lambda ids, g: c.push("bench", ids, g), c.flush,
                          batches, budget_s, pids)
         c.flush()
+        # The rows this transport reads are the ones a plain gRPC client reads (the prototype carries real calls).
+        ids = torch.from_numpy(batches[0])
+        with Client(addresses) as plain:
+            result["same_rows"] = bool(torch.equal(c.pull("bench", ids), plain.pull("bench", ids)))
     queue.put(result)
 
 
@@ -317,6 +329,7 @@ def main() -> int:
             "server_cpu_s_per_m_rows": statistics.median(r["server_cpu_s"] / n * 1e6 for r, n in zip(results, both)),
             "pull_p50_ms": statistics.median(r["pull_p50_ms"] for r in results),
             "runs_rows_per_s": [r["both_rows_per_s"] for r in results],
+            "same_rows": all(r["same_rows"] for r in results),
         })
     cols = [("probe", "probe", ""), ("transport", "transport", ""), ("round_trip_us", "round trip us", ".0f"),
             ("client_cpu_us", "client CPU us", ".0f"), ("server_cpu_us", "server CPU us", ".0f"),

@@ -19,8 +19,11 @@ pytest.importorskip("matplotlib")
     ("bench_parts.py", "parts", []),
     ("bench_durability.py", "durability", []),
     ("bench_e2e.py", "e2e", ["--cache-steps", "4"]),
+    ("bench_transport.py", "transport", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, extra):
+    if name == "transport":
+        pytest.importorskip("pyarrow.flight")
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(tmp_path), *extra],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -36,6 +39,11 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
         low, high = map(float, ours["x_torch_rpc_range"].split("-"))  # printed to 2 decimals
         assert low - 0.005 <= ours["x_torch_rpc"] <= high + 0.005
         assert "x rpc range" in out.stdout
+    if name == "transport":  # both transports carried the standard workload through the same shards
+        std = {r["transport"]: r for r in data["results"] if r["probe"] == "standard workload"}
+        assert set(std) == {"grpc stream", "flight"} and std["grpc stream"]["x_grpc"] == 1.0
+        assert all(r["rows_per_s"] > 0 and r["server_cpu_s_per_m_rows"] > 0 for r in std.values())
+        assert all(r["same_rows"] for r in std.values())  # Flight's pulls read what gRPC's read
     if name == "e2e":  # local baseline first, then 1 and 2 workers through the shards, each with its ratio
         local, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0
