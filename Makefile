@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_parts.py
 	$(BIN)/python benchmarks/bench_durability.py
 	$(BIN)/python benchmarks/bench_e2e.py --repeat $(REPEAT)
+	$(BIN)/python benchmarks/bench_transport.py --repeat $(REPEAT)
 
 codegen: $(STAMP)
 	$(BIN)/python protos/codegen.py
