@@ -36,7 +36,6 @@ from benchmarks.common import (  # noqa: E402
     RESULTS,
     Progress,
     cpu_seconds,
-    free_port,
     median_and_range,
     percentile_ms,
     plot,
@@ -44,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     unique_batches,
     write_outputs,
 )
+from shardps.server.launcher import free_port  # noqa: E402
 
 DIM = 64
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
 import sys
 import time
 from typing import Any, Iterable, Optional
@@ -27,12 +26,6 @@ def unique_batches(seed: int, count: int, batch: int, rows: int, a: Optional[flo
     """Pre-generated batches of unique ids (generated before timing starts)."""
     rng = np.random.default_rng(seed)
     return [np.unique(zipf_ids(rng, batch, rows, a)) for _ in range(count)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -60,13 +59,6 @@ def run_workers(args: argparse.Namespace, addresses: list[str], script: str, ext
     ]
     codes = [p.wait() for p in procs]
     return max(codes, key=abs)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (torch.distributed's rendezvous for the workers started here)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_identity() -> Optional[tuple[int, int]]:

@@ -35,7 +35,6 @@ from common import (  # noqa: E402
     Progress,
     add_cluster_args,
     cluster,
-    free_port,
     run_workers,
     worker_addresses,
     worker_identity,
@@ -52,6 +51,7 @@ from shardps_client import (  # noqa: E402
 )
 
 from shardps.core.specs import Initializer  # noqa: E402
+from shardps.server.launcher import free_port  # noqa: E402
 
 NUM_SPARSE, NUM_DENSE = 8, 13
 

@@ -14,6 +14,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: a rendezvous for processes started on this machine
+    (torch.distributed's MASTER_PORT, say)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def check_health(address: str, timeout: float = 2.0, service: str = "") -> str:
