@@ -4,9 +4,9 @@ Runs clients/examples/dlrm.py (the same model, data and optimizers) with 1 and
 2 worker processes, without prefetch, with prefetch, with prefetch and the
 dense values lagging a step (--dense-lag 1), with prefetch and the MLPs trained
 by DistributedDataParallel instead of on the shards (--dense ddp, the hybrid),
-and with prefetch, lag 1 and the trainer's
-row cache for k = 2 and 8 steps (--cache-steps), and the local torch.optim
-baseline, and reports samples/s and test AUC side by side with ratios.
+and with prefetch, lag 1 and the trainer's row cache for k = 2 and 8 steps
+(--cache-steps), and the local torch.optim baseline, and reports samples/s and
+test AUC side by side with ratios.
 
     python benchmarks/bench_e2e.py [--train 200000] [--repeat 3] [--quick]
 Writes benchmarks/results/e2e.json and e2e.png.

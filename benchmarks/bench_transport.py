@@ -162,8 +162,9 @@ def _round_trips(lane_submit, payload: bytes, n: int) -> tuple[float, float]:
     return (time.perf_counter() - t) / n, (cpu_seconds(os.getpid()) - c) / n
 
 
-def probe(shard: tuple, n: int) -> list[dict]:
-    """Echo round trips of small and pull-sized frames on both transports (client and shard CPU per trip)."""
+def probe(shard: tuple, echo: tuple[int, int], n: int) -> list[dict]:
+    """Echo round trips of small and pull-sized frames on both transports (client and shard CPU per trip);
+    ``echo``: (port, pid) of the gRPC echo server."""
     import grpc
 
     from shardps.core import wire
@@ -183,15 +184,12 @@ def probe(shard: tuple, n: int) -> list[dict]:
                 shard_cpu = (cpu_seconds(pid) - s0) / (n + 20)
                 lane.close()
             else:
-                ch = grpc.insecure_channel(grpc_echo_address(), options=opts)
-                wall, cpu, shard_cpu = _grpc_echo(ch, frame, n)
+                ch = grpc.insecure_channel(f"127.0.0.1:{echo[0]}", options=opts)
+                wall, cpu, shard_cpu = _grpc_echo(ch, echo[1], frame, n)
                 ch.close()
             out.append({"probe": f"echo {size:,} B", "transport": transport, "round_trip_us": wall * 1e6,
                         "client_cpu_us": cpu * 1e6, "server_cpu_us": shard_cpu * 1e6})
     return out
-
-
-_ECHO_SERVER: dict = {}
 
 
 def _echo_process(queue) -> None:
@@ -214,11 +212,7 @@ def _echo_process(queue) -> None:
     server.wait_for_termination()
 
 
-def grpc_echo_address() -> str:
-    return f"127.0.0.1:{_ECHO_SERVER['port']}"
-
-
-def _grpc_echo(channel, frame: bytes, n: int) -> tuple[float, float, float]:
+def _grpc_echo(channel, pid: int, frame: bytes, n: int) -> tuple[float, float, float]:
     """The same round trips on a gRPC Python stream, fed as the client's Lane feeds it (a request iterator)."""
     import queue as q
 
@@ -236,7 +230,6 @@ def _grpc_echo(channel, frame: bytes, n: int) -> tuple[float, float, float]:
         f.set_result(next(call))
         return f
 
-    pid = _ECHO_SERVER["pid"]
     s0 = cpu_seconds(pid)
     wall, cpu = _round_trips(submit, frame, n)
     shard_cpu = (cpu_seconds(pid) - s0) / (n + 20)
@@ -296,13 +289,13 @@ def main() -> int:
     try:
         found = sorted(queue.get(timeout=120) for _ in shards)
         echo.start()
-        _ECHO_SERVER["port"], _ECHO_SERVER["pid"] = queue.get(timeout=60)
+        echo_server = queue.get(timeout=60)
         addresses, ports, pids = [f[1] for f in found], [f[2] for f in found], [f[3] for f in found]
         with Client(addresses) as c:
             c.create_table("bench", dim=DIM, num_embeddings=1_000_000, optimizer=SGD(lr=0.01),
                            initializer=Initializer("zeros"))
         progress = Progress(2 * args.repeat + 1, "transport")
-        rows = probe(found[0], args.probes)
+        rows = probe(found[0], echo_server, args.probes)
         progress.step("echo probes")
         runs: dict[str, list[dict]] = {"grpc stream": [], "flight": []}
         for rep in range(args.repeat):
