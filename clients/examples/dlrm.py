@@ -155,9 +155,14 @@ def evaluate(model: nn.Module, ids: np.ndarray, dense: np.ndarray, labels: np.nd
     return auc(np.concatenate(scores), labels)
 
 
+def mlp_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The model's parameters other than embedding tables (the bottom and top MLPs)."""
+    return [p for n, p in model.named_parameters() if not n.startswith("emb.")]
+
+
 def dense_fingerprint(model: nn.Module) -> float:
     """A sum over the MLPs' parameters: equal on every rank when DDP kept them in step."""
-    return float(sum(p.detach().double().sum().item() for n, p in model.named_parameters() if not n.startswith("emb.")))
+    return float(sum(p.detach().double().sum().item() for p in mlp_parameters(model)))
 
 
 def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int) -> int:
@@ -182,8 +187,7 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
             # live on the shards, whose Adagrad steps them. ShardedOptimizer over no dense parameters only
             # gathers a step's row pushes into one batch per shard (and advances the SSP clock).
             net: nn.Module = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-            dense_opt: Optional[torch.optim.Optimizer] = torch.optim.Adam(
-                [p for n, p in model.named_parameters() if not n.startswith("emb.")], lr=args.dense_lr)
+            dense_opt: Optional[torch.optim.Optimizer] = torch.optim.Adam(mlp_parameters(model), lr=args.dense_lr)
             opt = ShardedOptimizer(client, [], prefix=f"dlrm.{args.mode}.", sync=sync)
         else:
             net, dense_opt = model, None
@@ -236,7 +240,7 @@ def train_local(args: argparse.Namespace) -> dict:
         nn.init.normal_(e.weight, std=0.05)
     model = DLRM(embs, args.dim)
     sparse_opt = torch.optim.Adagrad([e.weight for e in embs], lr=args.sparse_lr)
-    dense_opt = torch.optim.Adam([p for n, p in model.named_parameters() if not n.startswith("emb.")], lr=args.dense_lr)
+    dense_opt = torch.optim.Adam(mlp_parameters(model), lr=args.dense_lr)
     parts = [click_log(args.train // args.workers, args.rows, args.seed, stream=1 + r) for r in range(args.workers)]
     ids, dense, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
     steps = (len(labels) + args.batch_size - 1) // args.batch_size
