@@ -1,18 +1,22 @@
-"""The Dockerfiles and the Compose file, checked against the real CLI, and the cluster
-Compose describes started with the local launcher and trained against (no Docker engine here)."""
+"""The Dockerfiles and the Compose file, checked against the real CLIs (ours and Compose's), and the
+cluster Compose describes started as plain processes and trained against. tests/test_containers.py
+runs the same files in a real Docker engine."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
+from shardps import probe
 from shardps.server import ServerConfig
-from shardps.server.cli import build_parser, parse_args
+from shardps.server.cli import parse_args
 from shardps.server.launcher import check_health
 from shardps.server.shard import ShardConfig
 
@@ -32,20 +36,84 @@ def _shards(compose: dict) -> dict[str, dict]:
 
 
 def _dockerfile(name: str) -> list[str]:
-    return [line.strip() for line in (DOCKER / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
+    """The instructions of a Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (DOCKER / name).read_text())
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_server_image_is_slim_nonroot_and_signals_reach_the_server():
-    lines = _dockerfile("Dockerfile.server")
-    assert lines[0].startswith("FROM python:3.11-slim")
-    assert not any("torch" in line for line in lines if line.startswith("RUN"))
-    users = [line.split()[1] for line in lines if line.startswith("USER ")]
-    assert users and users[-1] not in ("root", "0")
-    assert 'VOLUME ["/data"]' in lines
-    assert 'ENTRYPOINT ["shardps", "serve"]' in lines  # exec form: the server is PID 1 and gets SIGTERM
+def _interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with the environment unset: the default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+
+
+def test_images_build_from_any_base_offline_and_run_slim_and_unprivileged():
+    for name in ("Dockerfile.server", "Dockerfile.trainer"):
+        lines = _dockerfile(name)
+        assert lines[0] == "ARG BASE_IMAGE=python:3.11-slim"
+        stages = [line for line in lines if line.startswith("FROM ")]
+        # Two stages: the wheelhouse and pip stay in the build stage, only the venv reaches the image.
+        assert stages == ["FROM ${BASE_IMAGE} AS build", "FROM ${BASE_IMAGE}"]
+        run = next(line for line in lines if line.startswith("RUN ") and "pip install" in line)
+        assert "wheelhouse) set -- --no-index --find-links /wheelhouse" in run and "--no-compile" not in run
+        assert "python -m shardps.core.kernels" in run  # the kernels compiled at build time
+        final = lines[lines.index("FROM ${BASE_IMAGE}"):]
+        assert "COPY --from=build /opt/venv /opt/venv" in final
+        assert not any("pip install" in line or "wheelhouse" in line for line in final)
+        # numba only uses a cache directory its user can write: the baked kernels belong to that user.
+        assert any("NUMBA_CACHE_DIR=/opt/numba-cache" in line for line in final)
+        assert any("chown -R" in line and "/opt/numba-cache" in line for line in final)
+        users = [line.split()[1] for line in final if line.startswith("USER ")]
+        assert users and users[-1] not in ("root", "0")
+    server = _dockerfile("Dockerfile.server")
+    assert not any("torch" in line for line in server if line.startswith(("RUN", "ARG")))
+    assert 'VOLUME ["/data"]' in server
+    assert 'ENTRYPOINT ["shardps", "serve"]' in server  # exec form: the server is PID 1 and gets SIGTERM
     trainer = _dockerfile("Dockerfile.trainer")
-    assert any("torch==2.13.0" in line and "whl/cpu" in line for line in trainer)
-    assert [line.split()[1] for line in trainer if line.startswith("USER ")][-1] != "root"
+    assert "ARG TORCH=torch==2.13.0" in trainer and any("download.pytorch.org/whl/cpu" in line for line in trainer)
+
+
+def test_image_and_compose_health_checks_agree_and_use_the_light_probe(compose):
+    (line,) = [line for line in _dockerfile("Dockerfile.server") if line.startswith("HEALTHCHECK")]
+    flags = dict(re.findall(r"--([a-z-]+)=(\S+)", line))
+    check = compose["x-shard"]["healthcheck"]
+    assert {k.replace("-", "_"): v for k, v in flags.items()} == {
+        k: str(check[k]) for k in ("interval", "timeout", "start_period", "retries")}
+    assert line.endswith('CMD ["shardps-health", "127.0.0.1:7000"]')
+    assert check["test"] == ["CMD", "shardps-health", "127.0.0.1:7000"]
+    args = probe.build_parser().parse_args(check["test"][2:])
+    assert args.addresses == ["127.0.0.1:7000"] and args.timeout < float(check["timeout"].rstrip("s"))
+
+
+def test_health_probe_loads_neither_numpy_nor_the_server():
+    """What keeps each probe at ~0.1 s of CPU: it imports grpc and the health messages, nothing else."""
+    code = ("import sys; from shardps import probe; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'numba', 'torch', 'shardps')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["['shardps',", "'shardps.probe']"]
+
+
+@pytest.mark.parametrize("tool", [["docker-compose"], ["docker", "compose"]], ids=["docker-compose-1", "compose-v2"])
+def test_compose_file_is_valid_for_the_real_compose_tools(tool, tmp_path):
+    """`config` parses and validates the file the way `up` would, with no engine needed."""
+    if shutil.which(tool[0]) is None:
+        pytest.skip(f"{tool[0]} is not installed")
+    version = subprocess.run([*tool, "version"], capture_output=True, text=True, timeout=60)
+    if version.returncode != 0:
+        pytest.skip(f"{' '.join(tool)} is not installed")
+    sys.path.insert(0, str(DOCKER))
+    try:
+        import make_compose
+    finally:
+        sys.path.pop(0)
+    (tmp_path / "compose.8.yaml").write_text(make_compose.make(8))
+    for path in (DOCKER / "compose.yaml", tmp_path / "compose.8.yaml"):
+        out = subprocess.run([*tool, "-p", "shardps", "-f", str(path), "config"], capture_output=True, text=True,
+                             timeout=60, cwd=DOCKER)
+        assert out.returncode == 0, out.stderr
+        resolved = yaml.safe_load(out.stdout)
+        assert resolved["services"]["shard-0"]["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim",
+                                                                   "PIP_SOURCE": "index"}
+        assert "--train" in resolved["services"]["trainer"]["command"]
 
 
 def test_shard_services_form_one_cluster(compose):
@@ -59,7 +127,7 @@ def test_shard_services_form_one_cluster(compose):
         assert name == f"shard-{env['SHARDPS_SHARD_INDEX']}"
         counts.add(int(env["SHARDPS_NUM_SHARDS"]))
         assert svc["restart"] in ("always", "unless-stopped", "on-failure")
-        assert svc["healthcheck"]["test"][:2] == ["CMD", "shardps"]
+        assert svc["healthcheck"]["test"][:2] == ["CMD", "shardps-health"]
         (vol,) = svc["volumes"]
         source, target = vol.split(":")
         assert target == "/data" and source in compose["volumes"]
@@ -68,7 +136,6 @@ def test_shard_services_form_one_cluster(compose):
 
 
 def test_every_service_command_parses_with_the_real_cli(compose):
-    parser = build_parser()
     entry = [line for line in _dockerfile("Dockerfile.server") if line.startswith("ENTRYPOINT")][0]
     assert entry == 'ENTRYPOINT ["shardps", "serve"]'
     image_env = {"SHARDPS_HOST": "0.0.0.0", "SHARDPS_PORT": "7000", "SHARDPS_DATA_DIR": "/data"}
@@ -79,11 +146,11 @@ def test_every_service_command_parses_with_the_real_cli(compose):
         ShardConfig(shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
                     durability=args.durability)
         ServerConfig(host=args.host, port=args.port, checkpoint_interval_s=args.checkpoint_interval)
-        health = svc["healthcheck"]["test"][2:]
-        assert parser.parse_args(health).command == "health"
+        assert probe.build_parser().parse_args(svc["healthcheck"]["test"][2:]).addresses == ["127.0.0.1:7000"]
     trainer = compose["services"]["trainer"]
-    cmd = trainer["command"]
+    cmd = [_interpolate(a) for a in trainer["command"]]
     assert cmd[0] == "clients/examples/dlrm.py"
+    assert cmd[cmd.index("--train") + 1] == "400000" and cmd[cmd.index("--rows") + 1] == "1000000"
     addresses = cmd[cmd.index("--addresses") + 1].split(",")
     assert addresses == [f"shard-{i}:7000" for i in range(len(_shards(compose)))]
     assert set(trainer["depends_on"]) == set(_shards(compose))
@@ -130,9 +197,11 @@ def test_cluster_described_by_compose_trains(compose, tmp_path):
         health = subprocess.run([sys.executable, "-m", "shardps", "health", *addresses], capture_output=True, text=True,
                                 timeout=60)
         assert health.returncode == 0, health.stdout
-        cmd = list(compose["services"]["trainer"]["command"])
+        cmd = [_interpolate(a) for a in compose["services"]["trainer"]["command"]]
         cmd[cmd.index("--addresses") + 1] = ",".join(addresses)
-        out = subprocess.run([sys.executable, *cmd, "--rows", "50000", "--train", "40000", "--test", "10000", "--no-local"],
+        for flag, value in (("--rows", "50000"), ("--train", "40000"), ("--test", "10000")):
+            cmd[cmd.index(flag) + 1] = value
+        out = subprocess.run([sys.executable, *cmd, "--no-local"],
                              cwd=ROOT, capture_output=True, text=True, timeout=240)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert "shardps (2 workers, async)" in out.stdout

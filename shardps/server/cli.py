@@ -132,7 +132,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
 def run_health(args: argparse.Namespace) -> int:
     import json
 
-    from shardps.server.launcher import check_health
+    from shardps.probe import check as check_health
 
     statuses = {a: check_health(a, args.timeout) for a in _addresses(args)}
     if args.json:

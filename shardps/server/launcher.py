@@ -22,8 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from shardps.probe import check as check_health
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +33,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def check_health(address: str, timeout: float = 2.0, service: str = "") -> str:
-    """The health status name of a shard ("SERVING", "NOT_SERVING", ...), or "UNREACHABLE"."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-        except grpc.RpcError as e:
-            return "UNREACHABLE" if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else e.code().name
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 @dataclass

@@ -1,0 +1,54 @@
+"""``shardps-health``: the gRPC health probe that containers run, as cheap as a Python probe gets.
+
+Docker and Compose run their health check as a new process every interval, beside the shards and the
+trainer, on the same cores. ``shardps health`` loads the whole server package (numpy, the shard, the
+optimizers: about 0.5 s of CPU per check, twice that with bytecode compiled at every start); under a
+busy trainer such a check gets a small share of a core and takes longer than its timeout, so healthy
+shards were marked unhealthy. This module imports only grpc and the standard health service's
+messages (about a tenth of that CPU; ``tests/test_deploy.py`` holds it to that import set), and the
+images compile its bytecode at build time.
+
+    shardps-health [--timeout S] [--service NAME] HOST:PORT [HOST:PORT ...]
+
+Exit code 0 when every address answers SERVING, 1 otherwise; one line per address on stdout.
+Kubernetes does not need it: its probes speak gRPC health themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def check(address: str, timeout: float = 2.0, service: str = "") -> str:
+    """The health status name of a shard ("SERVING", "NOT_SERVING", ...), or "UNREACHABLE"."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as e:
+            return "UNREACHABLE" if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardps-health", description="gRPC health probe of shardps shards")
+    p.add_argument("addresses", nargs="+", help="shard addresses host:port")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds per shard")
+    p.add_argument("--service", default="", help="health service name ('' is the whole server)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    statuses = [(a, check(a, args.timeout, args.service)) for a in args.addresses]
+    for a, st in statuses:
+        print(f"{a}\t{st}")
+    return 0 if all(st == "SERVING" for _, st in statuses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
