@@ -9,6 +9,7 @@ checks, against the shards reached from this host over the project's own Compose
 - a shard SIGKILLed mid-training is brought back by its restart policy from its volume, training
   finishes with the AUC range of the DLRM example's own test, and a canary counter pushed through
   the crash holds exactly the pushes that were acknowledged;
+- each shard's Prometheus metrics, scraped at :9100, count the training's pushes;
 - ``stop`` then ``start``: SIGTERM writes the final checkpoint and every shard comes back with the
   same version, rows and dense tensors.
 
@@ -37,6 +38,7 @@ from shardps_client import SGD, Client
 
 from shardps.core.specs import Initializer
 from tests.docker_engine import Unavailable, compose_command, engine
+from tests.test_metrics import scrape, value
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -251,6 +253,13 @@ def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(
         assert ours > 0.72 and ours > best - 0.1 and abs(ours - local) < 0.03, report
         watch_health()
         assert not [u for u in unhealthy if u[0] != "shard-1"], unhealthy
+        # Each shard's Prometheus metrics (the image serves them on 9100), parsed with Prometheus' parser.
+        for s, address in zip(shards, addresses):
+            samples = scrape(f"http://{address.rsplit(':', 1)[0]}:9100/metrics")
+            pushed = sum(v for (name, labels), v in samples.items()
+                         if name == "shardps_rows_total" and ("op", "push") in labels)
+            assert pushed > 0 and value(samples, "shardps_wal_fsync_seconds_count") > 0, s
+            assert value(samples, "shardps_requests_total", method="Push") > 0, s
         latencies = sorted(v for s in shards for v in probes[s].values())
         report["probe_s"] = {"n": len(latencies), "median": round(latencies[len(latencies) // 2], 3),
                              "max": round(latencies[-1], 3)}

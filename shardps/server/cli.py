@@ -33,6 +33,7 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("max-streams", int, 64, "call streams open at once (one per client); each holds a handler thread"),
     ("max-message-mb", int, 4, "largest request or reply in MiB"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
+    ("metrics-port", int, None, "serve Prometheus metrics on this port at /metrics (0: a free port; default: off)"),
     ("max-memory-mb", int, 0, "memory budget of the shard's tables (rows, optimizer state, indexes) in MiB; "
      "0: half the machine's or container's memory"),
     ("max-tables", int, _LIMITS.max_tables, "tables and dense tensors on the shard"),
@@ -231,7 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb,
-            checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace,
+            checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace, metrics_port=args.metrics_port,
         )
     except ValueError as e:
         raise SystemExit(f"shardps serve: {e}") from None

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pathlib
 import struct
 from dataclasses import dataclass
-from typing import Iterator, Optional, Protocol, Union
+from typing import Callable, Iterator, Optional, Protocol, Union
 
 import numpy as np
 
@@ -212,14 +212,15 @@ class LogDurability(CheckpointDurability):
     mode = "log"
     wants_records = True
 
-    def __init__(self, data_dir: pathlib.Path) -> None:
+    def __init__(self, data_dir: pathlib.Path, on_flush: Optional[Callable[[float, int], None]] = None) -> None:
         super().__init__(data_dir)
         self._wal: Optional[wal.WriteAheadLog] = None
+        self._on_flush = on_flush
 
     def open(self) -> None:
         """Start appending (after restore has read the old records): a new segment after the last."""
         existing = wal.segments(self.data_dir)
-        self._wal = wal.WriteAheadLog(self.data_dir, (existing[-1] + 1) if existing else 1)
+        self._wal = wal.WriteAheadLog(self.data_dir, (existing[-1] + 1) if existing else 1, self._on_flush)
 
     def append(self, record: Record) -> int:
         if self._wal is None or not record[0]:
@@ -239,10 +240,11 @@ class LogDurability(CheckpointDurability):
             self._wal = None
 
 
-def make(mode: str, data_dir: Optional[pathlib.Path]) -> Union[NoDurability, CheckpointDurability, LogDurability]:
-    """The durability of ``mode`` (a shard without a data dir has none)."""
+def make(mode: str, data_dir: Optional[pathlib.Path], on_flush: Optional[Callable[[float, int], None]] = None,
+         ) -> Union[NoDurability, CheckpointDurability, LogDurability]:
+    """The durability of ``mode`` (a shard without a data dir has none); ``on_flush`` hears of each log fsync."""
     if mode not in MODES:
         raise ValueError(f"durability must be one of {MODES}, got {mode!r}")
     if data_dir is None or mode == "none":
         return NoDurability()
-    return LogDurability(data_dir) if mode == "log" else CheckpointDurability(data_dir)
+    return LogDurability(data_dir, on_flush) if mode == "log" else CheckpointDurability(data_dir)

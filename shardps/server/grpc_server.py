@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.core import kernels
 from shardps.core.memory import release_free_memory, tune_malloc
+from shardps.server.metrics import NO_METRICS, Metrics, NullMetrics
 from shardps.server.servicer import ShardServicer, add_to_server
 from shardps.server.shard import Shard, ShardConfig
 
@@ -43,6 +44,8 @@ class ServerConfig:
         max_message_mb: largest request or reply in MiB (gRPC's default is 4).
         checkpoint_interval_s: seconds between periodic checkpoints (0: none).
         grace_s: seconds in-flight calls get to finish on shutdown.
+        metrics_port: serve Prometheus metrics at http://host:metrics_port/metrics (0: a free
+            port; None: no metrics, and no cost for them).
     """
 
     host: str = "127.0.0.1"
@@ -52,6 +55,7 @@ class ServerConfig:
     max_message_mb: int = 4
     checkpoint_interval_s: float = 0.0
     grace_s: float = 5.0
+    metrics_port: Optional[int] = None
 
 
 class ShardServer:
@@ -62,8 +66,10 @@ class ShardServer:
         limit = server_config.max_message_mb * 1024 * 1024
         # The shard refuses, before reading a row, any reply larger than gRPC would send.
         shard_config = replace(shard_config, limits=replace(shard_config.limits, max_message_bytes=limit))
-        self.shard = Shard(shard_config)
+        self.metrics: NullMetrics = Metrics() if server_config.metrics_port is not None else NO_METRICS
+        self.shard = Shard(shard_config, self.metrics)
         self.config = server_config
+        self.metrics_port: Optional[int] = None
         self._server = grpc.server(
             # Threads start on demand: the pool grows past ``workers`` only while streams are open.
             futures.ThreadPoolExecutor(max_workers=server_config.workers + server_config.max_streams,
@@ -98,6 +104,11 @@ class ShardServer:
             return self
         self._started = True
         self._server.start()
+        if isinstance(self.metrics, Metrics):
+            self.metrics.watch(self.shard)
+            assert self.config.metrics_port is not None
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            log.info("shard %d: metrics on http://%s:%d/metrics", self.shard.index, self.config.host, self.metrics_port)
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.checkpoint_interval_s > 0 and self.shard.data_dir is not None:
@@ -143,6 +154,8 @@ class ShardServer:
         if checkpoint and self.shard.data_dir is not None and self.shard.config.durability != "none":
             self.shard.checkpoint("shutdown")
         self.shard.close()
+        if isinstance(self.metrics, Metrics):
+            self.metrics.close()
         self._stopped.set()
         log.info("shard %d stopped", self.shard.index)
 
@@ -164,6 +177,9 @@ def serve(shard_config: ShardConfig, server_config: ServerConfig, ready_file: Op
     server = ShardServer(shard_config, server_config).start()
     print(f"shardps shard {shard_config.shard_index}/{shard_config.num_shards} listening on {server.address} "
           f"(kernels: {kernels.describe()})", flush=True)
+    if server.metrics_port is not None:
+        print(f"shardps shard {shard_config.shard_index}: metrics on "
+              f"http://{server_config.host}:{server.metrics_port}/metrics", flush=True)
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(server.address)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterator, TypeVar
 
 import grpc
@@ -37,19 +38,26 @@ MAX_ERROR_CHARS = 1024  # status details travel in metadata (8 KiB by default): 
 
 def _rpc(method: F) -> F:
     """Run a servicer method on the raw request: parse it (unless the method reads the wire itself),
-    and turn every error into a status code."""
-    spec = protocol.METHODS[method.__name__]
+    and turn every error into a status code; counted in the shard's metrics."""
+    name = method.__name__
+    spec = protocol.METHODS[name]
     request_type, raw = spec.request, spec.wire_request
 
     @functools.wraps(method)
     def wrapper(self: ShardServicer, request: bytes, context: grpc.ServicerContext) -> Any:
+        started = time.perf_counter()
         try:
-            return method(self, request if raw else parse(request_type, request), context)
+            result = method(self, request if raw else parse(request_type, request), context)
         except Exception as e:  # noqa: BLE001 - every error becomes a status (see _status)
-            code, message, kind = self._status(e, method.__name__)
+            code, message, kind = self._status(e, name)
             if kind:
                 context.set_trailing_metadata(((status.KIND_METADATA, kind),))
             context.abort(code, message)
+        metrics = self.shard.metrics
+        if metrics.enabled:
+            size = len(result) if isinstance(result, (bytes, bytearray, memoryview)) else result.ByteSize()
+            metrics.call(name, time.perf_counter() - started, len(request), size)
+        return result
 
     return wrapper  # type: ignore[return-value]
 
@@ -163,8 +171,10 @@ class ShardServicer(pb_grpc.ShardServicer):
         st = status.of_error(e)
         if st is not None:
             self.shard.count_error()
+            self.shard.metrics.error(method, st.code)
             return grpc.StatusCode[st.code], clip(f"shard {self.shard.index}: {e}", MAX_ERROR_CHARS), st.kind
         log.error("internal error in %s", method, exc_info=e)
+        self.shard.metrics.error(method, "INTERNAL")
         return grpc.StatusCode.INTERNAL, f"shard {self.shard.index}: internal error in {method}", ""
 
     @_rpc
@@ -293,14 +303,19 @@ class ShardServicer(pb_grpc.ShardServicer):
                 self._streams.discard(context)
 
     def _stream_one(self, request: bytes) -> bytes:
+        started, name = time.perf_counter(), "Stream"
         try:
             field, view = wire.unframe(request)
             method = protocol.by_stream_field(field)
             if method is None:
                 raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
-            return self._frames[method.name](view, field)  # framed as the StreamResponse field of that number
+            name = method.name
+            reply = self._frames[name](view, field)  # framed as the StreamResponse field of that number
+            if self.shard.metrics.enabled:
+                self.shard.metrics.call(name, time.perf_counter() - started, len(request), len(reply))
+            return reply
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
-            code, message, kind = self._status(e, "Stream")
+            code, message, kind = self._status(e, name)
         return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()
 
     def end_streams(self) -> None:

@@ -45,6 +45,7 @@ from shardps.server import durability as dur
 from shardps.server import wal as wal_mod
 from shardps.server.gate import CheckpointGate
 from shardps.server.limits import Limits
+from shardps.server.metrics import NO_METRICS, NullMetrics
 from shardps.server.registry import TableRegistry
 from shardps.server.sync import Membership, SyncCoordinator, SyncPart, check_sync
 from shardps.server.table import Table
@@ -150,7 +151,7 @@ class _Checkpoints:
 class Shard:
     """Tables and dense tensors owned by one shard, with its version counter."""
 
-    def __init__(self, config: ShardConfig) -> None:
+    def __init__(self, config: ShardConfig, metrics: NullMetrics = NO_METRICS) -> None:
         self.config = config
         self.limits = config.limits
         self.index = config.shard_index
@@ -159,11 +160,12 @@ class Shard:
         self.data_dir = pathlib.Path(config.data_dir) if config.data_dir else None
         # Lock order: registry.lock -> Table.lock -> the update path's version lock -> durability.
         self.registry = TableRegistry(self.index, config.limits)
-        self.durability = dur.make(config.durability, self.data_dir)
+        self.metrics = metrics
+        self.durability = dur.make(config.durability, self.data_dir, metrics.wal_flush if metrics.enabled else None)
         self.gate = CheckpointGate(f"shard {self.index}")
-        self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5)
+        self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5, metrics)
         self.sync = SyncCoordinator(self.index, Membership(config.worker_timeout_s, config.limits.max_workers),
-                                    self._apply_step)
+                                    self._apply_step, metrics)
         self.membership = self.sync.membership
         self._ckpt_lock = threading.Lock()
         self._ckpts = _Checkpoints()
@@ -455,6 +457,7 @@ class Shard:
         checkpoint_id = checkpoint_id or uuid.uuid4().hex[:12]
         if not all(c.isalnum() or c in "-_" for c in checkpoint_id) or len(checkpoint_id) > 64:
             raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}: use up to 64 of [A-Za-z0-9_-]")
+        started = time.perf_counter()
         with self._ckpt_lock:
             if prepared and self.gate.is_open:
                 raise Unavailable(f"shard {self.index}: checkpoint {checkpoint_id} was not prepared or its hold expired")
@@ -472,6 +475,7 @@ class Shard:
             self.durability.checkpointed(self._ckpts.previous_cut)
             self._ckpts.previous_cut = meta["wal_segment"]
             self._ckpts.last = checkpoint_id
+        self.metrics.checkpoint(time.perf_counter() - started, pause)
         log.info("shard %d: checkpoint %s at version %d (%d bytes, pause %.3fs)",
                  self.index, checkpoint_id, meta["version"], size, pause)
         return checkpoint_id, meta["version"], size, pause

@@ -20,6 +20,7 @@ from shardps.core.errors import InvalidArgument, ResourceExhausted, SyncStepFail
 from shardps.core.ids import coalesce
 from shardps.core.specs import SyncPolicy
 from shardps.server.aggregate import combine, stack
+from shardps.server.metrics import NO_METRICS, NullMetrics
 from shardps.server.table import Table
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,9 @@ def check_sync(t: Table, sync: Optional[SyncPart]) -> None:
 class SyncCoordinator:
     """The synchronous steps of one shard's tables; applies each complete step through ``apply``."""
 
-    def __init__(self, shard_index: int, membership: Membership, apply: ApplyStep) -> None:
+    def __init__(self, shard_index: int, membership: Membership, apply: ApplyStep,
+                 metrics: NullMetrics = NO_METRICS) -> None:
+        self.metrics = metrics
         self.shard_index = shard_index
         self.membership = membership
         self._apply = apply
@@ -243,10 +246,12 @@ class SyncCoordinator:
                 return StepOutcome(late=True)
             if part.rank not in buf.complete_ranks():
                 return StepOutcome(recorded_only=True)
+            waiting_since = time.perf_counter()
             while not buf.done:
                 self._try_finish(t, st, part.step, buf)
                 if not buf.done:
                     self._cond.wait(0.05)
+        self.metrics.sync_step(time.perf_counter() - waiting_since, len(buf.missing))
         if buf.error:
             raise SyncStepFailed(buf.error)
         return StepOutcome(version=buf.version, missing_ranks=buf.missing)

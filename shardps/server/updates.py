@@ -19,6 +19,7 @@ import numpy as np
 from shardps.core.errors import StaleUpdate, SyncStepFailed, Unavailable
 from shardps.server.durability import Durability, Record, with_staleness
 from shardps.server.gate import CheckpointGate
+from shardps.server.metrics import NO_METRICS, NullMetrics
 from shardps.server.table import Table
 
 
@@ -131,8 +132,10 @@ class PushResult:
 class UpdatePath:
     """Version, exactly-once records and counters, and ``apply``: the only code that changes rows."""
 
-    def __init__(self, shard_index: int, durability: Durability, gate: CheckpointGate, gate_wait_s: float) -> None:
+    def __init__(self, shard_index: int, durability: Durability, gate: CheckpointGate, gate_wait_s: float,
+                 metrics: NullMetrics = NO_METRICS) -> None:
         self.shard_index = shard_index
+        self.metrics = metrics
         self.durability = durability
         self.gate = gate
         self.gate_wait_s = gate_wait_s
@@ -179,6 +182,7 @@ class UpdatePath:
         self.durability.wait(ticket)
         if not replaying:
             self.stats.pushed(rows, staleness)
+            self.metrics.pushed(t.spec.name, rows, t.dim * 4, staleness)
         return version, staleness
 
     def _staleness(self, t: Table, pulled_version: Optional[int], replayed: Optional[int]) -> int:
@@ -198,4 +202,5 @@ class UpdatePath:
             rows = t.read(ids)
             version = self.version
         self.stats.pulled(ids.shape[0])
+        self.metrics.pulled(t.spec.name, ids.shape[0], t.dim * 4)
         return rows, version

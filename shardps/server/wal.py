@@ -23,7 +23,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,10 @@ def _count_records(data: bytes) -> int:
 class WriteAheadLog:
     """The open log of one shard: append under a table lock, then ``wait`` for durability."""
 
-    def __init__(self, data_dir: pathlib.Path, segment: int) -> None:
+    def __init__(self, data_dir: pathlib.Path, segment: int,
+                 on_flush: Optional[Callable[[float, int], None]] = None) -> None:
         self.data_dir = data_dir
+        self._on_flush = on_flush  # (seconds of write + fsync, records made durable): the metrics
         self.segment = segment
         self._file: BinaryIO = open(segment_path(data_dir, segment), "ab")
         self._cond = threading.Condition()
@@ -192,9 +194,12 @@ class WriteAheadLog:
                 upto, f = self._appended, self._file
                 self._writing = True
             try:
+                t0 = time.perf_counter()
                 f.write(b"".join(data))
                 f.flush()
                 os.fsync(f.fileno())
+                if self._on_flush is not None:
+                    self._on_flush(time.perf_counter() - t0, len(data) // 2)
             except BaseException as e:  # noqa: BLE001 - waiting pushes must learn of it
                 log.exception("write-ahead log write failed")
                 with self._cond:

@@ -1,0 +1,211 @@
+"""Prometheus metrics of a shard: ``shardps serve --metrics-port`` serves them at ``/metrics``.
+
+Made with the standard client library (``prometheus_client``), one registry per shard. The shard's
+parts report to a ``Metrics`` object they are given at construction; without ``--metrics-port`` they
+are given ``NO_METRICS``, whose methods do nothing, so a shard that is not scraped pays one no-op
+call per event.
+
+Counters and histograms (all prefixed ``shardps_``):
+
+- ``requests_total{method}``, ``request_bytes_total{method}``, ``response_bytes_total{method}``,
+  ``request_seconds{method}`` (histogram; the handler's time, gRPC's own work excluded): every call,
+  stream frames under the method they carry (Pull, Push, PullBatch, ...).
+- ``errors_total{method,code}``: calls refused, by gRPC status code.
+- ``rows_total{table,op}`` and ``bytes_total{table,op}`` (op: pull, push): rows read and updated and
+  their float32 payload, per table.
+- ``push_staleness`` (histogram): versions between a push's pull and its apply.
+- ``wal_fsync_seconds`` and ``wal_group_records`` (histograms): each write-ahead-log fsync and how
+  many records it made durable at once (group commit).
+- ``checkpoint_seconds`` and ``checkpoint_pause_seconds`` (histograms): a checkpoint's whole
+  duration and the time pushes waited for its copy.
+- ``sync_wait_seconds`` (histogram): how long a synchronous step's completing push waited for the
+  step; ``sync_missing_workers_total``: workers a step went on without (gone, dropped from it).
+
+Read at each scrape: ``version``, ``uptime_seconds``, ``table_rows{table}`` and
+``table_bytes{table}`` (stored rows and bytes of memory), ``live_workers``, ``gone_workers``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+if TYPE_CHECKING:
+    from shardps.server.shard import Shard
+
+# Handler latencies: 50 us to 10 s.
+LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CHECKPOINT_BUCKETS = (1e-3, 1e-2, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class NullMetrics:
+    """What a shard reports, doing nothing: the shard without ``--metrics-port``."""
+
+    enabled = False
+
+    def call(self, method: str, seconds: float, request_bytes: int, response_bytes: int) -> None:
+        pass
+
+    def error(self, method: str, code: str) -> None:
+        pass
+
+    def pulled(self, table: str, rows: int, row_bytes: int) -> None:
+        pass
+
+    def pushed(self, table: str, rows: int, row_bytes: int, staleness: int) -> None:
+        pass
+
+    def wal_flush(self, seconds: float, records: int) -> None:
+        pass
+
+    def checkpoint(self, seconds: float, pause: float) -> None:
+        pass
+
+    def sync_step(self, waited: float, missing: int) -> None:
+        pass
+
+
+NO_METRICS = NullMetrics()
+
+
+class Metrics(NullMetrics):
+    """A shard's metrics in a registry of its own (several shards may share a process in tests)."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = Counter("shardps_requests", "Calls served, by method", ["method"], registry=r)
+        self._request_bytes = Counter("shardps_request_bytes", "Request bytes, by method", ["method"], registry=r)
+        self._response_bytes = Counter("shardps_response_bytes", "Response bytes, by method", ["method"], registry=r)
+        self._latency = Histogram("shardps_request_seconds", "Handler time of a call, by method", ["method"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self._errors = Counter("shardps_errors", "Calls refused, by method and gRPC status code", ["method", "code"],
+                               registry=r)
+        self._rows = Counter("shardps_rows", "Rows pulled or pushed, by table", ["table", "op"], registry=r)
+        self._bytes = Counter("shardps_bytes", "Float32 payload of the rows pulled or pushed, by table",
+                              ["table", "op"], registry=r)
+        self._staleness = Histogram("shardps_push_staleness", "Versions between a push's pull and its apply",
+                                    buckets=STALENESS_BUCKETS, registry=r)
+        self._fsync = Histogram("shardps_wal_fsync_seconds", "Write-ahead-log write and fsync time",
+                                buckets=LATENCY_BUCKETS, registry=r)
+        self._group = Histogram("shardps_wal_group_records", "Records made durable by one fsync (group commit)",
+                                buckets=GROUP_BUCKETS, registry=r)
+        self._ckpt = Histogram("shardps_checkpoint_seconds", "Checkpoint duration", buckets=CHECKPOINT_BUCKETS,
+                               registry=r)
+        self._ckpt_pause = Histogram("shardps_checkpoint_pause_seconds", "Time pushes waited for a checkpoint's copy",
+                                     buckets=CHECKPOINT_BUCKETS, registry=r)
+        self._sync_wait = Histogram("shardps_sync_wait_seconds", "Wait of a synchronous step's completing push",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self._sync_missing = Counter("shardps_sync_missing_workers", "Workers synchronous steps went on without",
+                                     registry=r)
+        # Label children, bound once: a labels() lookup per event would cost more than the event's update.
+        self._per_method: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._per_table: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._lock = threading.Lock()
+        self._http: Optional[Any] = None
+
+    def _method(self, method: str) -> tuple[Any, Any, Any, Any]:
+        m = self._per_method.get(method)
+        if m is None:
+            with self._lock:
+                m = self._per_method[method] = (self._requests.labels(method), self._request_bytes.labels(method),
+                                                self._response_bytes.labels(method), self._latency.labels(method))
+        return m
+
+    def _table(self, table: str) -> tuple[Any, Any, Any, Any]:
+        t = self._per_table.get(table)
+        if t is None:
+            with self._lock:
+                t = self._per_table[table] = (self._rows.labels(table, "pull"), self._bytes.labels(table, "pull"),
+                                              self._rows.labels(table, "push"), self._bytes.labels(table, "push"))
+        return t
+
+    def call(self, method: str, seconds: float, request_bytes: int, response_bytes: int) -> None:
+        requests, req_bytes, resp_bytes, latency = self._method(method)
+        requests.inc()
+        req_bytes.inc(request_bytes)
+        resp_bytes.inc(response_bytes)
+        latency.observe(seconds)
+
+    def error(self, method: str, code: str) -> None:
+        self._errors.labels(method, code).inc()
+
+    def pulled(self, table: str, rows: int, row_bytes: int) -> None:
+        r, b, _, _ = self._table(table)
+        r.inc(rows)
+        b.inc(rows * row_bytes)
+
+    def pushed(self, table: str, rows: int, row_bytes: int, staleness: int) -> None:
+        _, _, r, b = self._table(table)
+        r.inc(rows)
+        b.inc(rows * row_bytes)
+        self._staleness.observe(staleness)
+
+    def wal_flush(self, seconds: float, records: int) -> None:
+        self._fsync.observe(seconds)
+        self._group.observe(records)
+
+    def checkpoint(self, seconds: float, pause: float) -> None:
+        self._ckpt.observe(seconds)
+        self._ckpt_pause.observe(pause)
+
+    def sync_step(self, waited: float, missing: int) -> None:
+        self._sync_wait.observe(waited)
+        if missing:
+            self._sync_missing.inc(missing)
+
+    def watch(self, shard: Shard) -> None:
+        """Add the values read at each scrape (version, tables, workers) of ``shard``."""
+        self.registry.register(_ShardCollector(shard))
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` over HTTP on ``host:port`` (0: a free port) in a daemon thread; the port."""
+        from prometheus_client import start_http_server
+
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+class _ShardCollector:
+    """Gauges read from the shard when Prometheus scrapes."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    def describe(self) -> list[Any]:
+        return []  # gauges made at collect time; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        info = self.shard.info()
+        yield GaugeMetricFamily("shardps_version", "Pushes applied since the shard's state began", value=info.version)
+        yield GaugeMetricFamily("shardps_uptime_seconds", "Seconds since the shard started",
+                                value=time.monotonic() - self.shard.started)
+        rows = GaugeMetricFamily("shardps_table_rows", "Rows stored, by table", labels=["table"])
+        nbytes = GaugeMetricFamily("shardps_table_bytes", "Memory of a table (rows, optimizer state, index)",
+                                   labels=["table"])
+        for t in info.tables:
+            rows.add_metric([t.spec.name], t.num_rows)
+            nbytes.add_metric([t.spec.name], t.bytes)
+        yield rows
+        yield nbytes
+        _, live, gone = self.shard.membership.status()
+        yield GaugeMetricFamily("shardps_live_workers", "Training workers heard from recently", value=len(live))
+        yield GaugeMetricFamily("shardps_gone_workers", "Workers silent for longer than --worker-timeout",
+                                value=len(gone))
+
