@@ -243,3 +243,86 @@ def test_cluster_command_reports_and_restarts_a_dead_shard(tmp_path):
         out, _ = proc.communicate(timeout=60)
     assert "shard 1" in out and "died with exit code -9" in out and "restarted" in out
     assert proc.returncode == 0
+
+
+# ---- Kubernetes -------------------------------------------------------------------------------
+
+def _k8s(text: str) -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(text)}
+
+
+def _make_k8s():
+    sys.path.insert(0, str(DOCKER))
+    try:
+        import make_k8s
+    finally:
+        sys.path.pop(0)
+    return make_k8s
+
+
+def test_kubernetes_manifests_are_valid_against_the_schemas():
+    """Offline, against the API schemas of the oldest version the manifests need (1.28: the pod-index
+    label) and the newest kubernetes-validate knows, in strict mode (unknown fields are errors)."""
+    kv = pytest.importorskip("kubernetes_validate")
+    make_k8s = _make_k8s()
+    assert make_k8s.make(4) == (DOCKER / "k8s" / "shardps.yaml").read_text()
+    for shards in (1, 4, 16):
+        docs = list(yaml.safe_load_all(make_k8s.make(shards, namespace="training")))
+        assert [d["kind"] for d in docs] == ["Service", "StatefulSet", "PodDisruptionBudget", "Job"]
+        for version in ("1.28.0", kv.latest_version()):
+            for d in docs:
+                kv.validate(d, version, strict=True)
+    broken = _k8s(make_k8s.make(4))["StatefulSet"]
+    broken["spec"]["replica"] = broken["spec"].pop("replicas")  # a typo the validator must catch
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, "1.28.0", strict=True)
+
+
+def test_kubernetes_statefulset_runs_one_shard_per_ordinal_with_probes_volume_and_metrics():
+    k = _k8s((DOCKER / "k8s" / "shardps.yaml").read_text())
+    sts, svc, pdb, job = k["StatefulSet"], k["Service"], k["PodDisruptionBudget"], k["Job"]
+    n = sts["spec"]["replicas"]
+    assert n == 4 and sts["spec"]["serviceName"] == svc["metadata"]["name"] == "shardps"
+    assert svc["spec"]["clusterIP"] == "None"  # headless: stable names shardps-i.shardps
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"] == labels == sts["spec"]["selector"]["matchLabels"]
+    assert pdb["spec"]["selector"]["matchLabels"] == labels and pdb["spec"]["maxUnavailable"] == 1
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SHARDPS_SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["SHARDPS_NUM_SHARDS"]["value"] == str(n)
+    # The container's command through the real CLI: the image's ENTRYPOINT, its ENV, the pod's env
+    # (the ordinal as the kubelet fills it in).
+    image_env = dict(re.findall(r"(SHARDPS_[A-Z_]+)=(\S+)", next(
+        line for line in _dockerfile("Dockerfile.server") if line.startswith("ENV SHARDPS_HOST"))))
+    for ordinal in range(n):
+        pod_env = {k: v.get("value", str(ordinal)) for k, v in env.items()}
+        args = parse_args(["serve"], {**image_env, **pod_env})
+        assert (args.shard_index, args.num_shards, args.durability) == (ordinal, n, "log")
+        ShardConfig(shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
+                    durability=args.durability)
+        assert args.data_dir == "/data" and args.port == 7000
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == args.metrics_port
+    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe_name]["grpc"] == {"port": args.port}  # gRPC health, spoken by the kubelet
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert c["volumeMounts"] == [{"name": claim["metadata"]["name"], "mountPath": "/data"}]
+    assert pod["securityContext"]["runAsUser"] == 10001 and pod["securityContext"]["fsGroup"] == 10001
+    assert "cpu" in c["resources"]["requests"] and "memory" in c["resources"]["limits"]
+    # Long enough for the in-flight calls' grace and the final checkpoint.
+    assert pod["terminationGracePeriodSeconds"] >= args.grace + 60
+    # The trainer Job: its command through the example's own parser, one address per ordinal.
+    (t,) = job["spec"]["template"]["spec"]["containers"]
+    sys.path.insert(0, str(ROOT / "clients" / "examples"))
+    try:
+        import dlrm
+    finally:
+        sys.path.pop(0)
+    assert t["args"][0] == "clients/examples/dlrm.py"
+    targs = dlrm.build_parser().parse_args(t["args"][1:])
+    assert targs.addresses.split(",") == [f"shardps-{i}.shardps.default.svc:7000" for i in range(n)]

@@ -259,7 +259,8 @@ def train_local(args: argparse.Namespace) -> dict:
     return {"auc": evaluate(model, test_ids, test_dense, test_labels), "samples_per_s": len(labels) / elapsed}
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The example's command line (the deployment tests parse the Compose and Kubernetes commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_cluster_args(p, workers=2)
     p.add_argument("--rows", type=int, default=1_000_000, help="ids per sparse feature (rows per table)")
@@ -285,6 +286,11 @@ def main() -> int:
     p.add_argument("--no-local", action="store_true", help="skip the local torch.optim baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     if args.dense_lag and args.mode != "async":
         p.error("--dense-lag needs --mode async (synchronous and SSP steps bound staleness themselves)")
