@@ -17,6 +17,7 @@ Kubernetes does not need it: its probes speak gRPC health themselves.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -24,11 +25,22 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def check(address: str, timeout: float = 2.0, service: str = "") -> str:
-    """The health status name of a shard ("SERVING", "NOT_SERVING", ...), or "UNREACHABLE"."""
-    with grpc.insecure_channel(address) as channel:
+def channel(address: str, ca: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None
+            ) -> grpc.Channel:
+    """A channel to a shard: plaintext, or TLS trusting ``ca`` (with a client certificate for mutual TLS)."""
+    if ca is None:
+        return grpc.insecure_channel(address)
+    read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(read(ca), read(key), read(cert)))
+
+
+def check(address: str, timeout: float = 2.0, service: str = "", ca: Optional[str] = None,
+          cert: Optional[str] = None, key: Optional[str] = None) -> str:
+    """The health status name of a shard ("SERVING", "NOT_SERVING", ...), or "UNREACHABLE"
+    (TLS: ``ca`` the shards' CA; ``cert``/``key`` the client's, where shards want mutual TLS)."""
+    with channel(address, ca, cert, key) as ch:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as e:
             return "UNREACHABLE" if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else e.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -39,12 +51,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("addresses", nargs="+", help="shard addresses host:port")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds per shard")
     p.add_argument("--service", default="", help="health service name ('' is the whole server)")
+    add_tls_args(p)
     return p
+
+
+def add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=os.environ.get("SHARDPS_TLS_CA"),
+                   help="TLS: the CA of the shards' certificates (PEM) [env SHARDPS_TLS_CA]")
+    p.add_argument("--tls-cert", default=os.environ.get("SHARDPS_TLS_CLIENT_CERT"),
+                   help="mutual TLS: this client's certificate (PEM) [env SHARDPS_TLS_CLIENT_CERT]")
+    p.add_argument("--tls-key", default=os.environ.get("SHARDPS_TLS_CLIENT_KEY"),
+                   help="mutual TLS: this client's key (PEM) [env SHARDPS_TLS_CLIENT_KEY]")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    statuses = [(a, check(a, args.timeout, args.service)) for a in args.addresses]
+    statuses = [(a, check(a, args.timeout, args.service, args.tls_ca, args.tls_cert, args.tls_key))
+                for a in args.addresses]
     for a, st in statuses:
         print(f"{a}\t{st}")
     return 0 if all(st == "SERVING" for _, st in statuses) else 1

@@ -5,8 +5,10 @@ from shardps.core.specs import Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
 from shardps_client.data import Prefetcher
 from shardps_client.errors import (
+    AuthenticationError,
     IdOutOfRangeError,
     InvalidArgumentError,
+    PermissionDeniedError,
     RequestTooLargeError,
     ShardMapError,
     ShardpsError,
@@ -19,9 +21,11 @@ from shardps_client.errors import (
 )
 from shardps_client.nn import RemoteEmbedding, RemoteEmbeddingBag
 from shardps_client.optim import ShardedOptimizer
+from shardps_client.transport import TLS
 
 __all__ = [
     "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
+    "TLS", "AuthenticationError", "PermissionDeniedError",
 ]

@@ -47,12 +47,13 @@ from shardps.core.specs import (
     dense_spec_to_pb,
     table_spec_to_pb,
 )
+from shardps.core.tokens import token_from_environment
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import admin, planner
 from shardps_client.cache import CacheStats, RowCache
 from shardps_client.errors import IdOutOfRangeError, InvalidArgumentError, ShardpsError
 from shardps_client.pushes import DensePull, PushHold, PushPipeline
-from shardps_client.transport import Transport
+from shardps_client.transport import TLS, Transport
 from shardps_client.worker import WorkerClock
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,9 @@ class Client:
             one thread per core the local shards leave free (at least 1), because
             torch's idle threads spin and take the shards' cores. An int: that many.
             None: leave torch alone.
+        tls: TLS to the shards (``TLS(ca, cert=None, key=None)``; files): None, plaintext.
+        token: the bearer token every call carries; None: the file SHARDPS_TOKEN_FILE names, else
+            SHARDPS_TOKEN, else no token (what shards without ``--tokens-file`` expect).
     """
 
     def __init__(
@@ -172,6 +176,8 @@ class Client:
         ssp_bound: Optional[int] = None,
         heartbeat_s: float = 1.0,
         torch_threads: Union[int, str, None] = "auto",
+        tls: Optional[TLS] = None,
+        token: Optional[str] = None,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
@@ -186,7 +192,8 @@ class Client:
         self.max_message_bytes = int(max_message_bytes)
         self.read_your_writes = read_your_writes
         self.client_id = client_id or uuid.uuid4().hex
-        self.transport = Transport(self.addresses, timeout, retry_timeout, self.max_message_bytes)
+        self.transport = Transport(self.addresses, timeout, retry_timeout, self.max_message_bytes, tls,
+                                   token if token is not None else token_from_environment())
         self._pool = ThreadPoolExecutor(max_workers=max(4, 4 * self.num_shards), thread_name_prefix="shardps-client")
         self.catalog = admin.Catalog(self.transport)
         self.pushes = PushPipeline(self.transport, self.num_shards, self.max_message_bytes, max_inflight_pushes)
@@ -205,9 +212,12 @@ class Client:
 
     @classmethod
     def from_file(cls, path: str, **kwargs: Any) -> Client:
-        """Connect to the cluster described by a cluster file (written by ``shardps cluster``)."""
+        """Connect to the cluster described by a cluster file (written by ``shardps cluster``): its
+        addresses, and its TLS files (``"tls": {"ca", "cert", "key"}``, paths) when it has them."""
         with open(path) as f:
             data = json.load(f)
+        if data.get("tls") and "tls" not in kwargs:
+            kwargs["tls"] = TLS(**data["tls"])
         return cls(data["addresses"], **kwargs)
 
     # ---- the parts' state, as attributes of the client ----------------------------------

@@ -69,6 +69,14 @@ class ShardTimeoutError(ShardpsError):
     """A call did not finish within its deadline."""
 
 
+class AuthenticationError(ShardpsError):
+    """The shard wants a token (``Client(token=...)``, SHARDPS_TOKEN_FILE) and got none, or a wrong one."""
+
+
+class PermissionDeniedError(ShardpsError):
+    """The client's token has a role that may not make this call (reader, trainer, admin)."""
+
+
 # Each kind of the status table (shardps.core.status), carried as data by the shard.
 _BY_KIND: dict[str, type] = {s.kind: globals()[s.client_error] for s in status.TABLE}
 # Without a kind (an older shard, or a status gRPC itself produced), by code name: the table's first

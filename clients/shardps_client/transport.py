@@ -35,8 +35,10 @@ of the client's life.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import logging
+import pathlib
 import random
 import threading
 import time
@@ -270,6 +272,40 @@ def _request_bytes(item: _Item) -> bytes:
     return item.request
 
 
+@dataclasses.dataclass(frozen=True)
+class TLS:
+    """TLS to the shards: ``ca`` (PEM file) is the CA that signed the shards' certificates; ``cert``
+    and ``key`` (PEM files) the client's own, for shards that want mutual TLS; ``server_name``
+    overrides the name checked against the shards' certificates (default: the address's host)."""
+
+    ca: str
+    cert: Optional[str] = None
+    key: Optional[str] = None
+    server_name: Optional[str] = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("TLS: a client certificate needs its key, and the key its certificate")
+        read = lambda p: pathlib.Path(p).read_bytes() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
+class _Token(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call (only when the client has a token)."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
 class Transport:
     """Channels, stubs and lanes to every shard of a cluster.
 
@@ -278,15 +314,27 @@ class Transport:
         timeout: deadline in seconds of every call.
         retry_timeout: how long calls keep retrying a shard that is UNAVAILABLE.
         max_message_bytes: the largest request the client makes (channels accept a little more).
+        tls: TLS to the shards (None: plaintext).
+        token: the bearer token every call carries (None: none).
     """
 
-    def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int) -> None:
+    def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int,
+                 tls: Optional[TLS] = None, token: Optional[str] = None) -> None:
         self.addresses = list(addresses)
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         limit = max(max_message_bytes + 64 * 1024, 4 * MiB)
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", limit),
+                                          ("grpc.max_send_message_length", limit)]
+        if tls is None:
+            self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        else:
+            creds = tls.credentials()
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channels = [grpc.secure_channel(a, creds, options=options) for a in self.addresses]
+        if token is not None:
+            self._channels = [grpc.intercept_channel(ch, _Token(token)) for ch in self._channels]
         self._stubs = [_Stub(ch) for ch in self._channels]
         # One lane per shard carries this client's pulls and pushes to it on one stream, in the
         # order they were made (optimizers such as Adam are not commutative, and a pull sees the

@@ -45,6 +45,14 @@ class SyncStepFailed(ShardError):
     """A synchronous step failed (its straggler policy is "fail")."""
 
 
+class Unauthenticated(ShardError):
+    """The call carries no token, or one the shard does not know."""
+
+
+class PermissionDenied(ShardError):
+    """The call's token has a role that may not make this call."""
+
+
 def clip(text: str, limit: int = 200) -> str:
     """``text`` cut to ``limit`` characters (names and values echoed in errors stay small)."""
     return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"

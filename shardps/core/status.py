@@ -45,6 +45,8 @@ TABLE: tuple[Status, ...] = (
     Status("sync_step_failed", "ABORTED", errors.SyncStepFailed, "SyncStepError"),
     Status("resource_exhausted", "RESOURCE_EXHAUSTED", errors.ResourceExhausted, "RequestTooLargeError"),
     Status("unavailable", "UNAVAILABLE", errors.Unavailable, "ShardUnavailableError"),
+    Status("unauthenticated", "UNAUTHENTICATED", errors.Unauthenticated, "AuthenticationError"),
+    Status("permission_denied", "PERMISSION_DENIED", errors.PermissionDenied, "PermissionDeniedError"),
 )
 
 BY_KIND: dict[str, Status] = {s.kind: s for s in TABLE}

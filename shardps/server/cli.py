@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Callable, Mapping, Optional, Sequence
 
+from shardps.probe import add_tls_args
+from shardps.server.auth import TLSFiles
 from shardps.server.grpc_server import ServerConfig, serve
 from shardps.server.limits import Limits
 from shardps.server.shard import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
@@ -34,6 +36,10 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("max-message-mb", int, 4, "largest request or reply in MiB"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
     ("metrics-port", int, None, "serve Prometheus metrics on this port at /metrics (0: a free port; default: off)"),
+    ("tls-cert", str, None, "serve TLS: the certificate chain (PEM file); with --tls-key"),
+    ("tls-key", str, None, "the TLS private key (PEM file)"),
+    ("tls-client-ca", str, None, "mutual TLS: clients must present a certificate signed by this CA (PEM file)"),
+    ("tokens-file", str, None, "bearer tokens with roles, one '<role> <token>' per line (reader, trainer, admin)"),
     ("max-memory-mb", int, 0, "memory budget of the shard's tables (rows, optimizer state, indexes) in MiB; "
      "0: half the machine's or container's memory"),
     ("max-tables", int, _LIMITS.max_tables, "tables and dense tensors on the shard"),
@@ -98,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--durability", default="checkpoint", choices=DURABILITY_LEVELS)
     p.add_argument("--checkpoint-interval", type=float, default=0.0, help="seconds between periodic checkpoints")
     p.add_argument("--no-restart", action="store_true", help="exit when a shard dies instead of restarting it")
+    p.add_argument("--tls", nargs="?", const="tls", choices=("tls", "mtls"),
+                   help="serve TLS (mtls: mutual TLS) with throwaway certificates made in DATA_DIR/tls; "
+                        "the cluster file carries their paths")
+    p.add_argument("--tokens-file", help="bearer tokens with roles for every shard (see shardps serve)")
     p.add_argument("--log-level", default="INFO")
     for name, help_ in (("health", "check shards' gRPC health (exit code 0 if all serve)"),
                         ("stats", "per-shard version, tables, counters and rates")):
@@ -107,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=5.0, help="seconds per shard")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--log-level", default="WARNING")
+        add_tls_args(p)
         if name == "stats":
             p.add_argument("--interval", type=float, default=1.0,
                            help="seconds between two samples for current rates (0: averages since start)")
@@ -119,12 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _addresses(args: argparse.Namespace) -> list[str]:
+    """The shards to ask, from the arguments and the cluster file (whose TLS files are used too)."""
     import json
 
     addresses = list(args.addresses)
     if args.cluster_file:
         with open(args.cluster_file) as f:
-            addresses += json.load(f)["addresses"]
+            data = json.load(f)
+        addresses += data["addresses"]
+        tls = data.get("tls") or {}
+        args.tls_ca = args.tls_ca or tls.get("ca")
+        args.tls_cert = args.tls_cert or tls.get("cert")
+        args.tls_key = args.tls_key or tls.get("key")
     if not addresses:
         raise SystemExit(f"shardps {args.command}: give shard addresses or --cluster-file") from None
     return addresses
@@ -135,7 +152,8 @@ def run_health(args: argparse.Namespace) -> int:
 
     from shardps.probe import check as check_health
 
-    statuses = {a: check_health(a, args.timeout) for a in _addresses(args)}
+    addresses = _addresses(args)
+    statuses = {a: check_health(a, args.timeout, "", args.tls_ca, args.tls_cert, args.tls_key) for a in addresses}
     if args.json:
         print(json.dumps(statuses))
     else:
@@ -150,7 +168,9 @@ def run_stats(args: argparse.Namespace) -> int:
     from shardps.server.stats import collect, render
 
     try:
-        rows = collect(_addresses(args), args.timeout, args.interval)
+        addresses = _addresses(args)
+        rows = collect(addresses, args.timeout, args.interval,
+                       {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key})
     except RuntimeError as e:
         raise SystemExit(f"shardps stats: {e}") from None
     print(json.dumps(rows, indent=2) if args.json else render(rows))
@@ -164,8 +184,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     from shardps.server.launcher import LocalCluster
 
     serve_args = ["--durability", args.durability, "--checkpoint-interval", str(args.checkpoint_interval)]
+    if args.tokens_file:
+        serve_args += ["--tokens-file", args.tokens_file]
     cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
-                           serve_args=serve_args)
+                           serve_args=serve_args, tls=args.tls)
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -216,6 +238,16 @@ def run_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tls(args: argparse.Namespace) -> Optional[TLSFiles]:
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     if args.shard_index is None or args.num_shards is None:
         raise SystemExit("shardps serve: --shard-index and --num-shards are required (or SHARDPS_SHARD_INDEX / SHARDPS_NUM_SHARDS)")
@@ -233,8 +265,15 @@ def run_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb,
             checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace, metrics_port=args.metrics_port,
+            tls=_tls(args), tokens_file=args.tokens_file,
         )
-    except ValueError as e:
+        if server_config.tls is not None:
+            server_config.tls.read()
+        if args.tokens_file:
+            from shardps.server.auth import Tokens
+
+            Tokens.load(args.tokens_file)
+    except (ValueError, OSError) as e:
         raise SystemExit(f"shardps serve: {e}") from None
     from shardps.server.shard import LogReplayError, ShardMapMismatch
 

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.core import kernels
 from shardps.core.memory import release_free_memory, tune_malloc
+from shardps.server.auth import TLSFiles, Tokens
 from shardps.server.metrics import NO_METRICS, Metrics, NullMetrics
 from shardps.server.servicer import ShardServicer, add_to_server
 from shardps.server.shard import Shard, ShardConfig
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "shardps.v1.Shard"
 IDLE_TRIM_S = 1.0  # a shard quiet this long after traffic returns its free heap pages to the OS
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class ServerConfig:
         grace_s: seconds in-flight calls get to finish on shutdown.
         metrics_port: serve Prometheus metrics at http://host:metrics_port/metrics (0: a free
             port; None: no metrics, and no cost for them).
+        tls: serve TLS with these certificate and key files (mutual TLS with a client CA).
+        tokens_file: bearer tokens with roles (``shardps.server.auth``); None: no tokens.
     """
 
     host: str = "127.0.0.1"
@@ -56,6 +63,8 @@ class ServerConfig:
     checkpoint_interval_s: float = 0.0
     grace_s: float = 5.0
     metrics_port: Optional[int] = None
+    tls: Optional[TLSFiles] = None
+    tokens_file: Optional[str] = None
 
 
 class ShardServer:
@@ -81,11 +90,23 @@ class ShardServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self._servicer = ShardServicer(self.shard, server_config.max_streams)
+        tokens = Tokens.load(server_config.tokens_file) if server_config.tokens_file else None
+        self._servicer = ShardServicer(self.shard, server_config.max_streams, tokens)
         add_to_server(self._servicer, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = self._server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+        bind = f"{server_config.host}:{server_config.port}"
+        if server_config.tls is not None:
+            chain, key, client_ca = server_config.tls.read()
+            self.port = self._server.add_secure_port(bind, grpc.ssl_server_credentials(
+                [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None))
+        else:
+            self.port = self._server.add_insecure_port(bind)
+        if not _loopback(server_config.host) and (server_config.tls is None or tokens is None):
+            log.warning("shard %d listens on %s without %s: anyone who reaches the port can %s (see the README's "
+                        "threat model)", self.shard.index, bind,
+                        " or ".join(w for w, on in (("TLS", server_config.tls), ("tokens", tokens)) if on is None),
+                        "read it and write to it" if tokens is None else "read the traffic")
         if self.port == 0:
             raise OSError(f"could not bind {server_config.host}:{server_config.port}")
         self._stop = threading.Event()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from shardps.probe import check as check_health
+from shardps.server.certs import DevCerts, make_dev_certs
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class LocalCluster:
         host: address to bind.
         serve_args: extra ``shardps serve`` flags for every shard (e.g. durability).
         log_dir: where shard logs go (default: a temporary directory).
+        tls: None (plaintext), "tls" or "mtls" (mutual TLS): throwaway certificates are made in
+            ``<data_dir or log_dir>/tls`` (``shardps.server.certs``) and the cluster file carries their paths.
     """
 
     num_shards: int
@@ -65,7 +68,9 @@ class LocalCluster:
     host: str = "127.0.0.1"
     serve_args: Sequence[str] = ()
     log_dir: Optional[str] = None
+    tls: Optional[str] = None
     procs: list[_Proc] = field(default_factory=list)
+    certs: Optional[DevCerts] = None
 
     def command(self, index: int, port: int, ready_file: str) -> list[str]:
         """The command that runs shard ``index`` (the same flags the Compose file passes)."""
@@ -73,7 +78,18 @@ class LocalCluster:
                "--shard-index", str(index), "--num-shards", str(self.num_shards), "--ready-file", ready_file]
         if self.data_dir:
             cmd += ["--data-dir", str(pathlib.Path(self.data_dir) / f"shard-{index}")]
+        if self.certs is not None:
+            cmd += ["--tls-cert", self.certs.server_cert, "--tls-key", self.certs.server_key]
+            if self.tls == "mtls":
+                cmd += ["--tls-client-ca", self.certs.ca]
         return cmd + list(self.serve_args)
+
+    @property
+    def tls_files(self) -> Optional[dict[str, str]]:
+        """What a client needs to reach the shards (``Client(tls=TLS(**files))``), or None without TLS."""
+        if self.certs is None:
+            return None
+        return {"ca": self.certs.ca, "cert": self.certs.client_cert, "key": self.certs.client_key}
 
     def _spawn(self, index: int, port: int) -> _Proc:
         logs = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="shardps-logs-"))
@@ -97,14 +113,23 @@ class LocalCluster:
                 raise TimeoutError(f"shard {proc.index} did not start in time; log: {proc.log_path}")
             time.sleep(0.05)
         proc.address = ready.read_text()
-        while check_health(proc.address) != "SERVING":
+        while check_health(proc.address, **self._probe_tls()) != "SERVING":
             if time.monotonic() > deadline:
                 raise TimeoutError(f"shard {proc.index} at {proc.address} never became healthy")
             time.sleep(0.05)
 
+    def _probe_tls(self) -> dict[str, str]:
+        files = self.tls_files
+        return {} if files is None else files
+
     def start(self, timeout: float = 60.0) -> LocalCluster:
         """Start every shard and wait until all are healthy."""
         deadline = time.monotonic() + timeout
+        if self.tls not in (None, "tls", "mtls"):
+            raise ValueError(f"tls must be None, 'tls' or 'mtls', got {self.tls!r}")
+        if self.tls and self.certs is None:
+            home = self.data_dir or self.log_dir or tempfile.mkdtemp(prefix="shardps-")
+            self.certs = make_dev_certs(str(pathlib.Path(home) / "tls"), hosts=(self.host, "localhost", "127.0.0.1"))
         try:
             self.procs = [self._spawn(i, self.base_port + i if self.base_port else 0) for i in range(self.num_shards)]
             for p in self.procs:
@@ -122,6 +147,8 @@ class LocalCluster:
         """Write the JSON file ``Client.from_file`` reads."""
         data = {"addresses": self.addresses, "num_shards": self.num_shards, "data_dir": self.data_dir,
                 "pids": [p.popen.pid for p in self.procs], "logs": self.log_dir}
+        if self.tls_files is not None:
+            data["tls"] = self.tls_files
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=2)

@@ -10,13 +10,14 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import grpc
 
 from shardps.core import codec, protocol, status, wire
 from shardps.core.errors import (
     InvalidArgument,
+    PermissionDenied,
     ResourceExhausted,
     StaleUpdate,
     SyncStepFailed,
@@ -24,6 +25,7 @@ from shardps.core.errors import (
 )
 from shardps.core.specs import DenseSpec, dense_spec_from_pb, dense_spec_to_pb, table_spec_from_pb, table_spec_to_pb
 from shardps.core.wire import Buffer, parse
+from shardps.server.auth import ALLOWED, Tokens
 from shardps.server.shard import Shard, ShardInfo, TableInfo
 from shardps.server.sync import SyncPart
 from shardps.server.updates import Counters, PushResult
@@ -47,6 +49,8 @@ def _rpc(method: F) -> F:
     def wrapper(self: ShardServicer, request: bytes, context: grpc.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
+            if self.tokens is not None:  # before the request is decoded
+                self._local.role = self.tokens.check(context.invocation_metadata(), name)
             result = method(self, request if raw else parse(request_type, request), context)
         except Exception as e:  # noqa: BLE001 - every error becomes a status (see _status)
             code, message, kind = self._status(e, name)
@@ -122,9 +126,11 @@ def _shard_info(info: ShardInfo) -> pb.ShardInfoResponse:
 class ShardServicer(pb_grpc.ShardServicer):
     """The ``shardps.v1.Shard`` service over one ``Shard``."""
 
-    def __init__(self, shard: Shard, max_streams: int = 64) -> None:
+    def __init__(self, shard: Shard, max_streams: int = 64, tokens: Optional[Tokens] = None) -> None:
         self.shard = shard
         self.max_streams = max_streams
+        self.tokens = tokens  # None: every call allowed (no tokens file)
+        self._local = threading.local()  # the role of the call this handler thread serves
         self._streams: set[grpc.ServicerContext] = set()
         self._streams_lock = threading.Lock()
         self._stopping = False
@@ -138,6 +144,10 @@ class ShardServicer(pb_grpc.ShardServicer):
             "PullBatch": lambda view, field: self._pull_batch(parse(pb.PullBatchRequest, view), frame=field),
         }
 
+    def _may_create(self) -> bool:
+        """Whether this call may create a table or dense tensor (an admin's token, or no tokens at all)."""
+        return self.tokens is None or getattr(self._local, "role", None) == "admin"
+
     def _check_map(self, shard_map: Any) -> None:
         if shard_map is not None:
             self.shard.check_shard_map(shard_map.shard_index, shard_map.num_shards)
@@ -145,7 +155,8 @@ class ShardServicer(pb_grpc.ShardServicer):
     @_rpc
     def CreateTable(self, request: pb.CreateTableRequest, context: grpc.ServicerContext) -> pb.CreateTableResponse:
         self._check_map(request.shard_map)
-        return pb.CreateTableResponse(created=self.shard.create_table(table_spec_from_pb(request.spec)))
+        spec = table_spec_from_pb(request.spec)
+        return pb.CreateTableResponse(created=self.shard.create_table(spec, may_create=self._may_create()))
 
     @_rpc
     def DescribeTable(self, request: pb.DescribeTableRequest, context: grpc.ServicerContext) -> pb.TableInfo:
@@ -205,7 +216,8 @@ class ShardServicer(pb_grpc.ShardServicer):
     def RegisterDense(self, request: pb.RegisterDenseRequest, context: grpc.ServicerContext) -> pb.RegisterDenseResponse:
         self._check_map(request.shard_map)
         values = _grads(request.values, "values") if request.HasField("values") else None
-        created, initialized = self.shard.register_dense(dense_spec_from_pb(request.spec), request.row_start, values)
+        created, initialized = self.shard.register_dense(dense_spec_from_pb(request.spec), request.row_start, values,
+                                                         may_create=self._may_create())
         return pb.RegisterDenseResponse(created=created, initialized=initialized)
 
     @_rpc
@@ -287,6 +299,14 @@ class ShardServicer(pb_grpc.ShardServicer):
         stream holds one handler thread while open, so at most ``max_streams`` are
         open at once; a client refused with RESOURCE_EXHAUSTED uses unary calls.
         """
+        role = None
+        if self.tokens is not None:  # the stream's token, checked once; each frame's method against its role
+            try:
+                role = self.tokens.check(context.invocation_metadata(), "Pull")
+            except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED
+                code, message, kind = self._status(e, "Stream")
+                context.set_trailing_metadata(((status.KIND_METADATA, kind),))
+                context.abort(code, message)
         with self._streams_lock:
             if self._stopping:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard.index}: shutting down")
@@ -297,12 +317,12 @@ class ShardServicer(pb_grpc.ShardServicer):
             self._streams.add(context)
         try:
             for request in requests:
-                yield self._stream_one(request)
+                yield self._stream_one(request, role)
         finally:
             with self._streams_lock:
                 self._streams.discard(context)
 
-    def _stream_one(self, request: bytes) -> bytes:
+    def _stream_one(self, request: bytes, role: Optional[str] = None) -> bytes:
         started, name = time.perf_counter(), "Stream"
         try:
             field, view = wire.unframe(request)
@@ -310,6 +330,8 @@ class ShardServicer(pb_grpc.ShardServicer):
             if method is None:
                 raise InvalidArgument(f"StreamRequest field {field} is not a call this shard knows")
             name = method.name
+            if role is not None and name not in ALLOWED[role]:
+                raise PermissionDenied(f"role {role} may not call {name}")
             reply = self._frames[name](view, field)  # framed as the StreamResponse field of that number
             if self.shard.metrics.enabled:
                 self.shard.metrics.call(name, time.perf_counter() - started, len(request), len(reply))

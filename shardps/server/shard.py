@@ -34,6 +34,7 @@ from shardps.core.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
     WrongShard,
@@ -229,8 +230,9 @@ class Shard:
 
     # ---- tables ----------------------------------------------------------------------
 
-    def create_table(self, spec: TableSpec) -> bool:
-        """Create a table; False if an equal one exists; AlreadyExists if it differs."""
+    def create_table(self, spec: TableSpec, may_create: bool = True) -> bool:
+        """Create a table; False if an equal one exists; AlreadyExists if it differs.
+        ``may_create=False`` (a trainer's token): only the check, PermissionDenied if it does not exist."""
         with self.registry.lock:
             existing = self.registry.lookup(spec.name)
             if existing is not None:
@@ -239,6 +241,8 @@ class Shard:
                         f"table {spec.name!r} exists with a different spec: {existing.spec} (requested {spec})"
                     )
                 return False
+            if not may_create:
+                raise PermissionDenied(f"table {spec.name!r} does not exist, and only an admin token may create it")
             expected = 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
             self.registry.new(spec, self._owns_ids, expected)
             ticket = self._record(dur.record_create_table, spec)
@@ -337,8 +341,10 @@ class Shard:
 
     # ---- dense tensors ---------------------------------------------------------------
 
-    def register_dense(self, spec: DenseSpec, row_start: int, values: Optional[np.ndarray]) -> tuple[bool, bool]:
-        """Create or verify a dense tensor; initialise rows from ``values`` if not done before."""
+    def register_dense(self, spec: DenseSpec, row_start: int, values: Optional[np.ndarray],
+                       may_create: bool = True) -> tuple[bool, bool]:
+        """Create or verify a dense tensor; initialise rows from ``values`` if not done before.
+        ``may_create=False`` (a trainer's token): PermissionDenied if it does not exist."""
         self.limits.check(f"{spec.name}: dense tensor elements", spec.rows * spec.cols, "max_dense_elements")
         if spec.chunk_rows and -(-spec.rows // spec.chunk_rows) > MAX_DENSE_CHUNKS:
             raise InvalidArgument(f"{spec.name}: chunk_rows {spec.chunk_rows} makes more than {MAX_DENSE_CHUNKS:,} "
@@ -354,6 +360,8 @@ class Shard:
                         f"dense tensor {spec.name!r} exists with a different spec: {existing.spec} (requested {spec})"
                     )
                 t = existing
+            elif not may_create:
+                raise PermissionDenied(f"dense tensor {spec.name!r} does not exist, and only an admin token may create it")
             else:
                 owned = dense_rows_owned(spec.name, spec.rows, spec.chunk_rows, self.num_shards, self.index)
 

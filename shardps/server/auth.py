@@ -1,0 +1,119 @@
+"""Who may call what: the shard's TLS credentials and its bearer tokens with roles.
+
+Tokens travel in the ``authorization`` metadata of every call (``Bearer <token>``). They are read
+from a file (``--tokens-file``; the flag names the file, never a token: command lines are visible to
+every user in ``ps``), one ``<role> <token>`` per line, ``#`` comments. The shard keeps only their
+SHA-256 digests and compares a call's digest with every one of them in constant time (no early
+exit), before the request is decoded. Roles:
+
+- ``reader``: pulls (rows and dense tensors), DescribeTable, ShardInfo: serving and inference.
+- ``trainer``: a reader's calls, pushes, heartbeats, and CreateTable / RegisterDense of what exists
+  already with the same spec (a job restarting); creating anything new is an admin's.
+- ``admin``: every call (create and drop tables, checkpoints).
+
+A call without a known token gets UNAUTHENTICATED, one whose role may not make it
+PERMISSION_DENIED. The gRPC health service stays open (orchestrators probe it with no token).
+Without a tokens file, every call is allowed, as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from shardps.core.errors import PermissionDenied, Unauthenticated
+
+READER = frozenset({"Pull", "PullDense", "PullBatch", "DescribeTable", "ShardInfo"})
+TRAINER = READER | {"Push", "PushDense", "PushBatch", "Heartbeat", "CreateTable", "RegisterDense"}
+ADMIN = TRAINER | {"DropTable", "Checkpoint"}
+ALLOWED: dict[str, frozenset[str]] = {"reader": READER, "trainer": TRAINER, "admin": ADMIN}
+# A trainer may call these only for what exists already with the same spec.
+CREATE = frozenset({"CreateTable", "RegisterDense"})
+MIN_TOKEN_CHARS = 16
+METADATA_KEY = "authorization"
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Tokens:
+    """The shard's known tokens (as digests) and their roles."""
+
+    def __init__(self, entries: Iterable[tuple[str, str]]) -> None:
+        self._digests: list[tuple[bytes, str]] = []
+        seen: set[bytes] = set()
+        for role, token in entries:
+            if role not in ALLOWED:
+                raise ValueError(f"unknown role {role!r}: use one of {', '.join(ALLOWED)}")
+            if len(token) < MIN_TOKEN_CHARS:
+                raise ValueError(f"a {role} token is shorter than {MIN_TOKEN_CHARS} characters")
+            d = _digest(token)
+            if d in seen:
+                raise ValueError("the same token is listed twice")
+            seen.add(d)
+            self._digests.append((d, role))
+        if not self._digests:
+            raise ValueError("no tokens")
+
+    @classmethod
+    def load(cls, path: str) -> Tokens:
+        """Read ``<role> <token>`` lines (``#`` starts a comment)."""
+        entries = []
+        for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ValueError(f"{path}:{n}: expected '<role> <token>'")
+            entries.append((parts[0], parts[1]))
+        try:
+            return cls(entries)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    def role(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> Optional[str]:
+        """The role of the call's bearer token; None when it has none or an unknown one."""
+        token = None
+        for key, value in metadata or ():
+            if key == METADATA_KEY:
+                if isinstance(value, bytes):
+                    value = value.decode("latin-1")
+                token = value[7:] if value.startswith("Bearer ") else None
+                break
+        if token is None:
+            return None
+        d = _digest(token[:4096])
+        found: Optional[str] = None
+        for known, role in self._digests:  # every digest compared, whichever matches
+            if hmac.compare_digest(known, d):
+                found = role
+        return found
+
+    def check(self, metadata: Optional[Iterable[tuple[str, Any]]], method: str) -> str:
+        """The caller's role, if it may call ``method``; raises Unauthenticated / PermissionDenied."""
+        role = self.role(metadata)
+        if role is None:
+            raise Unauthenticated("no valid token: this shard wants 'authorization: Bearer <token>'")
+        if method not in ALLOWED[role]:
+            raise PermissionDenied(f"role {role} may not call {method}")
+        return role
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """The shard's certificate chain and key (PEM files); with ``client_ca``, mutual TLS: clients must
+    present a certificate signed by that CA."""
+
+    cert: str
+    key: str
+    client_ca: Optional[str] = None
+
+    def read(self) -> tuple[bytes, bytes, Optional[bytes]]:
+        """(certificate chain, key, client CA or None), read now: a missing file fails at start."""
+        chain, key = pathlib.Path(self.cert).read_bytes(), pathlib.Path(self.key).read_bytes()
+        return chain, key, pathlib.Path(self.client_ca).read_bytes() if self.client_ca else None
