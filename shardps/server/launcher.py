@@ -113,14 +113,11 @@ class LocalCluster:
                 raise TimeoutError(f"shard {proc.index} did not start in time; log: {proc.log_path}")
             time.sleep(0.05)
         proc.address = ready.read_text()
-        while check_health(proc.address, **self._probe_tls()) != "SERVING":
+        tls = self.tls_files or {}
+        while check_health(proc.address, ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key")) != "SERVING":
             if time.monotonic() > deadline:
                 raise TimeoutError(f"shard {proc.index} at {proc.address} never became healthy")
             time.sleep(0.05)
-
-    def _probe_tls(self) -> dict[str, str]:
-        files = self.tls_files
-        return {} if files is None else files
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
         """Start every shard and wait until all are healthy."""
