@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import grpc
 
 from shardps.core import protocol, status, wire
+from shardps.core.tokens import bearer
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client.errors import ShardpsError, ShardTimeoutError, ShardUnavailableError, error_of
 
@@ -294,7 +295,7 @@ class _Token(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientIntercepto
     """Adds ``authorization: Bearer <token>`` to every call (only when the client has a token)."""
 
     def __init__(self, token: str) -> None:
-        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._metadata = bearer(token)
 
     def _details(self, details: Any) -> Any:
         return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from shardps.core.errors import PermissionDenied, Unauthenticated
+from shardps.core.tokens import token_of
 
 READER = frozenset({"Pull", "PullDense", "PullBatch", "DescribeTable", "ShardInfo"})
 TRAINER = READER | {"Push", "PushDense", "PushBatch", "Heartbeat", "CreateTable", "RegisterDense"}
@@ -33,7 +34,6 @@ ALLOWED: dict[str, frozenset[str]] = {"reader": READER, "trainer": TRAINER, "adm
 # A trainer may call these only for what exists already with the same spec.
 CREATE = frozenset({"CreateTable", "RegisterDense"})
 MIN_TOKEN_CHARS = 16
-METADATA_KEY = "authorization"
 
 
 def _digest(token: str) -> bytes:
@@ -78,13 +78,7 @@ class Tokens:
 
     def role(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> Optional[str]:
         """The role of the call's bearer token; None when it has none or an unknown one."""
-        token = None
-        for key, value in metadata or ():
-            if key == METADATA_KEY:
-                if isinstance(value, bytes):
-                    value = value.decode("latin-1")
-                token = value[7:] if value.startswith("Bearer ") else None
-                break
+        token = token_of(metadata)
         if token is None:
             return None
         d = _digest(token[:4096])

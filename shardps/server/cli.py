@@ -14,7 +14,7 @@ import sys
 from typing import Callable, Mapping, Optional, Sequence
 
 from shardps.probe import add_tls_args
-from shardps.server.auth import TLSFiles
+from shardps.server.auth import TLSFiles, Tokens
 from shardps.server.grpc_server import ServerConfig, serve
 from shardps.server.limits import Limits
 from shardps.server.shard import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
@@ -265,14 +265,10 @@ def run_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb,
             checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace, metrics_port=args.metrics_port,
-            tls=_tls(args), tokens_file=args.tokens_file,
+            tls=_tls(args), tokens=Tokens.load(args.tokens_file) if args.tokens_file else None,
         )
         if server_config.tls is not None:
-            server_config.tls.read()
-        if args.tokens_file:
-            from shardps.server.auth import Tokens
-
-            Tokens.load(args.tokens_file)
+            server_config.tls.read()  # a missing or unreadable file is a clear error here, not a traceback later
     except (ValueError, OSError) as e:
         raise SystemExit(f"shardps serve: {e}") from None
     from shardps.server.shard import LogReplayError, ShardMapMismatch

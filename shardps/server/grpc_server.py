@@ -52,7 +52,8 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics at http://host:metrics_port/metrics (0: a free
             port; None: no metrics, and no cost for them).
         tls: serve TLS with these certificate and key files (mutual TLS with a client CA).
-        tokens_file: bearer tokens with roles (``shardps.server.auth``); None: no tokens.
+        tokens: bearer tokens with roles (``shardps.server.auth.Tokens``, e.g. ``Tokens.load(path)``);
+            None: every call allowed.
     """
 
     host: str = "127.0.0.1"
@@ -64,7 +65,7 @@ class ServerConfig:
     grace_s: float = 5.0
     metrics_port: Optional[int] = None
     tls: Optional[TLSFiles] = None
-    tokens_file: Optional[str] = None
+    tokens: Optional[Tokens] = None
 
 
 class ShardServer:
@@ -90,7 +91,7 @@ class ShardServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        tokens = Tokens.load(server_config.tokens_file) if server_config.tokens_file else None
+        tokens = server_config.tokens
         self._servicer = ShardServicer(self.shard, server_config.max_streams, tokens)
         add_to_server(self._servicer, self._server)
         self._health = health.HealthServicer()

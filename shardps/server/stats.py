@@ -9,15 +9,14 @@ import grpc
 
 from shardps.core.optim import optimizer_to_dict
 from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
-from shardps.core.tokens import token_from_environment
+from shardps.core.tokens import bearer, token_from_environment
 from shardps.probe import channel
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
 
-def _info(address: str, timeout: float, tls: Optional[dict[str, Optional[str]]] = None) -> pb.ShardInfoResponse:
-    token = token_from_environment()
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
+def _info(address: str, timeout: float, tls: Optional[dict[str, Optional[str]]],
+          metadata: Optional[tuple[tuple[str, str], ...]]) -> pb.ShardInfoResponse:
     with channel(address, **(tls or {})) as ch:
         try:
             return pb_grpc.ShardStub(ch).ShardInfo(pb.ShardInfoRequest(), timeout=timeout, metadata=metadata)
@@ -29,11 +28,13 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
             tls: Optional[dict[str, Optional[str]]] = None) -> list[dict[str, Any]]:
     """One dict per shard; rates over ``interval`` seconds (0: averages since the shard started).
     ``tls``: {"ca", "cert", "key"} file paths; the token comes from SHARDPS_TOKEN_FILE / SHARDPS_TOKEN."""
-    first = [_info(a, timeout, tls) for a in addresses]
+    token = token_from_environment()
+    metadata = bearer(token) if token else None
+    first = [_info(a, timeout, tls, metadata) for a in addresses]
     t0 = time.monotonic()
     if interval > 0:
         time.sleep(interval)
-        second = [_info(a, timeout, tls) for a in addresses]
+        second = [_info(a, timeout, tls, metadata) for a in addresses]
         elapsed = time.monotonic() - t0
     else:
         second = first
