@@ -237,7 +237,10 @@ def test_client_errors_name_the_refusal(token_shard, monkeypatch):
 
 def test_bad_tokens_files_are_refused_at_start(tmp_path):
     for text, message in (("reader short\n", "shorter than"), ("root " + "x" * 20 + "\n", "unknown role"),
-                          ("reader " + "x" * 20 + " extra\n", "expected '<role> <token>'"), ("# nothing\n", "no tokens")):
+                          ("reader " + "x" * 20 + " extra\n", "unknown option 'extra'"),
+                          ("reader " + "x" * 20 + " max_calls=0\n", "max_calls must be positive"),
+                          ("reader " + "x" * 20 + " weight=lots\n", "weight must be a number"),
+                          ("reader\n", "expected '<role> <token>"), ("# nothing\n", "no tokens")):
         path = tmp_path / "tokens"
         path.write_text(text)
         out = subprocess.run([sys.executable, "-m", "shardps", "serve", "--shard-index", "0", "--num-shards", "1",

@@ -326,7 +326,11 @@ class Transport:
         self.retry_timeout = retry_timeout
         limit = max(max_message_bytes + 64 * 1024, 4 * MiB)
         options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", limit),
-                                          ("grpc.max_send_message_length", limit)]
+                                          ("grpc.max_send_message_length", limit),
+                                          # A connection of its own per client: shards share themselves
+                                          # fairly among connections (several clients in one process
+                                          # would otherwise share one).
+                                          ("grpc.use_local_subchannel_pool", 1)]
         if tls is None:
             self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
         else:

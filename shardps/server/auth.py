@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterable, Optional
 
 from shardps.core.errors import PermissionDenied, Unauthenticated
@@ -36,6 +36,43 @@ CREATE = frozenset({"CreateTable", "RegisterDense"})
 MIN_TOKEN_CHARS = 16
 
 
+@dataclass(frozen=True)
+class TokenLimits:
+    """What all holders of one token may have on a shard at once (None: no limit of its own)."""
+
+    max_calls: Optional[int] = None
+    max_streams: Optional[int] = None
+    max_waiting: Optional[int] = None
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, options: Iterable[str]) -> TokenLimits:
+        """``name=value`` options of a tokens-file line."""
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for option in options:
+            name, sep, raw = option.partition("=")
+            if not sep or name not in known:
+                raise ValueError(f"unknown option {option!r}: use name=value with a name among {', '.join(known)}")
+            try:
+                value = float(raw) if name == "weight" else int(raw)
+            except ValueError:
+                raise ValueError(f"{name} must be a number, got {raw!r}") from None
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name} must be positive, got {raw!r}")
+            values[name] = value
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A call's token, once checked: its role, which token it is (``key``) and the token's limits."""
+
+    role: str
+    key: str
+    limits: TokenLimits
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
@@ -43,10 +80,10 @@ def _digest(token: str) -> bytes:
 class Tokens:
     """The shard's known tokens (as digests) and their roles."""
 
-    def __init__(self, entries: Iterable[tuple[str, str]]) -> None:
-        self._digests: list[tuple[bytes, str]] = []
+    def __init__(self, entries: Iterable[tuple[str, str]], limits: Optional[list[TokenLimits]] = None) -> None:
+        self._digests: list[tuple[bytes, Grant]] = []
         seen: set[bytes] = set()
-        for role, token in entries:
+        for i, (role, token) in enumerate(entries):
             if role not in ALLOWED:
                 raise ValueError(f"unknown role {role!r}: use one of {', '.join(ALLOWED)}")
             if len(token) < MIN_TOKEN_CHARS:
@@ -55,47 +92,56 @@ class Tokens:
             if d in seen:
                 raise ValueError("the same token is listed twice")
             seen.add(d)
-            self._digests.append((d, role))
+            self._digests.append((d, Grant(role, f"token {i + 1} ({role})", limits[i] if limits else TokenLimits())))
         if not self._digests:
             raise ValueError("no tokens")
 
     @classmethod
     def load(cls, path: str) -> Tokens:
-        """Read ``<role> <token>`` lines (``#`` starts a comment)."""
-        entries = []
+        """Read ``<role> <token> [limit=value ...]`` lines (``#`` starts a comment)."""
+        entries, limits = [], []
         for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
             parts = line.split()
-            if len(parts) != 2:
-                raise ValueError(f"{path}:{n}: expected '<role> <token>'")
+            if len(parts) < 2:
+                raise ValueError(f"{path}:{n}: expected '<role> <token> [limit=value ...]'")
             entries.append((parts[0], parts[1]))
+            try:
+                limits.append(TokenLimits.parse(parts[2:]))
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
         try:
-            return cls(entries)
+            return cls(entries, limits)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
 
-    def role(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> Optional[str]:
-        """The role of the call's bearer token; None when it has none or an unknown one."""
+    def grant(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> Optional[Grant]:
+        """The grant of the call's bearer token; None when it has none or an unknown one."""
         token = token_of(metadata)
         if token is None:
             return None
         d = _digest(token[:4096])
-        found: Optional[str] = None
-        for known, role in self._digests:  # every digest compared, whichever matches
+        found: Optional[Grant] = None
+        for known, grant in self._digests:  # every digest compared, whichever matches
             if hmac.compare_digest(known, d):
-                found = role
+                found = grant
         return found
 
-    def check(self, metadata: Optional[Iterable[tuple[str, Any]]], method: str) -> str:
-        """The caller's role, if it may call ``method``; raises Unauthenticated / PermissionDenied."""
-        role = self.role(metadata)
-        if role is None:
+    def role(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> Optional[str]:
+        """The role of the call's bearer token; None when it has none or an unknown one."""
+        grant = self.grant(metadata)
+        return grant.role if grant is not None else None
+
+    def check(self, metadata: Optional[Iterable[tuple[str, Any]]], method: str) -> Grant:
+        """The caller's grant, if it may call ``method``; raises Unauthenticated / PermissionDenied."""
+        grant = self.grant(metadata)
+        if grant is None:
             raise Unauthenticated("no valid token: this shard wants 'authorization: Bearer <token>'")
-        if method not in ALLOWED[role]:
-            raise PermissionDenied(f"role {role} may not call {method}")
-        return role
+        if method not in ALLOWED[grant.role]:
+            raise PermissionDenied(f"role {grant.role} may not call {method}")
+        return grant
 
 
 @dataclass(frozen=True)

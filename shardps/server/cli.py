@@ -15,11 +15,13 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from shardps.probe import add_tls_args
 from shardps.server.auth import TLSFiles, Tokens
+from shardps.server.fair import FairConfig
 from shardps.server.grpc_server import ServerConfig, serve
 from shardps.server.limits import Limits
 from shardps.server.shard import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
 
 _LIMITS = Limits()
+_FAIR = FairConfig()
 
 # (flag, type, default, help) of `shardps serve`; the single list the README's table mirrors.
 SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
@@ -39,7 +41,14 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("tls-cert", str, None, "serve TLS: the certificate chain (PEM file); with --tls-key"),
     ("tls-key", str, None, "the TLS private key (PEM file)"),
     ("tls-client-ca", str, None, "mutual TLS: clients must present a certificate signed by this CA (PEM file)"),
-    ("tokens-file", str, None, "bearer tokens with roles, one '<role> <token>' per line (reader, trainer, admin)"),
+    ("tokens-file", str, None, "bearer tokens with roles, one '<role> <token> [limit=value ...]' per line "
+     "(roles reader, trainer, admin; limits max_calls, max_streams, max_waiting, weight)"),
+    ("fair-slots", int, _FAIR.slots, "pulls and pushes running at once; more take turns in fair order among callers"),
+    ("max-calls-per-connection", int, _FAIR.calls_per_connection, "calls one connection may have open at once "
+     "(more wait in the client)"),
+    ("max-streams-per-connection", int, _FAIR.streams_per_connection, "call streams one connection may hold open"),
+    ("max-waiting-per-connection", int, _FAIR.waiting_per_connection, "heartbeats one connection may have waiting "
+     "for other workers"),
     ("max-memory-mb", int, 0, "memory budget of the shard's tables (rows, optimizer state, indexes) in MiB; "
      "0: half the machine's or container's memory"),
     ("max-tables", int, _LIMITS.max_tables, "tables and dense tensors on the shard"),
@@ -266,6 +275,9 @@ def run_serve(args: argparse.Namespace) -> int:
             max_message_mb=args.max_message_mb,
             checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace, metrics_port=args.metrics_port,
             tls=_tls(args), tokens=Tokens.load(args.tokens_file) if args.tokens_file else None,
+            fairness=FairConfig(slots=args.fair_slots, calls_per_connection=args.max_calls_per_connection,
+                                streams_per_connection=args.max_streams_per_connection,
+                                waiting_per_connection=args.max_waiting_per_connection),
         )
         if server_config.tls is not None:
             server_config.tls.read()  # a missing or unreadable file is a clear error here, not a traceback later

@@ -37,7 +37,7 @@ from shardps.core.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.server import wal
+from shardps.server import fair, wal
 from shardps.v1 import shardps_pb2 as pb
 
 MODES = ("none", "checkpoint", "log")
@@ -229,6 +229,7 @@ class LogDurability(CheckpointDurability):
 
     def wait(self, ticket: int) -> None:
         if ticket and self._wal is not None:
+            fair.leave_slot()  # the flush is shared by every push waiting for it: let the next one in
             self._wal.wait(ticket)
 
     def cut(self) -> int:

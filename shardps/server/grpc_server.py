@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shardps.core import kernels
 from shardps.core.memory import release_free_memory, tune_malloc
 from shardps.server.auth import TLSFiles, Tokens
+from shardps.server.fair import FairConfig
 from shardps.server.metrics import NO_METRICS, Metrics, NullMetrics
 from shardps.server.servicer import ShardServicer, add_to_server
 from shardps.server.shard import Shard, ShardConfig
@@ -54,6 +55,7 @@ class ServerConfig:
         tls: serve TLS with these certificate and key files (mutual TLS with a client CA).
         tokens: bearer tokens with roles (``shardps.server.auth.Tokens``, e.g. ``Tokens.load(path)``);
             None: every call allowed.
+        fairness: how the shard is shared among callers (``shardps.server.fair.FairConfig``).
     """
 
     host: str = "127.0.0.1"
@@ -66,6 +68,7 @@ class ServerConfig:
     metrics_port: Optional[int] = None
     tls: Optional[TLSFiles] = None
     tokens: Optional[Tokens] = None
+    fairness: FairConfig = FairConfig()
 
 
 class ShardServer:
@@ -81,18 +84,21 @@ class ShardServer:
         self.config = server_config
         self.metrics_port: Optional[int] = None
         self._server = grpc.server(
-            # Threads start on demand: the pool grows past ``workers`` only while streams are open.
-            futures.ThreadPoolExecutor(max_workers=server_config.workers + server_config.max_streams,
+            # Threads start on demand: the pool grows past ``workers`` only while streams are open or
+            # heartbeats wait (at most max_streams of each), so unary calls always find a thread.
+            futures.ThreadPoolExecutor(max_workers=server_config.workers + 2 * server_config.max_streams,
                                        thread_name_prefix="shardps"),
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 # Never share a port: a second shard on the same port must fail, not split traffic.
                 ("grpc.so_reuseport", 0),
+                # Calls one connection may have open at once (HTTP/2): more wait in the client.
+                ("grpc.max_concurrent_streams", server_config.fairness.calls_per_connection),
             ],
         )
         tokens = server_config.tokens
-        self._servicer = ShardServicer(self.shard, server_config.max_streams, tokens)
+        self._servicer = ShardServicer(self.shard, server_config.max_streams, tokens, server_config.fairness)
         add_to_server(self._servicer, self._server)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -25,7 +25,9 @@ from shardps.core.errors import (
 )
 from shardps.core.specs import DenseSpec, dense_spec_from_pb, dense_spec_to_pb, table_spec_from_pb, table_spec_to_pb
 from shardps.core.wire import Buffer, parse
-from shardps.server.auth import ALLOWED, Tokens
+from shardps.server import fair
+from shardps.server.auth import ALLOWED, Grant, Tokens
+from shardps.server.fair import Callers, FairConfig, FairScheduler
 from shardps.server.shard import Shard, ShardInfo, TableInfo
 from shardps.server.sync import SyncPart
 from shardps.server.updates import Counters, PushResult
@@ -35,35 +37,60 @@ from shardps.v1 import shardps_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+# The data path: these calls take turns in fair order (shardps.server.fair); the others are cheap or wait.
+GATED = frozenset({"Pull", "Push", "PullDense", "PushDense", "PullBatch", "PushBatch"})
+# Refusals that a well-behaved client rarely gets: a caller getting many has them slowed down.
+PENALIZED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+                       grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.OUT_OF_RANGE,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
 MAX_ERROR_CHARS = 1024  # status details travel in metadata (8 KiB by default): never echo a request into it
 
 
 def _rpc(method: F) -> F:
-    """Run a servicer method on the raw request: parse it (unless the method reads the wire itself),
-    and turn every error into a status code; counted in the shard's metrics."""
+    """Run a servicer method on the raw request: check the caller's token, take a fair turn (data-path
+    calls), parse the request (unless the method reads the wire itself), and turn every error into a
+    status code; counted in the shard's metrics."""
     name = method.__name__
     spec = protocol.METHODS[name]
     request_type, raw = spec.request, spec.wire_request
+    gated = name in GATED
 
     @functools.wraps(method)
     def wrapper(self: ShardServicer, request: bytes, context: grpc.ServicerContext) -> Any:
         started = time.perf_counter()
+        peer = context.peer()
         try:
+            grant = None
             if self.tokens is not None:  # before the request is decoded
-                self._local.role = self.tokens.check(context.invocation_metadata(), name)
-            result = method(self, request if raw else parse(request_type, request), context)
+                grant = self._local.grant = self.tokens.check(context.invocation_metadata(), name)
+                self.callers.enter(grant.key, "calls", grant.limits.max_calls, name)
+            key, weight = (grant.key, grant.limits.weight) if grant else (peer, 1.0)
+            try:
+                if gated:
+                    self.scheduler.acquire(key, weight)
+                result = method(self, request if raw else parse(request_type, request), context)
+            finally:
+                fair.release()
+                if grant is not None:
+                    self.callers.exit(grant.key, "calls")
+            if gated:
+                self.scheduler.charge(key, weight, 0.0, len(request) + _size(result))
         except Exception as e:  # noqa: BLE001 - every error becomes a status (see _status)
             code, message, kind = self._status(e, name)
+            self._slow_refusal(peer, code, len(request))
             if kind:
                 context.set_trailing_metadata(((status.KIND_METADATA, kind),))
             context.abort(code, message)
         metrics = self.shard.metrics
         if metrics.enabled:
-            size = len(result) if isinstance(result, (bytes, bytearray, memoryview)) else result.ByteSize()
-            metrics.call(name, time.perf_counter() - started, len(request), size)
+            metrics.call(name, time.perf_counter() - started, len(request), _size(result))
         return result
 
     return wrapper  # type: ignore[return-value]
+
+
+def _size(reply: Any) -> int:
+    return len(reply) if isinstance(reply, (bytes, bytearray, memoryview)) else reply.ByteSize()
 
 
 def _ids(t: pb.Tensor) -> Any:
@@ -126,11 +153,16 @@ def _shard_info(info: ShardInfo) -> pb.ShardInfoResponse:
 class ShardServicer(pb_grpc.ShardServicer):
     """The ``shardps.v1.Shard`` service over one ``Shard``."""
 
-    def __init__(self, shard: Shard, max_streams: int = 64, tokens: Optional[Tokens] = None) -> None:
+    def __init__(self, shard: Shard, max_streams: int = 64, tokens: Optional[Tokens] = None,
+                 fairness: FairConfig = FairConfig()) -> None:
         self.shard = shard
         self.max_streams = max_streams
         self.tokens = tokens  # None: every call allowed (no tokens file)
-        self._local = threading.local()  # the role of the call this handler thread serves
+        self.fairness = fairness
+        self.scheduler = FairScheduler(fairness.slots)
+        self.callers = Callers()
+        self._waiting = 0  # heartbeats waiting for other workers, all callers
+        self._local = threading.local()  # the grant of the call this handler thread serves
         self._streams: set[grpc.ServicerContext] = set()
         self._streams_lock = threading.Lock()
         self._stopping = False
@@ -146,7 +178,16 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def _may_create(self) -> bool:
         """Whether this call may create a table or dense tensor (an admin's token, or no tokens at all)."""
-        return self.tokens is None or getattr(self._local, "role", None) == "admin"
+        grant: Optional[Grant] = getattr(self._local, "grant", None)
+        return self.tokens is None or (grant is not None and grant.role == "admin")
+
+    def _slow_refusal(self, connection: str, code: grpc.StatusCode, nbytes: int = 0) -> None:
+        """A refusal a well-behaved client rarely gets waits a little when its connection gets many
+        (shardps.server.fair): a flood of malformed or unauthenticated calls then costs the shard little."""
+        if code in PENALIZED:
+            delay = self.callers.failed(connection, nbytes)
+            if delay:
+                time.sleep(delay)
 
     def _check_map(self, shard_map: Any) -> None:
         if shard_map is not None:
@@ -299,30 +340,45 @@ class ShardServicer(pb_grpc.ShardServicer):
         stream holds one handler thread while open, so at most ``max_streams`` are
         open at once; a client refused with RESOURCE_EXHAUSTED uses unary calls.
         """
-        role = None
-        if self.tokens is not None:  # the stream's token, checked once; each frame's method against its role
-            try:
-                role = self.tokens.check(context.invocation_metadata(), "Pull")
-            except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED
-                code, message, kind = self._status(e, "Stream")
-                context.set_trailing_metadata(((status.KIND_METADATA, kind),))
-                context.abort(code, message)
-        with self._streams_lock:
-            if self._stopping:
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard.index}: shutting down")
-            if len(self._streams) >= self.max_streams:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"shard {self.shard.index}: {self.max_streams} streams open (--max-streams); "
-                              "use unary calls")
-            self._streams.add(context)
+        peer = context.peer()
+        grant: Optional[Grant] = None
+        entered: list[str] = []
         try:
-            for request in requests:
-                yield self._stream_one(request, role)
-        finally:
+            if self.tokens is not None:  # the stream's token, checked once; each frame's method against its role
+                grant = self.tokens.check(context.invocation_metadata(), "Pull")
+            self.callers.enter(peer, "streams", self.fairness.streams_per_connection, "Stream")
+            entered.append(peer)
+            if grant is not None:
+                self.callers.enter(grant.key, "streams", grant.limits.max_streams, "Stream")
+                entered.append(grant.key)
+        except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED / RESOURCE_EXHAUSTED
+            for key in entered:
+                self.callers.exit(key, "streams")
+            code, message, kind = self._status(e, "Stream")
+            self._slow_refusal(peer, code)
+            context.set_trailing_metadata(((status.KIND_METADATA, kind),))
+            context.abort(code, message)
+        try:
             with self._streams_lock:
-                self._streams.discard(context)
+                if self._stopping:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"shard {self.shard.index}: shutting down")
+                if len(self._streams) >= self.max_streams:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"shard {self.shard.index}: {self.max_streams} streams open (--max-streams); "
+                                  "use unary calls")
+                self._streams.add(context)
+            key, weight = (grant.key, grant.limits.weight) if grant is not None else (peer, 1.0)
+            try:
+                for request in requests:
+                    yield self._stream_one(request, grant.role if grant else None, key, weight, peer)
+            finally:
+                with self._streams_lock:
+                    self._streams.discard(context)
+        finally:
+            for key in entered:
+                self.callers.exit(key, "streams")
 
-    def _stream_one(self, request: bytes, role: Optional[str] = None) -> bytes:
+    def _stream_one(self, request: bytes, role: Optional[str], key: str, weight: float, peer: str) -> bytes:
         started, name = time.perf_counter(), "Stream"
         try:
             field, view = wire.unframe(request)
@@ -332,12 +388,18 @@ class ShardServicer(pb_grpc.ShardServicer):
             name = method.name
             if role is not None and name not in ALLOWED[role]:
                 raise PermissionDenied(f"role {role} may not call {name}")
-            reply = self._frames[name](view, field)  # framed as the StreamResponse field of that number
+            self.scheduler.acquire(key, weight)
+            try:
+                reply = self._frames[name](view, field)  # framed as the StreamResponse field of that number
+            finally:
+                fair.release()
+            self.scheduler.charge(key, weight, 0.0, len(request) + len(reply))
             if self.shard.metrics.enabled:
                 self.shard.metrics.call(name, time.perf_counter() - started, len(request), len(reply))
             return reply
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
             code, message, kind = self._status(e, name)
+        self._slow_refusal(peer, code, len(request))
         return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()
 
     def end_streams(self) -> None:
@@ -376,9 +438,35 @@ class ShardServicer(pb_grpc.ShardServicer):
         remaining = context.time_remaining()
         if remaining is not None:  # answer before the caller's deadline, with what there is by then
             wait_s = min(wait_s, max(0.0, remaining - 0.5))
-        min_clock, live, gone = self.shard.heartbeat(
-            request.rank, request.world_size, request.clock, request.leaving, wait, wait_s
-        )
+        if wait is None or not wait_s > 0:
+            min_clock, live, gone = self.shard.heartbeat(request.rank, request.world_size, request.clock,
+                                                         request.leaving)
+            return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)
+        # A waiting heartbeat holds a handler thread: a few per connection (and per token, where it sets a
+        # limit); beyond max_streams waiting in all, a heartbeat answers at once with what there is.
+        peer, grant = context.peer(), getattr(self._local, "grant", None) if self.tokens is not None else None
+        entered: list[str] = []
+        try:
+            self.callers.enter(peer, "waiting", self.fairness.waiting_per_connection, "Heartbeat")
+            entered.append(peer)
+            if grant is not None:
+                self.callers.enter(grant.key, "waiting", grant.limits.max_waiting, "Heartbeat")
+                entered.append(grant.key)
+            with self._streams_lock:
+                if self._waiting >= self.max_streams:
+                    wait_s = 0.0
+                self._waiting += 1
+            try:
+                min_clock, live, gone = self.shard.heartbeat(
+                    request.rank, request.world_size, request.clock, request.leaving, wait, wait_s,
+                    lambda: context.is_active() and not self._stopping,
+                )
+            finally:
+                with self._streams_lock:
+                    self._waiting -= 1
+        finally:
+            for key in entered:
+                self.callers.exit(key, "waiting")
         return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)
 
 

@@ -334,10 +334,10 @@ class Shard:
 
     def heartbeat(
         self, rank: int, world_size: int, clock: int, leaving: bool,
-        wait_min_clock: Optional[int] = None, wait_s: float = 0.0,
+        wait_min_clock: Optional[int] = None, wait_s: float = 0.0, active: Callable[[], bool] = lambda: True,
     ) -> tuple[int, list[int], list[int]]:
-        """Record a worker's liveness and clock; optionally wait for the slowest one."""
-        return self.sync.heartbeat(rank, world_size, clock, leaving, wait_min_clock, wait_s)
+        """Record a worker's liveness and clock; optionally wait for the slowest one (while ``active()``)."""
+        return self.sync.heartbeat(rank, world_size, clock, leaving, wait_min_clock, wait_s, active)
 
     # ---- dense tensors ---------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import numpy as np
 from shardps.core.errors import InvalidArgument, ResourceExhausted, SyncStepFailed
 from shardps.core.ids import coalesce
 from shardps.core.specs import SyncPolicy
+from shardps.server import fair
 from shardps.server.aggregate import combine, stack
 from shardps.server.metrics import NO_METRICS, NullMetrics
 from shardps.server.table import Table
@@ -102,13 +103,14 @@ class Membership:
             clocks = [self._workers[r].clock if r in self._workers else 0 for r in live]
             return (min(clocks) if clocks else 0), live, gone
 
-    def wait_min_clock(self, target: int, timeout: float) -> None:
-        """Block until every live worker's clock is >= target, or ``timeout`` passes."""
+    def wait_min_clock(self, target: int, timeout: float, active: Callable[[], bool] = lambda: True) -> None:
+        """Block until every live worker's clock is >= target, ``timeout`` passes, or ``active()`` turns
+        False (the call was cancelled, or the shard is stopping)."""
         deadline = time.monotonic() + timeout
         while True:
             min_clock, _, _ = self.status()
             left = deadline - time.monotonic()
-            if min_clock >= target or left <= 0:
+            if min_clock >= target or left <= 0 or not active():
                 return
             with self.cond:
                 self.cond.wait(min(left, 0.1))
@@ -247,6 +249,7 @@ class SyncCoordinator:
             if part.rank not in buf.complete_ranks():
                 return StepOutcome(recorded_only=True)
             waiting_since = time.perf_counter()
+            fair.leave_slot()  # the other workers' parts of the step need a turn
             while not buf.done:
                 self._try_finish(t, st, part.step, buf)
                 if not buf.done:
@@ -283,11 +286,13 @@ class SyncCoordinator:
         self._cond.notify_all()
 
     def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool,
-                  wait_min_clock: Optional[int] = None, wait_s: float = 0.0) -> tuple[int, list[int], list[int]]:
-        """Record a worker's liveness and clock; optionally wait (at most 60 s) for the slowest one."""
+                  wait_min_clock: Optional[int] = None, wait_s: float = 0.0,
+                  active: Callable[[], bool] = lambda: True) -> tuple[int, list[int], list[int]]:
+        """Record a worker's liveness and clock; optionally wait (at most 60 s, while ``active()``) for the
+        slowest one."""
         self.membership.heartbeat(rank, world_size, clock, leaving)
         if wait_min_clock is not None and wait_s > 0:  # NaN compares False: no wait
-            self.membership.wait_min_clock(wait_min_clock, min(wait_s, 60.0))
+            self.membership.wait_min_clock(wait_min_clock, min(wait_s, 60.0), active)
         with self._cond:  # a rank that left may complete a waiting step
             self._cond.notify_all()
         return self.membership.status()

@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from shardps.core.errors import StaleUpdate, SyncStepFailed, Unavailable
+from shardps.server import fair
 from shardps.server.durability import Durability, Record, with_staleness
 from shardps.server.gate import CheckpointGate
 from shardps.server.metrics import NO_METRICS, NullMetrics
@@ -177,6 +178,7 @@ class UpdatePath:
                     ticket = self.durability.append(with_staleness(record, staleness)) if record[0] else 0
                     break
             # A two-phase checkpoint is prepared: wait for it (bounded) outside the lock.
+            fair.leave_slot()
             if not self.gate.wait(self.gate_wait_s):
                 raise Unavailable(f"shard {self.shard_index}: pushes held back by a checkpoint for too long")
         self.durability.wait(ticket)
