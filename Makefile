@@ -32,7 +32,7 @@ FUZZ_EXAMPLES ?= 1000
 FUZZ_SEED ?= 1
 fuzz: $(STAMP)
 	SHARDPS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SHARDPS_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
-		tests/test_fuzz.py tests/test_wire_differential.py tests/test_fuzz_regressions.py
+		tests/test_fuzz.py tests/test_wire_differential.py tests/test_fuzz_regressions.py tests/test_fuzz_auth.py
 	$(BIN)/python -m tests.fuzzing --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
 
 lint: $(STAMP)

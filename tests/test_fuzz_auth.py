@@ -1,0 +1,349 @@
+"""Fuzzing of the security paths: authentication metadata, and TLS handshakes with bad certificates
+and bytes that are no handshake at all, against real shard processes.
+
+Same assertions as tests/test_fuzz.py: every call gets a status a client may legitimately get (here:
+UNAUTHENTICATED for no valid token, PERMISSION_DENIED for a role that may not make the call, and what
+the method may answer otherwise; never INTERNAL or UNKNOWN); a refused call changes nothing; the shard
+stays alive, below 1.5 GiB RSS, and answers a good client afterwards; what it acknowledged is exactly
+what it holds. ``SHARDPS_FUZZ_EXAMPLES`` / ``SHARDPS_FUZZ_SEED`` scale and vary the run (`make fuzz`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import ssl
+import string
+import time
+from typing import Any, Optional
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from shardps_client import SGD, TLS, Client, ShardUnavailableError
+
+from shardps.v1 import shardps_pb2 as pb
+from tests import fuzzing
+from tests.procs import start_shard
+
+certs = pytest.importorskip("shardps.server.certs")
+
+EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50"))
+SEED = int(os.environ.get("SHARDPS_FUZZ_SEED", "0"))
+TOKENS = {"reader": "R" * 18 + "-reader", "trainer": "T" * 18 + "-trainer", "admin": "A" * 18 + "-admin"}
+ALLOWED = {"reader": {"Pull", "PullDense", "PullBatch", "DescribeTable", "ShardInfo"}}
+ALLOWED["trainer"] = ALLOWED["reader"] | {"Push", "PushDense", "PushBatch", "Heartbeat", "CreateTable", "RegisterDense"}
+ALLOWED["admin"] = set(fuzzing.METHOD_NAMES)
+PUSH_IDS = (1, 2)
+
+# One valid request per method: what a caller with the right token may send. A Push (and the Stream's
+# one frame) applies -lr * 1.0 to rows 1 and 2; every other call leaves t as it is.
+REQUESTS: dict[str, Any] = {
+    "CreateTable": pb.CreateTableRequest(spec=fuzzing.TABLE_SPEC_PB),
+    "DescribeTable": pb.DescribeTableRequest(name=fuzzing.TABLE),
+    "DropTable": pb.DropTableRequest(name="nope"),
+    "Pull": pb.PullRequest(table=fuzzing.TABLE, ids=fuzzing._int64_tensor([1, 2, 3])),
+    "Push": fuzzing.valid_push_bytes(PUSH_IDS),
+    "RegisterDense": pb.RegisterDenseRequest(spec=fuzzing.DENSE_SPEC_PB),
+    "PullDense": pb.PullDenseRequest(name=fuzzing.DENSE, row_start=0, row_end=2),
+    "PushDense": pb.PushDenseRequest(name=fuzzing.DENSE, row_start=0, grads=pb.Tensor(
+        dtype=pb.FLOAT32, shape=[1, 3], data=np.zeros((1, 3), np.float32).tobytes())),
+    "PullBatch": pb.PullBatchRequest(),
+    "PushBatch": pb.PushBatchRequest(),
+    "ShardInfo": pb.ShardInfoRequest(),
+    "Checkpoint": pb.CheckpointRequest(),
+    "Heartbeat": pb.HeartbeatRequest(rank=0, world_size=1),
+}
+REQUESTS = {m: r if isinstance(r, bytes) else r.SerializeToString() for m, r in REQUESTS.items()}
+STREAM_FRAME = pb.StreamRequest(push=pb.PushRequest.FromString(REQUESTS["Push"])).SerializeToString()
+
+
+def _flip(token: str, draw: Any) -> str:
+    i = draw(st.integers(0, len(token) - 1))
+    return token[:i] + ("x" if token[i] != "x" else "y") + token[i + 1:]
+
+
+@st.composite
+def authorization_values(draw: Any) -> tuple[str, Optional[str]]:
+    """(an ``authorization`` value, the role it is a valid bearer token of or None)."""
+    role = draw(st.sampled_from(sorted(TOKENS)))
+    token = TOKENS[role]
+    printable = st.text(string.ascii_letters + string.digits + " -._~+/=!#$%&*", max_size=200)
+    kind = draw(st.sampled_from(["valid"] * 6 + ["flipped", "prefix", "suffix", "case", "scheme", "no space",
+                                 "two spaces", "trailing space", "text", "huge", "empty", "only scheme"]))
+    value = {
+        "valid": lambda: "Bearer " + token,
+        "flipped": lambda: "Bearer " + _flip(token, draw),
+        "prefix": lambda: "Bearer " + token[: draw(st.integers(0, len(token) - 1))],
+        "suffix": lambda: "Bearer " + token + draw(st.text(string.ascii_letters, min_size=1, max_size=8)),
+        "case": lambda: "bearer " + token,
+        "scheme": lambda: draw(st.sampled_from(["Basic ", "Token ", "Bearer:", "BEARER "])) + token,
+        "no space": lambda: "Bearer" + token,
+        "two spaces": lambda: "Bearer  " + token,
+        "trailing space": lambda: "Bearer " + token + " ",
+        "text": lambda: draw(printable),
+        "huge": lambda: "Bearer " + "z" * draw(st.integers(1000, 7000)),
+        "empty": lambda: "",
+        "only scheme": lambda: "Bearer ",
+    }[kind]()
+    return value, role if kind == "valid" else None
+
+
+@st.composite
+def metadata_sets(draw: Any) -> tuple[list[tuple[str, Any]], Optional[str]]:
+    """Call metadata and the role the shard must see (the first authorization entry decides)."""
+    entries: list[tuple[str, Any]] = []
+    role: Optional[str] = None
+    first = True
+    for _ in range(draw(st.integers(0, 3))):
+        what = draw(st.sampled_from(["authorization", "authorization", "binary", "other"]))
+        if what == "authorization":
+            value, valid = draw(authorization_values())
+            if first:
+                role, first = valid, False
+            entries.append(("authorization", value))
+        elif what == "binary":
+            entries.append(("authorization-bin", draw(st.binary(max_size=300))))
+        else:
+            entries.append((draw(st.sampled_from(["x-token", "auth", "bearer", "token"])), "Bearer " + TOKENS["admin"]))
+    return entries, role
+
+
+class AuthHarness:
+    """A shard with a tokens file and log durability; raw calls with fuzzed metadata."""
+
+    def __init__(self, workdir: Any) -> None:
+        tokens = workdir / "tokens"
+        tokens.write_text("".join(f"{role} {token}\n" for role, token in TOKENS.items()))
+        self.shard = start_shard(0, 1, workdir, str(workdir / "data"),
+                                 extra=["--tokens-file", str(tokens), "--durability", "log"])
+        with Client([self.shard.address], token=TOKENS["admin"], timeout=10) as c:
+            c.create_table(fuzzing.TABLE, dim=fuzzing.TABLE_DIM, num_embeddings=fuzzing.TABLE_ROWS,
+                           optimizer=SGD(lr=fuzzing.LR), initializer=fuzzing.TABLE_SPEC.initializer)
+            c.register_dense(fuzzing.DENSE, fuzzing.DENSE_INIT.copy(), optimizer=SGD(lr=fuzzing.LR))
+        self.channel = grpc.insecure_channel(self.shard.address)
+        self.rss = fuzzing.RssWatch(self.shard.proc, int(1.5 * fuzzing.GiB))
+        self.rss.start()
+        self.initial = self.rows()
+        self.version0 = self.version()
+        self.applied = 0  # pushes to t acknowledged
+        self.failures: list[str] = []
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def admin(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", "Bearer " + TOKENS["admin"]),)
+
+    def rows(self) -> np.ndarray:
+        raw = self.channel.unary_unary("/shardps.v1.Shard/Pull")(
+            pb.PullRequest(table=fuzzing.TABLE, ids=fuzzing._int64_tensor(list(range(8)))).SerializeToString(),
+            metadata=self.admin(), timeout=10)
+        reply = pb.PullResponse.FromString(raw)
+        return np.frombuffer(reply.rows.data, np.float32).reshape(8, fuzzing.TABLE_DIM).copy()
+
+    def version(self) -> int:
+        raw = self.channel.unary_unary("/shardps.v1.Shard/ShardInfo")(b"", metadata=self.admin(), timeout=10)
+        return pb.ShardInfoResponse.FromString(raw).version
+
+    def call(self, method: str, metadata: list[tuple[str, Any]]) -> tuple[grpc.StatusCode, bytes]:
+        """One call; for Stream, one Push frame (its answer's StreamError code, if any)."""
+        try:
+            if method == "Stream":
+                frames: queue.Queue = queue.Queue()
+                frames.put(STREAM_FRAME)
+                frames.put(None)
+                replies = list(self.channel.stream_stream("/shardps.v1.Shard/Stream")(
+                    iter(frames.get, None), metadata=metadata, timeout=10))
+                reply = pb.StreamResponse.FromString(replies[0])
+                if reply.HasField("error"):
+                    return fuzzing.CODE_OF[reply.error.code], b""
+                return grpc.StatusCode.OK, replies[0]
+            return grpc.StatusCode.OK, self.channel.unary_unary(f"/shardps.v1.Shard/{method}")(
+                REQUESTS[method], metadata=metadata, timeout=10)
+        except grpc.RpcError as e:
+            return e.code(), (e.details() or "").encode()
+
+    def exercise(self, method: str, metadata: list[tuple[str, Any]], role: Optional[str]) -> None:
+        before_rows, before_version = self.rows(), self.version()
+        code, detail = self.call(method, metadata)
+        self.counts[(method, code.name)] = self.counts.get((method, code.name), 0) + 1
+        if role is None:
+            # No valid token: refused before anything is decoded. A metadata set over gRPC's 8 KiB limit
+            # is refused by gRPC itself.
+            allowed = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        elif method not in ALLOWED[role] and method != "Stream":
+            allowed = {grpc.StatusCode.PERMISSION_DENIED}
+        elif method == "Stream" and "Push" not in ALLOWED[role]:
+            allowed = {grpc.StatusCode.PERMISSION_DENIED}
+        else:
+            allowed = fuzzing.allowed_codes(method)
+        if code not in allowed:
+            self.failures.append(f"{method} with {role or 'no valid token'} ({_short(metadata)}): "
+                                 f"{code.name} {detail[:200]!r}, expected one of {sorted(c.name for c in allowed)}")
+        self.applied += code == grpc.StatusCode.OK and method in ("Push", "Stream")
+        after_rows, after_version = self.rows(), self.version()
+        if code != grpc.StatusCode.OK and (after_version != before_version or not np.array_equal(after_rows, before_rows)):
+            self.failures.append(f"{method} was refused ({code.name}) but changed the shard")
+
+    def check_acknowledged(self) -> None:
+        """t holds exactly the acknowledged pushes (SGD: -lr * 1.0 per push on rows 1 and 2)."""
+        expected = self.initial.copy()
+        for _ in range(self.applied):
+            expected[list(PUSH_IDS)] = expected[list(PUSH_IDS)] - np.float32(fuzzing.LR) * np.float32(1.0)
+        self.final = self.rows()
+        if not np.array_equal(self.final, expected):
+            self.failures.append(f"t does not hold exactly the {self.applied} acknowledged pushes")
+
+    def stop(self) -> None:
+        self.rss.stop()
+        self.channel.close()
+        self.shard.terminate()
+
+
+def _short(metadata: list[tuple[str, Any]]) -> str:
+    return ", ".join(f"{k}={str(v)[:40]!r}{'...' if len(str(v)) > 40 else ''}" for k, v in metadata) or "none"
+
+
+def _settings(examples: int, seed: int) -> Any:
+    def wrap(f: Any) -> Any:
+        return hypothesis_seed(seed)(settings(max_examples=examples, deadline=None, database=None,
+                                              phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+                                              report_multiple_bugs=False)(f))
+    return wrap
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(max(300, 8 * EXAMPLES))
+def test_authentication_metadata_survives_fuzzing(tmp_path):
+    h = AuthHarness(tmp_path)
+    try:
+        methods = [*REQUESTS, "Stream"]
+
+        @_settings(EXAMPLES * 3, SEED)
+        @given(st.sampled_from(methods), metadata_sets())
+        def run(method: str, meta: tuple[list[tuple[str, Any]], Optional[str]]) -> None:
+            h.exercise(method, *meta)
+
+        run()
+        assert h.shard.proc.poll() is None, f"the shard died:\n{h.shard.log()[-3000:]}"
+        h.check_acknowledged()
+        counts = "\n".join(f"  {m:14s} {c:18s} {n}" for (m, c), n in sorted(h.counts.items()))
+        print(f"auth fuzz: {sum(h.counts.values())} calls, RSS peak {h.rss.peak / 2**20:.0f} MiB\n{counts}")
+        assert not h.failures, "\n".join(h.failures[:20])
+        assert not h.rss.exceeded, f"RSS over 1.5 GiB: {h.rss.peak / 2**20:.0f} MiB"
+        # The fuzzing reached both sides: valid tokens were served, the others refused.
+        assert any(c == "OK" for (m, c) in h.counts), h.counts
+        assert any(c == "UNAUTHENTICATED" for (m, c) in h.counts), h.counts
+        assert any(c == "PERMISSION_DENIED" for (m, c) in h.counts), h.counts
+    finally:
+        h.stop()
+    # Restarted on its data dir (log durability), the shard holds what it acknowledged.
+    again = start_shard(0, 1, tmp_path, str(tmp_path / "data"), extra=["--tokens-file", str(tmp_path / "tokens")])
+    try:
+        with Client([again.address], token=TOKENS["admin"], timeout=10) as c:
+            rows = c.pull(fuzzing.TABLE, list(range(8))).numpy()
+        assert np.array_equal(rows, h.final), "after a restart, t is not what the shard acknowledged"
+    finally:
+        again.terminate()
+
+
+# ---- TLS handshakes --------------------------------------------------------------------------------
+
+
+def _client_hello(server_name: str = "localhost") -> bytes:
+    """A real TLS ClientHello, as Python's ssl module writes it."""
+    ctx = ssl.create_default_context()
+    ctx.set_alpn_protocols(["h2"])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    conn = ctx.wrap_bio(incoming, outgoing, server_hostname=server_name)
+    try:
+        conn.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+@st.composite
+def handshake_bytes(draw: Any, hello: bytes) -> bytes:
+    """A ClientHello cut short, with bytes flipped, inserted or repeated, an HTTP/2 preface in clear
+    text, or noise."""
+    kind = draw(st.sampled_from(["truncated", "flipped", "inserted", "repeated", "plaintext", "noise", "huge record"]))
+    if kind == "truncated":
+        return hello[: draw(st.integers(0, len(hello) - 1))]
+    if kind == "flipped":
+        buf = bytearray(hello)
+        for _ in range(draw(st.integers(1, 8))):
+            i = draw(st.integers(0, len(buf) - 1))
+            buf[i] = draw(st.integers(0, 255))
+        return bytes(buf)
+    if kind == "inserted":
+        i = draw(st.integers(0, len(hello)))
+        return hello[:i] + draw(st.binary(min_size=1, max_size=64)) + hello[i:]
+    if kind == "repeated":
+        return hello * draw(st.integers(2, 4))
+    if kind == "plaintext":
+        return b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + draw(st.binary(max_size=64))
+    if kind == "huge record":  # a TLS record header announcing 16 KiB+ of handshake, then not sending it
+        return b"\x16\x03\x01" + draw(st.integers(0x4000, 0xFFFF)).to_bytes(2, "big") + hello[5:]
+    return draw(st.binary(min_size=1, max_size=512))
+
+
+def _send_raw(address: str, data: bytes) -> None:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(data)
+        s.settimeout(1.0)
+        try:
+            while s.recv(4096):
+                pass
+        except (TimeoutError, ConnectionResetError):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(max(300, 8 * EXAMPLES))
+def test_tls_handshakes_with_bad_certificates_and_bad_bytes_survive_fuzzing(tmp_path):
+    d = tmp_path / "pki"
+    dev, other = certs.make_dev_certs(str(d / "good")), certs.make_dev_certs(str(d / "other"))
+    shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key,
+                                               "--tls-client-ca", dev.ca])
+    rss = fuzzing.RssWatch(shard.proc, int(1.5 * fuzzing.GiB))
+    rss.start()
+    good = TLS(ca=dev.ca, cert=dev.client_cert, key=dev.client_key)
+    try:
+        with Client([shard.address], tls=good, timeout=10) as c:
+            c.create_table("h", dim=4, num_embeddings=100)
+            c.push("h", [1, 2], np.ones((2, 4), np.float32), wait=True)
+            expected = c.pull("h", [1, 2]).numpy()
+        hello = _client_hello()
+        sent = 0
+
+        @_settings(EXAMPLES * 2, SEED)
+        @given(handshake_bytes(hello))
+        def run(data: bytes) -> None:
+            nonlocal sent
+            _send_raw(shard.address, data)
+            sent += 1
+
+        run()
+        # Bad certificates: each refused (UNAVAILABLE after the handshake fails), none served.
+        for tls in (TLS(ca=other.ca, cert=dev.client_cert, key=dev.client_key),  # does not trust the shard
+                    TLS(ca=dev.ca),  # no client certificate
+                    TLS(ca=dev.ca, cert=other.client_cert, key=other.client_key),  # another CA's client
+                    TLS(ca=dev.ca, cert=dev.server_cert, key=dev.server_key)):  # a server certificate as client
+            with pytest.raises(ShardUnavailableError):
+                Client([shard.address], tls=tls, retry_timeout=1, timeout=5)
+        time.sleep(0.5)
+        assert shard.proc.poll() is None, f"the shard died:\n{shard.log()[-3000:]}"
+        assert not rss.exceeded, f"RSS over 1.5 GiB: {rss.peak / 2**20:.0f} MiB"
+        with Client([shard.address], tls=good, timeout=10) as c:  # still serves, state intact
+            assert np.array_equal(c.pull("h", [1, 2]).numpy(), expected)
+        threads = len(os.listdir(f"/proc/{shard.proc.pid}/task"))
+        assert threads < 200, f"{threads} threads after {sent} bad handshakes"
+        print(f"TLS fuzz: {sent} bad handshakes, RSS peak {rss.peak / 2**20:.0f} MiB, {threads} threads")
+    finally:
+        rss.stop()
+        shard.terminate()
