@@ -6,7 +6,9 @@ pushes one gradient row per unique id (SGD). Metric: rows per second (a unique
 row pulled and pushed counts one), after warm-up, with the batches generated
 before timing. ``shardps`` runs as tuned (zeros initializer, one torch thread,
 read_your_writes=False); ``shardps_defaults`` is the loop a new user writes
-(default Client and initializer, torch's default threads). Baselines (same run, same machine): a torch.distributed.rpc
+(default Client and initializer, torch's default threads); ``shardps_tls``, ``shardps_tokens`` and
+``shardps_mtls_tokens`` are the tuned path with TLS, bearer tokens, or mutual TLS and tokens
+(``--backends shardps shardps_tls shardps_tokens shardps_mtls_tokens``: their cost, as "x shardps"). Baselines (same run, same machine): a torch.distributed.rpc
 parameter server, a Ray actor parameter server (if Ray is installed), and the
 same gather/scatter in one process (no transport).
 
@@ -117,7 +119,7 @@ def measure(pull, push, flush, batches: list[np.ndarray], budget_s: float, serve
 
 
 def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: int, budget_s: float, queue,
-                    defaults: bool = False) -> None:
+                    defaults: bool = False, security: Optional[dict[str, Any]] = None) -> None:
     """As tuned (one torch thread, read_your_writes=False), or with ``defaults`` the loop a new user
     writes: a default Client, torch's default threads, gradients computed by torch (``emb * 0.1``)."""
     try:
@@ -126,7 +128,12 @@ def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: in
         if not defaults:
             torch.set_num_threads(1)
         batches = unique_batches(100 + rank, 24, cfg.batch, cfg.rows, cfg.zipf)
-        kwargs = {} if defaults else {"wire_dtype": cfg.wire, "read_your_writes": False}
+        kwargs: dict[str, Any] = {} if defaults else {"wire_dtype": cfg.wire, "read_your_writes": False}
+        if security:
+            from shardps_client import TLS
+
+            kwargs["token"] = security.get("token")
+            kwargs["tls"] = TLS(**security["tls"]) if security.get("tls") else None
         scale = 0.1 if defaults else None
         with Client(addresses, **kwargs) as c:
             assert c.table_spec("bench").dim == DIM
@@ -186,26 +193,49 @@ def _collect(queue, n: int, procs: list, timeout: float) -> list[dict]:
     return [results.get(r, {"error": "no result (timeout)"}) for r in range(n)]
 
 
+# The security settings measured beside plain shardps (tuned path): (TLS: None, "tls" or "mtls"; tokens).
+SECURITY = {"shardps_tls": ("tls", False), "shardps_tokens": (None, True), "shardps_mtls_tokens": ("mtls", True)}
+
+
 def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[str, Any]:
     """shardps tuned as the benchmark always ran it (zeros initializer, one torch thread,
-    read_your_writes=False), or with ``defaults`` as a new user runs it (``shardps_defaults``)."""
-    from shardps_client import SGD, Client
+    read_your_writes=False), or with ``defaults`` as a new user runs it (``shardps_defaults``); the
+    ``shardps_tls`` / ``shardps_tokens`` / ``shardps_mtls_tokens`` backends are the tuned path with TLS
+    (certificates from ``shardps cluster --tls``), bearer tokens, or both and mutual TLS."""
+    import tempfile
+
+    from shardps_client import SGD, TLS, Client
 
     from shardps.core.specs import Initializer
     from shardps.server.launcher import LocalCluster
 
     ctx = mp.get_context("spawn")
-    with LocalCluster(cfg.shards) as cluster:
-        with Client(cluster.addresses) as c:
-            c.create_table("bench", dim=DIM, num_embeddings=cfg.rows, optimizer=SGD(lr=0.01),
-                           initializer=None if defaults else Initializer("zeros"))
-        pids = [p.popen.pid for p in cluster.procs]
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=shardps_trainer, args=(cfg, cluster.addresses, pids, r, budget_s, queue, defaults))
-                 for r in range(cfg.trainers)]
-        for p in procs:
-            p.start()
-        results = _collect(queue, cfg.trainers, procs, 120 + 6 * budget_s)
+    tls, tokens = SECURITY.get(cfg.backend, (None, False))
+    with tempfile.TemporaryDirectory(prefix="shardps-bench-") as tmp:
+        serve_args: list[str] = []
+        security: dict[str, Any] = {}
+        admin = None
+        if tokens:
+            admin, trainer = "admin-" + os.urandom(16).hex(), "trainer-" + os.urandom(16).hex()
+            path = os.path.join(tmp, "tokens")
+            with open(path, "w") as f:
+                f.write(f"admin {admin}\ntrainer {trainer}\n")
+            serve_args += ["--tokens-file", path]
+            security["token"] = trainer
+        with LocalCluster(cfg.shards, serve_args=serve_args, tls=tls, log_dir=tmp) as cluster:
+            security["tls"] = cluster.tls_files
+            with Client(cluster.addresses, token=admin,
+                        tls=TLS(**security["tls"]) if security["tls"] else None) as c:
+                c.create_table("bench", dim=DIM, num_embeddings=cfg.rows, optimizer=SGD(lr=0.01),
+                               initializer=None if defaults else Initializer("zeros"))
+            pids = [p.popen.pid for p in cluster.procs]
+            queue = ctx.Queue()
+            procs = [ctx.Process(target=shardps_trainer,
+                                 args=(cfg, cluster.addresses, pids, r, budget_s, queue, defaults, security))
+                     for r in range(cfg.trainers)]
+            for p in procs:
+                p.start()
+            results = _collect(queue, cfg.trainers, procs, 120 + 6 * budget_s)
     return _merge(results)
 
 
@@ -287,7 +317,8 @@ def run_shardps_defaults(cfg: Config, budget_s: float) -> dict[str, Any]:
     return run_shardps(cfg, budget_s, defaults=True)
 
 
-RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "torch_rpc": run_rpc, "ray": run_ray, "in_process": run_in_process}
+RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "torch_rpc": run_rpc, "ray": run_ray,
+           "in_process": run_in_process, **{name: run_shardps for name in SECURITY}}
 
 
 def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:
@@ -394,6 +425,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         for base in ("torch_rpc", "ray"):
             r[f"x_{base}"], r[f"x_{base}_range"] = ratio(r, _find(rows, backend=base, **key, rows=r["rows"], wire="float32"))
         r["x_in_process"], _ = ratio(r, _find(rows, backend="in_process", batch=r["batch"], zipf=r["zipf"], rows=r["rows"]))
+        if r["backend"] != "shardps":  # what the defaults, TLS or tokens cost against the tuned path
+            r["x_shardps"], r["x_shardps_range"] = ratio(r, _find(rows, backend="shardps", **key, rows=r["rows"],
+                                                                  wire=r["wire"]))
     cols = [("backend", "backend", ""), ("group", "group", ""), ("shards", "shards", "d"), ("trainers", "trainers", "d"),
             ("batch", "batch", "d"), ("zipf", "zipf", ""), ("rows", "table rows", ",d"), ("wire", "wire", ""),
             ("both_rows_per_s", "pull+push rows/s", ",.0f"), ("pull_rows_per_s", "pull rows/s", ",.0f"),
@@ -401,8 +435,10 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             ("pull_p99_ms", "pull p99 ms", ".2f"), ("push_p50_ms", "push p50 ms", ".2f"),
             ("push_p99_ms", "push p99 ms", ".2f"), ("server_cpu_s_per_M_rows", "srv CPU s/M rows", ".2f"),
             ("client_cpu_s_per_M_rows", "client CPU s/M rows", ".2f"),
-            ("x_torch_rpc", "x rpc", ".2f"), ("x_ray", "x ray", ".2f"), ("x_in_process", "x in-proc", ".3f")]
+            ("x_torch_rpc", "x rpc", ".2f"), ("x_ray", "x ray", ".2f"), ("x_in_process", "x in-proc", ".3f"),
+            ("x_shardps", "x shardps", ".2f")]
     if args.repeat > 1:
+        cols.append(("x_shardps_range", "x shardps range", ""))
         cols.insert(cols.index(("x_torch_rpc", "x rpc", ".2f")) + 1, ("x_torch_rpc_range", "x rpc range", ""))
         cols.insert(cols.index(("x_ray", "x ray", ".2f")) + 1, ("x_ray_range", "x ray range", ""))
     print()
