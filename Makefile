@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test fuzz lint codegen bench clean docker-deps docker-base wheelhouse docker-test
+.PHONY: setup demo test fuzz fairness lint codegen bench clean docker-deps docker-base wheelhouse docker-test
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ fuzz: $(STAMP)
 	SHARDPS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SHARDPS_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
 		tests/test_fuzz.py tests/test_wire_differential.py tests/test_fuzz_regressions.py tests/test_fuzz_auth.py
 	$(BIN)/python -m tests.fuzzing --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
+
+# The fairness test at length: FAIR_PAIRS alternated windows of FAIR_WINDOW_S (CI runs 2 of 1.5 s).
+FAIR_PAIRS ?= 6
+FAIR_WINDOW_S ?= 3
+fairness: $(STAMP)
+	SHARDPS_FAIR_PAIRS=$(FAIR_PAIRS) SHARDPS_FAIR_WINDOW_S=$(FAIR_WINDOW_S) $(BIN)/python -m pytest -q -s tests/test_fairness.py
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff mypy

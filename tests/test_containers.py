@@ -28,13 +28,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 
 import pytest
 import torch
-from shardps_client import SGD, Client
+from shardps_client import SGD, TLS, AuthenticationError, Client, PermissionDeniedError, ShardUnavailableError
 
 from shardps.core.specs import Initializer
 from tests.docker_engine import Unavailable, compose_command, engine
@@ -103,6 +104,11 @@ class Deployment:
     def run(self, *args: str, timeout: float = 120, check: bool = True) -> str:
         return _run([*self.compose, *args], self.env, timeout, check, cwd=ROOT).stdout
 
+    def with_tls(self, secrets: pathlib.Path) -> None:
+        """From now on, with docker/compose.tls.yaml over the file (mutual TLS and tokens)."""
+        self.compose += ["-f", str(DOCKER / "compose.tls.yaml")]
+        self.env["SHARDPS_SECRETS"] = str(secrets)
+
     def container(self, service: str) -> str:
         return self.run("ps", "-q", service).strip()
 
@@ -123,7 +129,12 @@ class Deployment:
             states = {s: self.health(s) for s in services}
             if all(v == "healthy" for v in states.values()):
                 return
-            assert time.monotonic() < deadline, f"not healthy after {timeout:.0f}s: {states}"
+            if time.monotonic() > deadline:
+                logs = {s: _run(["docker", "logs", "--tail", "15", self.container(s)], self.env, 60, check=False)
+                        for s in services if states[s] != "healthy"}
+                health = {s: self.inspect(s)["State"].get("Health", {}).get("Log", [])[-1:] for s in logs}
+                raise AssertionError(f"not healthy after {timeout:.0f}s: {states}\n" + "\n".join(
+                    f"--- {s}: {health[s]}\n{r.stdout}{r.stderr}" for s, r in logs.items()))
             time.sleep(1)
 
     def down(self) -> None:
@@ -287,6 +298,37 @@ def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(
         assert before.keys() == after.keys() and len(before) > 2
         for name in before:
             assert torch.equal(before[name], after[name]), name
+
+        # Mutual TLS and tokens on (docker/compose.tls.yaml, secrets made as its header says): the shards
+        # are recreated on their volumes and report healthy through shardps-health with the client
+        # certificate; a reader's token reads the same rows and may not push; plaintext and token-less
+        # clients are refused.
+        secrets = pathlib.Path(tempfile.mkdtemp(prefix="shardps-secrets-"))
+        subprocess.run([sys.executable, "-m", "shardps.server.certs", str(secrets), "--tokens", "--world-readable",
+                        "--hosts", ",".join([*shards, "shardps", "localhost", "127.0.0.1"])],
+                       check=True, capture_output=True, timeout=60)
+        try:
+            dep.with_tls(secrets)
+            t0 = time.monotonic()
+            dep.run("up", "-d", "--no-build", *shards, timeout=300)
+            dep.wait_healthy(shards, timeout=120)
+            report["tls_up_to_healthy_s"] = round(time.monotonic() - t0, 1)
+            addresses = [dep.address(s) for s in shards]
+            tls = TLS(ca=str(secrets / "ca.pem"), cert=str(secrets / "client.pem"), key=str(secrets / "client.key"),
+                      server_name="shardps")
+            reader = (secrets / "reader.token").read_text().strip()
+            with Client(addresses, tls=tls, token=reader) as c:
+                tls_rows = _snapshot(c, rows=20_000)
+                with pytest.raises(PermissionDeniedError):
+                    c.push("canary", canary_ids, torch.ones(64, 2), wait=True)
+            for name in before:
+                assert torch.equal(before[name], tls_rows[name]), name
+            with pytest.raises(ShardUnavailableError):
+                Client(addresses, retry_timeout=2, timeout=5)  # plaintext to TLS
+            with pytest.raises(AuthenticationError):
+                Client(addresses, tls=tls, retry_timeout=2, timeout=5, token=None)  # no token
+        finally:
+            shutil.rmtree(secrets, ignore_errors=True)
         report["total_s"] = round(time.monotonic() - t_start, 1)
     finally:
         print("\ncontainer test:", json.dumps(report))

@@ -326,3 +326,73 @@ def test_kubernetes_statefulset_runs_one_shard_per_ordinal_with_probes_volume_an
     assert t["args"][0] == "clients/examples/dlrm.py"
     targs = dlrm.build_parser().parse_args(t["args"][1:])
     assert targs.addresses.split(",") == [f"shardps-{i}.shardps.default.svc:7000" for i in range(n)]
+
+
+def test_kubernetes_tls_manifests_are_valid_and_wire_every_file_the_shard_and_trainer_read():
+    """The --tls variant: valid against the schemas; the shard's TLS and token flags (from its env,
+    through the real CLI) name files its Secret mounts hold; the probes run shardps-health with the
+    client certificate; the trainer's client finds TLS and its token from its env."""
+    kv = pytest.importorskip("kubernetes_validate")
+    make_k8s = _make_k8s()
+    assert make_k8s.make_tls(4) == (DOCKER / "k8s" / "shardps-tls.yaml").read_text()
+    docs = list(yaml.safe_load_all(make_k8s.make_tls(4, namespace="training")))
+    for version in ("1.28.0", kv.latest_version()):
+        for d in docs:
+            kv.validate(d, version, strict=True)
+    k = _k8s((DOCKER / "k8s" / "shardps-tls.yaml").read_text())
+    pod = k["StatefulSet"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value", "0") for e in c["env"]}
+    args = parse_args(["serve"], env)
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"]}
+    keys = {"shardps-tls": {"tls.crt", "tls.key", "ca.crt"}, "shardps-client-tls": {"tls.crt", "tls.key", "ca.crt"},
+            "shardps-tokens": {"tokens"}, "shardps-trainer-token": {"token"}}
+
+    def from_secret(path: str, volumes: dict, mounted: dict) -> None:
+        directory, name = path.rsplit("/", 1)
+        assert name in keys[volumes[mounted[directory]]], path
+
+    for path in (args.tls_cert, args.tls_key, args.tls_client_ca, args.tokens_file,
+                 env["SHARDPS_TLS_CA"], env["SHARDPS_TLS_CLIENT_CERT"], env["SHARDPS_TLS_CLIENT_KEY"]):
+        from_secret(path, secrets, mounts)
+    for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = c[probe_name]["exec"]["command"]
+        assert command[:2] == ["shardps-health", "127.0.0.1:7000"]
+    tpod = k["Job"]["spec"]["template"]["spec"]
+    (t,) = tpod["containers"]
+    tenv = {e["name"]: e["value"] for e in t["env"]}
+    tmounts = {m["mountPath"]: m["name"] for m in t["volumeMounts"]}
+    tsecrets = {v["name"]: v["secret"]["secretName"] for v in tpod["volumes"]}
+    for name in ("SHARDPS_TLS_CA", "SHARDPS_TLS_CLIENT_CERT", "SHARDPS_TLS_CLIENT_KEY", "SHARDPS_TOKEN_FILE"):
+        from_secret(tenv[name], tsecrets, tmounts)
+    assert tpod["securityContext"]["fsGroup"] == 10002  # the Secret's files readable by the trainer's group
+
+
+def test_compose_tls_override_is_generated_valid_and_complete(tmp_path):
+    sys.path.insert(0, str(DOCKER))
+    try:
+        import make_compose
+    finally:
+        sys.path.pop(0)
+    assert make_compose.make_tls(4) == (DOCKER / "compose.tls.yaml").read_text()
+    override = yaml.safe_load(make_compose.make_tls(4))
+    base = yaml.safe_load(make_compose.make(4))
+    assert set(override["services"]) == set(base["services"])
+    for i in range(4):
+        env = override["services"][f"shard-{i}"]["environment"]
+        args = parse_args(["serve"], {**base["services"][f"shard-{i}"]["environment"], **env})
+        assert args.tls_cert and args.tls_key and args.tls_client_ca and args.tokens_file
+        assert all(p.startswith("/run/secrets/") for p in (args.tls_cert, args.tls_key, args.tls_client_ca,
+                                                           args.tokens_file))
+    if shutil.which("docker-compose") is None:
+        return
+    out = subprocess.run(["docker-compose", "-p", "shardps", "-f", str(DOCKER / "compose.yaml"), "-f",
+                          str(DOCKER / "compose.tls.yaml"), "config"], capture_output=True, text=True, timeout=60,
+                         cwd=DOCKER, env={**os.environ, "SHARDPS_SECRETS": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    merged = yaml.safe_load(out.stdout)
+    shard = merged["services"]["shard-1"]
+    assert shard["environment"]["SHARDPS_SHARD_INDEX"] == "1" and "SHARDPS_TLS_CERT" in shard["environment"]
+    assert any(str(tmp_path) in str(v) for v in shard["volumes"])
+    assert merged["services"]["trainer"]["environment"]["SHARDPS_TOKEN_FILE"] == "/run/secrets/admin.token"

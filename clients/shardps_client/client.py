@@ -154,7 +154,8 @@ class Client:
             one thread per core the local shards leave free (at least 1), because
             torch's idle threads spin and take the shards' cores. An int: that many.
             None: leave torch alone.
-        tls: TLS to the shards (``TLS(ca, cert=None, key=None)``; files): None, plaintext.
+        tls: TLS to the shards (``TLS(ca, cert=None, key=None)``; files). None: TLS from
+            SHARDPS_TLS_CA / SHARDPS_TLS_CLIENT_CERT / SHARDPS_TLS_CLIENT_KEY when set, else plaintext.
         token: the bearer token every call carries; None: the file SHARDPS_TOKEN_FILE names, else
             SHARDPS_TOKEN, else no token (what shards without ``--tokens-file`` expect).
     """
@@ -192,7 +193,8 @@ class Client:
         self.max_message_bytes = int(max_message_bytes)
         self.read_your_writes = read_your_writes
         self.client_id = client_id or uuid.uuid4().hex
-        self.transport = Transport(self.addresses, timeout, retry_timeout, self.max_message_bytes, tls,
+        self.transport = Transport(self.addresses, timeout, retry_timeout, self.max_message_bytes,
+                                   tls if tls is not None else TLS.from_environment(),
                                    token if token is not None else token_from_environment())
         self._pool = ThreadPoolExecutor(max_workers=max(4, 4 * self.num_shards), thread_name_prefix="shardps-client")
         self.catalog = admin.Catalog(self.transport)

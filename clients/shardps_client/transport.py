@@ -38,6 +38,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import os
 import pathlib
 import random
 import threading
@@ -283,6 +284,15 @@ class TLS:
     cert: Optional[str] = None
     key: Optional[str] = None
     server_name: Optional[str] = None
+
+    @classmethod
+    def from_environment(cls) -> Optional[TLS]:
+        """TLS from SHARDPS_TLS_CA, SHARDPS_TLS_CLIENT_CERT and SHARDPS_TLS_CLIENT_KEY (the variables
+        ``shardps-health`` reads), or None when SHARDPS_TLS_CA is not set."""
+        ca = os.environ.get("SHARDPS_TLS_CA")
+        if not ca:
+            return None
+        return cls(ca, os.environ.get("SHARDPS_TLS_CLIENT_CERT") or None, os.environ.get("SHARDPS_TLS_CLIENT_KEY") or None)
 
     def credentials(self) -> grpc.ChannelCredentials:
         if (self.cert is None) != (self.key is None):

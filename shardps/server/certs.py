@@ -114,3 +114,52 @@ def make_dev_certs(directory: str, hosts: Sequence[str] = ("127.0.0.1", "localho
     server_cert, server_key = write_pair(d, "server", *issue(ca_key, ca_cert, "shardps shard", hosts))
     client_cert, client_key = write_pair(d, "client", *issue(ca_key, ca_cert, "shardps client", client=True))
     return DevCerts(ca_path, server_cert, server_key, client_cert, client_key)
+
+
+def write_tokens(directory: str, readable: bool = False) -> dict[str, str]:
+    """A tokens file for the shards (``tokens``: one admin, one trainer and one reader token) and each
+    token alone in ``<role>.token`` (what a client reads through SHARDPS_TOKEN_FILE); their paths."""
+    import secrets
+
+    d = pathlib.Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tokens = {role: secrets.token_urlsafe(32) for role in ("admin", "trainer", "reader")}
+    paths = {"tokens": str(d / "tokens")}
+    _write(d / "tokens", "".join(f"{role} {t}\n" for role, t in tokens.items()).encode(), private=True)
+    for role, t in tokens.items():
+        paths[role] = _write(d / f"{role}.token", t.encode() + b"\n", private=True)
+    if readable:
+        for p in paths.values():
+            os.chmod(p, 0o644)
+    return paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m shardps.server.certs DIR``: throwaway TLS files (and with --tokens, a tokens file)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m shardps.server.certs", description=main.__doc__)
+    p.add_argument("directory")
+    p.add_argument("--hosts", default="127.0.0.1,localhost,::1",
+                   help="comma-separated names and addresses the shards' certificate is valid for")
+    p.add_argument("--tokens", action="store_true", help="also write a tokens file and one file per role's token")
+    p.add_argument("--world-readable", action="store_true",
+                   help="the directory, keys and tokens readable by every user (modes 755, 644), for containers "
+                        "whose users differ from yours (Compose bind mounts); default: keys readable by you only")
+    args = p.parse_args(argv)
+    dev = make_dev_certs(args.directory, [h for h in args.hosts.split(",") if h])
+    written = [dev.ca, dev.server_cert, dev.server_key, dev.client_cert, dev.client_key]
+    if args.world_readable:
+        os.chmod(args.directory, 0o755)
+        for path in (dev.server_key, dev.client_key):
+            os.chmod(path, 0o644)
+    if args.tokens:
+        written += list(write_tokens(args.directory, args.world_readable).values())
+    print("\n".join(written))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
