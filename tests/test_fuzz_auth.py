@@ -222,7 +222,7 @@ def test_authentication_metadata_survives_fuzzing(tmp_path):
     try:
         methods = [*REQUESTS, "Stream"]
 
-        @_settings(EXAMPLES * 3, SEED)
+        @_settings(EXAMPLES * 2, SEED)
         @given(st.sampled_from(methods), metadata_sets())
         def run(method: str, meta: tuple[list[tuple[str, Any]], Optional[str]]) -> None:
             h.exercise(method, *meta)
@@ -321,7 +321,7 @@ def test_tls_handshakes_with_bad_certificates_and_bad_bytes_survive_fuzzing(tmp_
         hello = _client_hello()
         sent = 0
 
-        @_settings(EXAMPLES * 2, SEED)
+        @_settings(EXAMPLES, SEED)
         @given(handshake_bytes(hello))
         def run(data: bytes) -> None:
             nonlocal sent

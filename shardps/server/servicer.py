@@ -378,7 +378,9 @@ class ShardServicer(pb_grpc.ShardServicer):
             for key in entered:
                 self.callers.exit(key, "streams")
 
-    def _stream_one(self, request: bytes, role: Optional[str], key: str, weight: float, peer: str) -> bytes:
+    def _stream_one(self, request: bytes, role: Optional[str] = None, key: str = "local", weight: float = 1.0,
+                    peer: str = "local") -> bytes:
+        """One stream frame of a caller (``key``, its fair-share weight; ``peer``, its connection), answered."""
         started, name = time.perf_counter(), "Stream"
         try:
             field, view = wire.unframe(request)
