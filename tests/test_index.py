@@ -98,3 +98,59 @@ def test_unique_ids_is_np_unique(n):
 
     ids = np.random.default_rng(n).zipf(1.2, n).astype(np.int64) - 5
     np.testing.assert_array_equal(unique_ids(ids), np.unique(ids))
+
+
+REMOVERS = {
+    "hash kernel": (lambda: HashIndex(capacity=16), "remove"),
+    "hash numpy": (lambda: HashIndex(capacity=16), "remove_numpy"),
+    "direct": (lambda: DirectIndex(num_embeddings=5000), "remove"),
+}
+
+
+@pytest.mark.parametrize("impl", sorted(REMOVERS))
+def test_remove_keeps_slots_dense_against_a_reference_model(impl):
+    """Inserts and removals (eviction) against a plain-Python model of the slots: after every step each
+    present id is found at its slot, removed ids are absent, slots stay 0..len-1, and the moves reported
+    are exactly the model's (the last slot into each freed one, in order). Ids from a small range collide
+    in the probe table, so runs are long and backward-shift deletion is exercised."""
+    make, method = REMOVERS[impl]
+    index = make()
+    rng = np.random.default_rng(1)
+    model: list[int] = []  # model[slot] = id
+    for step in range(60):
+        absent = np.setdiff1d(rng.integers(0, 5000, rng.integers(1, 400)), np.array(model, dtype=np.int64))
+        index.insert(absent, np.arange(len(model), len(model) + absent.size))
+        model += absent.tolist()
+        if model and step % 3 != 2:
+            victims = rng.choice(np.array(model), size=rng.integers(1, max(2, len(model) // 3)), replace=False)
+            want_moves = []
+            for v in victims.tolist():
+                slot = model.index(v)
+                last = len(model) - 1
+                if slot != last:
+                    model[slot] = model[last]
+                    want_moves.append([last, slot])
+                model.pop()
+            moves = getattr(index, method)(victims)
+            assert moves.tolist() == want_moves
+            np.testing.assert_array_equal(index.lookup(victims), -1)
+        assert len(index) == len(model)
+        np.testing.assert_array_equal(index.ids, model)
+        np.testing.assert_array_equal(index.lookup(np.array(model, dtype=np.int64)), np.arange(len(model)))
+    everything = np.array(model[::-1], dtype=np.int64)  # last slot first: nothing needs to move
+    moves = getattr(index, method)(everything)  # down to nothing, then it fills again
+    assert len(index) == 0 and moves.shape == (0, 2)
+    index.insert(np.array([4, 2]), np.arange(2))
+    np.testing.assert_array_equal(index.lookup(np.array([2, 4, 3])), [1, 0, -1])
+
+
+@pytest.mark.parametrize("impl", sorted(REMOVERS))
+def test_remove_refuses_absent_or_repeated_ids_and_changes_nothing(impl):
+    make, method = REMOVERS[impl]
+    index = make()
+    index.insert(np.array([10, 20, 30]), np.arange(3))
+    for bad in ([10, 10], [10, 40]):
+        with pytest.raises(ValueError, match="present, unique"):
+            index.remove(np.array(bad))
+    np.testing.assert_array_equal(index.ids, [10, 20, 30])
+    np.testing.assert_array_equal(index.lookup(np.array([10, 20, 30])), [0, 1, 2])

@@ -102,6 +102,44 @@ def hash_place(table: np.ndarray, ids: np.ndarray, values: np.ndarray, seed: np.
         table[pos] = np.int32(values[i])
 
 
+@_njit
+def hash_remove(table: np.ndarray, slot_ids: np.ndarray, count: int, ids: np.ndarray, seed: np.uint64) -> np.ndarray:
+    """``HashIndex.remove_numpy``: delete present, unique ``ids`` one by one (backward-shift deletion, no
+    tombstones), each time moving the last slot into the freed one. Returns the moves as rows of
+    (from slot, to slot), in order; ``slot_ids`` is updated in place."""
+    mask = np.uint64(table.shape[0] - 1)
+    moves = np.empty((ids.shape[0], 2), np.int64)
+    n = 0
+    for i in range(ids.shape[0]):
+        x = ids[i]
+        pos = mix(np.uint64(x), seed) & mask
+        while slot_ids[table[pos]] != x:  # present: its run reaches it before an empty position
+            pos = (pos + np.uint64(1)) & mask
+        victim = np.int64(table[pos])
+        # Backward-shift: pull later entries of the run into the hole unless their home lies in (hole, j].
+        hole = pos
+        j = (pos + np.uint64(1)) & mask
+        while table[j] >= 0:
+            home = mix(np.uint64(slot_ids[table[j]]), seed) & mask
+            if ((j - home) & mask) >= ((j - hole) & mask):
+                table[hole] = table[j]
+                hole = j
+            j = (j + np.uint64(1)) & mask
+        table[hole] = -1
+        count -= 1
+        if victim != count:  # the last slot takes the victim's place
+            last = slot_ids[count]
+            p = mix(np.uint64(last), seed) & mask
+            while table[p] != count:
+                p = (p + np.uint64(1)) & mask
+            table[p] = np.int32(victim)
+            slot_ids[victim] = last
+            moves[n, 0] = count
+            moves[n, 1] = victim
+            n += 1
+    return moves[:n]
+
+
 # ---- initial rows (core.specs.Initializer) -------------------------------------------
 
 

@@ -124,6 +124,7 @@ def warm_up() -> None:
     table = np.full(16, -1, np.int32)
     k.hash_place(table, ids, ids, seed)
     k.hash_lookup(table, ids, ids, seed)
+    k.hash_remove(table, ids.copy(), 4, ids[:1], seed)
     k.normal_rows(ids, 3, seed, seed, 0.0, 1.0, ZIG_K, ZIG_W, ZIG_F)
     rows = np.zeros((4, 3), np.float32)
     g = np.ones((4, 3), np.float32)

@@ -12,7 +12,10 @@ their slot, so lookups run at numpy speed instead of a Python dict's 1-2M/s.
 ``DirectIndex`` maps ids of a fixed table through a flat int32 array.
 
 One contract: ``lookup`` returns -1 for absent ids; ``insert`` takes ids that
-are absent and unique, with the next slots in order.
+are absent and unique, with the next slots in order; ``remove`` takes present,
+unique ids and keeps the slots dense by moving the last slot into each freed one,
+returning those moves so the rows that follow the slots can move the same way
+(eviction).
 """
 
 from __future__ import annotations
@@ -113,6 +116,50 @@ class HashIndex(_SlotIds):
         else:
             self._place(ids, values)
 
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """Delete present, unique ``ids``; the slots stay 0..len-1: after each deletion the last slot moves
+        into the freed one. Returns the moves, rows of (from slot, to slot) in the order made."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (np.unique(ids).size != ids.size or (self.lookup(ids) < 0).any()):
+            raise ValueError("remove takes present, unique ids")
+        k = kernels.jit()
+        if k is not None:
+            moves = k.hash_remove(self._table, self._ids, self._count, ids, _INDEX_SEED)
+            self._count -= ids.shape[0]
+            return moves
+        return self.remove_numpy(ids)
+
+    def remove_numpy(self, ids: np.ndarray) -> np.ndarray:
+        """The reference of :meth:`remove` (and of its kernel): per id, backward-shift deletion in the probe
+        table (no tombstones: later entries of the run move back unless their home lies between), then
+        the last slot moves into the freed one."""
+        mask = int(self._mask)
+        size = self._table.shape[0]
+        moves = []
+        for x in ids.tolist():
+            pos = int(self._home(np.array([x], np.int64))[0])
+            while self._ids[self._table[pos]] != x:
+                pos = (pos + 1) & mask
+            victim = int(self._table[pos])
+            hole, j = pos, (pos + 1) & mask
+            while self._table[j] >= 0:
+                home = int(self._home(self._ids[self._table[j]: self._table[j] + 1])[0])
+                if (j - home) % size >= (j - hole) % size:  # its home is not in (hole, j]: it may move back
+                    self._table[hole] = self._table[j]
+                    hole = j
+                j = (j + 1) & mask
+            self._table[hole] = -1
+            self._count -= 1
+            last = self._count
+            if victim != last:
+                p = int(self._home(self._ids[last: last + 1])[0])
+                while self._table[p] != last:
+                    p = (p + 1) & mask
+                self._table[p] = victim
+                self._ids[victim] = self._ids[last]
+                moves.append((last, victim))
+        return np.array(moves, dtype=np.int64).reshape(-1, 2)
+
     def _place(self, ids: np.ndarray, values: np.ndarray) -> None:
         k = kernels.jit()
         if k is not None:
@@ -153,6 +200,24 @@ class DirectIndex(_SlotIds):
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self._map[ids].astype(np.int64)
+
+    def remove(self, ids: np.ndarray) -> np.ndarray:
+        """As ``HashIndex.remove``: delete present, unique ids, moving the last slot into each freed one."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (np.unique(ids).size != ids.size or (self._map[ids] < 0).any()):
+            raise ValueError("remove takes present, unique ids")
+        moves = []
+        for x in ids.tolist():
+            victim = int(self._map[x])
+            self._map[x] = -1
+            self._count -= 1
+            last = self._count
+            if victim != last:
+                moved = int(self._ids[last])
+                self._ids[victim] = moved
+                self._map[moved] = victim
+                moves.append((last, victim))
+        return np.array(moves, dtype=np.int64).reshape(-1, 2)
 
     def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64)
