@@ -178,7 +178,7 @@ SHARD_MOUNTS = """\
         - {name: client-tls, secret: {secretName: shardps-client-tls, defaultMode: 0440}}
         - {name: tokens, secret: {secretName: shardps-tokens, defaultMode: 0440}}
 """
-TRAINER = """\
+TRAINER_CONTAINER = """\
           env:
             - {name: SHARDPS_TLS_CA, value: /etc/shardps/client/ca.crt}
             - {name: SHARDPS_TLS_CLIENT_CERT, value: /etc/shardps/client/tls.crt}
@@ -187,6 +187,8 @@ TRAINER = """\
           volumeMounts:
             - {name: client-tls, mountPath: /etc/shardps/client, readOnly: true}
             - {name: token, mountPath: /etc/shardps/token, readOnly: true}
+"""
+TRAINER_VOLUMES = """\
       volumes:
         - {name: client-tls, secret: {secretName: shardps-client-tls, defaultMode: 0440}}
         - {name: token, secret: {secretName: shardps-trainer-token, defaultMode: 0440}}
@@ -211,8 +213,8 @@ def make_tls(shards: int, namespace: str = "default") -> str:
                         "securityContext: {runAsUser: 10002, runAsGroup: 10002, fsGroup: 10002, runAsNonRoot: true}")
     trainer_args = text.index('          args: ["clients/examples/dlrm.py"')
     line_end = text.index("\n", trainer_args) + 1
-    return text[:line_end] + TRAINER.replace("      volumes:", "__VOLUMES__", 1).split("__VOLUMES__")[0] + \
-        text[line_end:].rstrip("\n") + "\n" + "      volumes:" + TRAINER.split("      volumes:", 1)[1]
+    # The trainer's env and mounts follow its args; its pod's volumes end the file (the Job comes last).
+    return text[:line_end] + TRAINER_CONTAINER + text[line_end:].rstrip("\n") + "\n" + TRAINER_VOLUMES
 
 
 def main() -> int:

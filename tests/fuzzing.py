@@ -1677,18 +1677,22 @@ def setup_tables(address: str) -> None:
 # ==== running ================================================================================
 
 
+def stateful_settings(examples: int, seed: int) -> Callable[[Any], Any]:
+    """Hypothesis settings for fuzzing a live shard: ``examples`` generated examples from ``seed``, no
+    shrinking or replay (the shard is stateful), no deadline or database."""
+
+    def wrap(test: Any) -> Any:
+        return hypothesis_seed(seed)(settings(max_examples=examples, deadline=None, database=None,
+                                              phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+                                              report_multiple_bugs=False)(test))
+
+    return wrap
+
+
 def fuzz_method(h: Harness, method: str, examples: int, seed: int) -> None:
     """``examples`` Hypothesis examples of ``method`` through the harness (no shrinking: the shard is stateful)."""
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        report_multiple_bugs=False,
-    )
-    @hypothesis_seed(seed)
+    @stateful_settings(examples, seed)
     @given(method_payloads(method))
     def run(payload: Any) -> None:
         try:

@@ -100,11 +100,7 @@ def test_compose_file_is_valid_for_the_real_compose_tools(tool, tmp_path):
     version = subprocess.run([*tool, "version"], capture_output=True, text=True, timeout=60)
     if version.returncode != 0:
         pytest.skip(f"{' '.join(tool)} is not installed")
-    sys.path.insert(0, str(DOCKER))
-    try:
-        import make_compose
-    finally:
-        sys.path.pop(0)
+    make_compose = _make_compose()
     (tmp_path / "compose.8.yaml").write_text(make_compose.make(8))
     for path in (DOCKER / "compose.yaml", tmp_path / "compose.8.yaml"):
         out = subprocess.run([*tool, "-p", "shardps", "-f", str(path), "config"], capture_output=True, text=True,
@@ -158,11 +154,7 @@ def test_every_service_command_parses_with_the_real_cli(compose):
 
 
 def test_generator_reproduces_the_committed_file_and_scales():
-    sys.path.insert(0, str(DOCKER))
-    try:
-        import make_compose
-    finally:
-        sys.path.pop(0)
+    make_compose = _make_compose()
     assert make_compose.make(4) == (DOCKER / "compose.yaml").read_text()
     eight = yaml.safe_load(make_compose.make(8))
     shards = _shards(eight)
@@ -249,6 +241,15 @@ def test_cluster_command_reports_and_restarts_a_dead_shard(tmp_path):
 
 def _k8s(text: str) -> dict[str, dict]:
     return {d["kind"]: d for d in yaml.safe_load_all(text)}
+
+
+def _make_compose():
+    sys.path.insert(0, str(DOCKER))
+    try:
+        import make_compose
+    finally:
+        sys.path.pop(0)
+    return make_compose
 
 
 def _make_k8s():
@@ -370,11 +371,7 @@ def test_kubernetes_tls_manifests_are_valid_and_wire_every_file_the_shard_and_tr
 
 
 def test_compose_tls_override_is_generated_valid_and_complete(tmp_path):
-    sys.path.insert(0, str(DOCKER))
-    try:
-        import make_compose
-    finally:
-        sys.path.pop(0)
+    make_compose = _make_compose()
     assert make_compose.make_tls(4) == (DOCKER / "compose.tls.yaml").read_text()
     override = yaml.safe_load(make_compose.make_tls(4))
     base = yaml.safe_load(make_compose.make(4))

@@ -21,8 +21,7 @@ from typing import Any, Optional
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import seed as hypothesis_seed
+from hypothesis import given
 from hypothesis import strategies as st
 from shardps_client import SGD, TLS, Client, ShardUnavailableError
 
@@ -207,14 +206,6 @@ def _short(metadata: list[tuple[str, Any]]) -> str:
     return ", ".join(f"{k}={str(v)[:40]!r}{'...' if len(str(v)) > 40 else ''}" for k, v in metadata) or "none"
 
 
-def _settings(examples: int, seed: int) -> Any:
-    def wrap(f: Any) -> Any:
-        return hypothesis_seed(seed)(settings(max_examples=examples, deadline=None, database=None,
-                                              phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-                                              report_multiple_bugs=False)(f))
-    return wrap
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(max(300, 8 * EXAMPLES))
 def test_authentication_metadata_survives_fuzzing(tmp_path):
@@ -222,7 +213,7 @@ def test_authentication_metadata_survives_fuzzing(tmp_path):
     try:
         methods = [*REQUESTS, "Stream"]
 
-        @_settings(EXAMPLES * 2, SEED)
+        @fuzzing.stateful_settings(EXAMPLES * 2, SEED)
         @given(st.sampled_from(methods), metadata_sets())
         def run(method: str, meta: tuple[list[tuple[str, Any]], Optional[str]]) -> None:
             h.exercise(method, *meta)
@@ -321,7 +312,7 @@ def test_tls_handshakes_with_bad_certificates_and_bad_bytes_survive_fuzzing(tmp_
         hello = _client_hello()
         sent = 0
 
-        @_settings(EXAMPLES, SEED)
+        @fuzzing.stateful_settings(EXAMPLES, SEED)
         @given(handshake_bytes(hello))
         def run(data: bytes) -> None:
             nonlocal sent

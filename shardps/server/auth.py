@@ -129,11 +129,6 @@ class Tokens:
                 found = grant
         return found
 
-    def role(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> Optional[str]:
-        """The role of the call's bearer token; None when it has none or an unknown one."""
-        grant = self.grant(metadata)
-        return grant.role if grant is not None else None
-
     def check(self, metadata: Optional[Iterable[tuple[str, Any]]], method: str) -> Grant:
         """The caller's grant, if it may call ``method``; raises Unauthenticated / PermissionDenied."""
         grant = self.grant(metadata)

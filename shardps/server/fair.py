@@ -248,21 +248,25 @@ class Callers:
             c = self._callers[caller] = _Caller()
         return c
 
-    def enter(self, caller: str, kind: str, limit: Optional[int], what: str) -> None:
-        """Count one more ``kind`` (calls, streams, waiting) for ``caller``, or refuse it over ``limit``
-        (None: count without a limit)."""
+    def enter(self, kind: str, limits: list[tuple[str, Optional[int]]], what: str) -> list[str]:
+        """Count one more ``kind`` (calls, streams, waiting) for each (caller, limit) of ``limits``, or refuse
+        it over a limit (None: count without one) and count nothing. Returns the callers, for ``exit``."""
         with self._lock:
-            c = self._get(caller)
-            n = getattr(c, kind)
-            if limit is not None and n >= limit:
-                raise ResourceExhausted(f"{what}: {caller} has {n} {kind} open on this shard, its limit")
-            setattr(c, kind, n + 1)
+            for caller, limit in limits:
+                n = getattr(self._get(caller), kind)
+                if limit is not None and n >= limit:
+                    raise ResourceExhausted(f"{what}: {caller} has {n} {kind} open on this shard, its limit")
+            for caller, _ in limits:
+                c = self._callers[caller]
+                setattr(c, kind, getattr(c, kind) + 1)
+        return [caller for caller, _ in limits]
 
-    def exit(self, caller: str, kind: str) -> None:
+    def exit(self, kind: str, callers: list[str]) -> None:
         with self._lock:
-            c = self._callers.get(caller)
-            if c is not None:
-                setattr(c, kind, max(0, getattr(c, kind) - 1))
+            for caller in callers:
+                c = self._callers.get(caller)
+                if c is not None:
+                    setattr(c, kind, max(0, getattr(c, kind) - 1))
 
     def failed(self, caller: str, nbytes: int = 0) -> float:
         """Count a failed call of ``nbytes``; the delay (seconds) its refusal should wait: nothing for the

@@ -63,7 +63,7 @@ def _rpc(method: F) -> F:
             grant = None
             if self.tokens is not None:  # before the request is decoded
                 grant = self._local.grant = self.tokens.check(context.invocation_metadata(), name)
-                self.callers.enter(grant.key, "calls", grant.limits.max_calls, name)
+                self.callers.enter("calls", [(grant.key, grant.limits.max_calls)], name)
             key, weight = (grant.key, grant.limits.weight) if grant else (peer, 1.0)
             try:
                 if gated:
@@ -72,7 +72,7 @@ def _rpc(method: F) -> F:
             finally:
                 fair.release()
                 if grant is not None:
-                    self.callers.exit(grant.key, "calls")
+                    self.callers.exit("calls", [grant.key])
             if gated:
                 self.scheduler.charge(key, weight, 0.0, len(request) + _size(result))
         except Exception as e:  # noqa: BLE001 - every error becomes a status (see _status)
@@ -180,6 +180,14 @@ class ShardServicer(pb_grpc.ShardServicer):
         """Whether this call may create a table or dense tensor (an admin's token, or no tokens at all)."""
         grant: Optional[Grant] = getattr(self._local, "grant", None)
         return self.tokens is None or (grant is not None and grant.role == "admin")
+
+    @staticmethod
+    def _limits(peer: str, grant: Optional[Grant], per_connection: int, token_limit: str) -> list[tuple[str, Optional[int]]]:
+        """The callers a stream or waiting call counts against: its connection, and its token if any."""
+        limits: list[tuple[str, Optional[int]]] = [(peer, per_connection)]
+        if grant is not None:
+            limits.append((grant.key, getattr(grant.limits, token_limit)))
+        return limits
 
     def _slow_refusal(self, connection: str, code: grpc.StatusCode, nbytes: int = 0) -> None:
         """A refusal a well-behaved client rarely gets waits a little when its connection gets many
@@ -342,18 +350,12 @@ class ShardServicer(pb_grpc.ShardServicer):
         """
         peer = context.peer()
         grant: Optional[Grant] = None
-        entered: list[str] = []
         try:
             if self.tokens is not None:  # the stream's token, checked once; each frame's method against its role
                 grant = self.tokens.check(context.invocation_metadata(), "Pull")
-            self.callers.enter(peer, "streams", self.fairness.streams_per_connection, "Stream")
-            entered.append(peer)
-            if grant is not None:
-                self.callers.enter(grant.key, "streams", grant.limits.max_streams, "Stream")
-                entered.append(grant.key)
+            entered = self.callers.enter("streams", self._limits(peer, grant, self.fairness.streams_per_connection,
+                                                                 "max_streams"), "Stream")
         except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED / RESOURCE_EXHAUSTED
-            for key in entered:
-                self.callers.exit(key, "streams")
             code, message, kind = self._status(e, "Stream")
             self._slow_refusal(peer, code)
             context.set_trailing_metadata(((status.KIND_METADATA, kind),))
@@ -375,8 +377,7 @@ class ShardServicer(pb_grpc.ShardServicer):
                 with self._streams_lock:
                     self._streams.discard(context)
         finally:
-            for key in entered:
-                self.callers.exit(key, "streams")
+            self.callers.exit("streams", entered)
 
     def _stream_one(self, request: bytes, role: Optional[str] = None, key: str = "local", weight: float = 1.0,
                     peer: str = "local") -> bytes:
@@ -447,28 +448,21 @@ class ShardServicer(pb_grpc.ShardServicer):
         # A waiting heartbeat holds a handler thread: a few per connection (and per token, where it sets a
         # limit); beyond max_streams waiting in all, a heartbeat answers at once with what there is.
         peer, grant = context.peer(), getattr(self._local, "grant", None) if self.tokens is not None else None
-        entered: list[str] = []
+        entered = self.callers.enter("waiting", self._limits(peer, grant, self.fairness.waiting_per_connection,
+                                                             "max_waiting"), "Heartbeat")
+        with self._streams_lock:
+            if self._waiting >= self.max_streams:
+                wait_s = 0.0
+            self._waiting += 1
         try:
-            self.callers.enter(peer, "waiting", self.fairness.waiting_per_connection, "Heartbeat")
-            entered.append(peer)
-            if grant is not None:
-                self.callers.enter(grant.key, "waiting", grant.limits.max_waiting, "Heartbeat")
-                entered.append(grant.key)
-            with self._streams_lock:
-                if self._waiting >= self.max_streams:
-                    wait_s = 0.0
-                self._waiting += 1
-            try:
-                min_clock, live, gone = self.shard.heartbeat(
-                    request.rank, request.world_size, request.clock, request.leaving, wait, wait_s,
-                    lambda: context.is_active() and not self._stopping,
-                )
-            finally:
-                with self._streams_lock:
-                    self._waiting -= 1
+            min_clock, live, gone = self.shard.heartbeat(
+                request.rank, request.world_size, request.clock, request.leaving, wait, wait_s,
+                lambda: context.is_active() and not self._stopping,
+            )
         finally:
-            for key in entered:
-                self.callers.exit(key, "waiting")
+            with self._streams_lock:
+                self._waiting -= 1
+            self.callers.exit("waiting", entered)
         return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)
 
 
