@@ -1,7 +1,7 @@
 """shardps_client: the PyTorch client of the shardps parameter server."""
 
 from shardps.core.optim import SGD, Adagrad, Adam
-from shardps.core.specs import Initializer, Staleness, SyncPolicy
+from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
 from shardps_client.data import Prefetcher
 from shardps_client.errors import (
@@ -24,7 +24,7 @@ from shardps_client.optim import ShardedOptimizer
 from shardps_client.transport import TLS
 
 __all__ = [
-    "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "SyncPolicy", "SyncStepError",
+    "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
     "TLS", "AuthenticationError", "PermissionDeniedError",

@@ -39,7 +39,9 @@ from shardps.core.memory import tune_malloc
 from shardps.core.optim import SGD, Optimizer
 from shardps.core.routing import name_hash
 from shardps.core.specs import (
+    Admission,
     DenseSpec,
+    Eviction,
     Initializer,
     Staleness,
     SyncPolicy,
@@ -304,19 +306,23 @@ class Client:
         staleness: Optional[Staleness] = None,
         allow_nonfinite: bool = False,
         sync: Optional[SyncPolicy] = None,
+        admission: Optional[Admission] = None,
+        eviction: Optional[Eviction] = None,
     ) -> bool:
         """Create a table on every shard; True if created, False if an equal one existed.
 
         ``num_embeddings=None`` makes an unbounded table (any int64 id). The
         default initializer is normal(0, 1), like ``torch.nn.Embedding``, seeded
-        from the table name. A table of the same name with another spec raises
-        TableExistsError.
+        from the table name. ``admission`` and ``eviction`` bound the table's
+        memory (see ``Admission``, ``Eviction``). A table of the same name with
+        another spec (policies included) raises TableExistsError.
         """
         try:
             spec = TableSpec(
                 name=name, dim=dim, num_embeddings=num_embeddings, optimizer=optimizer or SGD(),
                 initializer=initializer or Initializer(kind="normal", std=1.0, seed=name_hash(name) >> 1),
                 staleness=staleness or Staleness(), allow_nonfinite=allow_nonfinite, sync=sync,
+                admission=admission, eviction=eviction,
             )
         except _ServerInvalidArgument as e:
             raise InvalidArgumentError(str(e)) from None

@@ -158,11 +158,15 @@ class Staleness:
         scaling: "none" (lr), "inverse" (lr / (1 + s)) or "linear" (lr / (1 + alpha * s)).
         alpha: the alpha of "linear", e.g. 0.1.
         max_staleness: reject pushes with s above this (None: never reject).
+        per_row: measure s per row, as the updates that row received since the pull (exact while the
+            shard remembers the pushes since then, see the README), instead of the updates the whole
+            shard received. Scaling and max_staleness then apply row by row.
     """
 
     scaling: str = "none"
     alpha: float = 0.1
     max_staleness: Optional[int] = None
+    per_row: bool = False
 
     def __post_init__(self) -> None:
         if self.scaling not in ("none", "inverse", "linear"):
@@ -178,6 +182,94 @@ class Staleness:
         if self.scaling == "linear":
             return 1.0 / (1.0 + self.alpha * s)
         return 1.0
+
+
+MAX_SKETCH_COUNTERS = 1 << 28
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Which ids of a table get a row (feature admission).
+
+    An id that has no row is counted in a count-min sketch each time a push carries it;
+    it is admitted (its row created, the push's gradient applied) once its count reaches
+    ``min_count``, and then on each push with chance ``admit_probability`` (a draw
+    hashed from (seed, id, count): replay makes the same choice). Until then pulls read
+    its initial value and pushes only count it.
+
+    Args:
+        min_count: pushes an id must appear in before it may get a row (1: the first).
+        admit_probability: chance per push, once counted enough, that the id is admitted.
+        sketch_width: counters per hash row (memory: width x depth x 2 bytes).
+        sketch_depth: hash rows; a count is over-estimated (never under) when all
+            ``depth`` counters of an id are shared with other ids.
+        seed: seed of the sketch's hashes and the admission draws.
+    """
+
+    min_count: int = 1
+    admit_probability: float = 1.0
+    sketch_width: int = 1 << 20
+    sketch_depth: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_count <= 65535:
+            raise InvalidArgument(f"admission min_count must be in [1, 65535], got {self.min_count}")
+        if not (0 < self.admit_probability <= 1):
+            raise InvalidArgument(f"admission admit_probability must be in (0, 1], got {self.admit_probability}")
+        if not 1 <= self.sketch_depth <= 8:
+            raise InvalidArgument(f"admission sketch_depth must be in [1, 8], got {self.sketch_depth}")
+        if not 64 <= self.sketch_width or self.sketch_width * self.sketch_depth > MAX_SKETCH_COUNTERS:
+            raise InvalidArgument(f"admission sketch_width must be >= 64 and width x depth <= {MAX_SKETCH_COUNTERS:,}, "
+                                  f"got {self.sketch_width} x {self.sketch_depth}")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidArgument("admission seed must fit in 64 unsigned bits")
+
+    @property
+    def sketch_bytes(self) -> int:
+        return self.sketch_width * self.sketch_depth * 2
+
+
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Which rows of a table are dropped, with their optimizer state (an id that comes back starts
+    from its initial value and fresh state).
+
+    Args:
+        max_rows: rows per shard; a push that takes the table past it evicts the policy's
+            victims (never rows of that push, unless the push alone is larger).
+        policy: "lru" (least recently pushed) or "lfu" (fewest pushes; ties: least recently).
+        ttl_steps: a row not pushed for this many versions of its shard expires.
+        ttl_seconds: a row not pushed for this many seconds expires.
+        sample: rows sampled per victim, as Redis does (0: the exact victims over all rows,
+            which costs a scan of the table per evicting push).
+
+    An expired row reads as its initial value at once; its memory is reclaimed by the
+    shard's sweep (a bounded slice of the table at a time) or by the next push of its id.
+    """
+
+    max_rows: Optional[int] = None
+    policy: str = "lru"
+    ttl_steps: Optional[int] = None
+    ttl_seconds: Optional[float] = None
+    sample: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_rows is None and self.ttl_steps is None and self.ttl_seconds is None:
+            raise InvalidArgument("eviction needs max_rows, ttl_steps or ttl_seconds")
+        if self.max_rows is not None and not 1 <= self.max_rows < 2**31:
+            raise InvalidArgument(f"eviction max_rows must be in [1, 2^31), got {self.max_rows}")
+        if self.policy not in EVICTION_POLICIES:
+            raise InvalidArgument(f"eviction policy must be one of {EVICTION_POLICIES}, got {self.policy!r}")
+        if self.ttl_steps is not None and not 1 <= self.ttl_steps < 2**62:
+            raise InvalidArgument(f"eviction ttl_steps must be >= 1, got {self.ttl_steps}")
+        if self.ttl_seconds is not None and not (0 < self.ttl_seconds < 2**31 and math.isfinite(self.ttl_seconds)):
+            raise InvalidArgument(f"eviction ttl_seconds must be > 0, got {self.ttl_seconds}")
+        if not (self.sample == 0 or 2 <= self.sample <= 1024):
+            raise InvalidArgument(f"eviction sample must be 0 (exact) or in [2, 1024], got {self.sample}")
 
 
 AGGREGATORS = ("mean", "sum", "median", "trimmed_mean")
@@ -230,6 +322,12 @@ class TableSpec:
         staleness: staleness policy.
         allow_nonfinite: accept NaN/Inf gradients instead of rejecting the push.
         sync: synchronous training policy (None: asynchronous).
+        admission: feature admission (None: every id gets a row on first touch).
+        eviction: TTL and capacity eviction (None: rows stay until the table is dropped).
+
+    A table with admission or eviction is *bounded*: pulls never create rows (an id
+    without a row reads its initial value), and a row's last push (version, time) and
+    push count decide what is evicted.
     """
 
     name: str
@@ -240,6 +338,12 @@ class TableSpec:
     staleness: Staleness = field(default_factory=Staleness)
     allow_nonfinite: bool = False
     sync: Optional[SyncPolicy] = None
+    admission: Optional[Admission] = None
+    eviction: Optional[Eviction] = None
+
+    @property
+    def bounded(self) -> bool:
+        return self.admission is not None or self.eviction is not None
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -350,7 +454,7 @@ def initializer_from_pb(msg: pb.InitializerSpec) -> Initializer:
 
 
 def staleness_to_pb(s: Staleness) -> pb.StalenessPolicy:
-    msg = pb.StalenessPolicy(scaling=_SCALINGS[s.scaling], alpha=s.alpha)
+    msg = pb.StalenessPolicy(scaling=_SCALINGS[s.scaling], alpha=s.alpha, per_row=s.per_row)
     if s.max_staleness is not None:
         msg.max_staleness = s.max_staleness
     return msg
@@ -362,7 +466,42 @@ def staleness_from_pb(msg: pb.StalenessPolicy) -> Staleness:
         raise InvalidArgument(f"unknown staleness scaling {msg.scaling}")
     return Staleness(
         scaling=names[msg.scaling], alpha=msg.alpha,
-        max_staleness=msg.max_staleness if msg.HasField("max_staleness") else None,
+        max_staleness=msg.max_staleness if msg.HasField("max_staleness") else None, per_row=msg.per_row,
+    )
+
+
+def admission_to_pb(a: Admission) -> pb.AdmissionPolicy:
+    return pb.AdmissionPolicy(min_count=a.min_count, admit_probability=a.admit_probability,
+                              sketch_width=a.sketch_width, sketch_depth=a.sketch_depth, seed=a.seed)
+
+
+def admission_from_pb(msg: pb.AdmissionPolicy) -> Admission:
+    return Admission(min_count=msg.min_count, admit_probability=msg.admit_probability,
+                     sketch_width=msg.sketch_width, sketch_depth=msg.sketch_depth, seed=msg.seed)
+
+
+_EVICT_PB = {"lru": pb.EvictionPolicy.LRU, "lfu": pb.EvictionPolicy.LFU}
+
+
+def eviction_to_pb(e: Eviction) -> pb.EvictionPolicy:
+    msg = pb.EvictionPolicy(policy=_EVICT_PB[e.policy], sample=e.sample)
+    if e.max_rows is not None:
+        msg.max_rows = e.max_rows
+    if e.ttl_steps is not None:
+        msg.ttl_steps = e.ttl_steps
+    if e.ttl_seconds is not None:
+        msg.ttl_seconds = e.ttl_seconds
+    return msg
+
+
+def eviction_from_pb(msg: pb.EvictionPolicy) -> Eviction:
+    names = {v: k for k, v in _EVICT_PB.items()}
+    if msg.policy not in names:
+        raise InvalidArgument(f"unknown eviction policy {msg.policy}")
+    return Eviction(
+        max_rows=msg.max_rows if msg.HasField("max_rows") else None, policy=names[msg.policy],
+        ttl_steps=msg.ttl_steps if msg.HasField("ttl_steps") else None,
+        ttl_seconds=msg.ttl_seconds if msg.HasField("ttl_seconds") else None, sample=msg.sample,
     )
 
 
@@ -395,6 +534,10 @@ def table_spec_to_pb(spec: TableSpec) -> pb.TableSpec:
         msg.num_embeddings = spec.num_embeddings
     if spec.sync is not None:
         msg.sync.CopyFrom(sync_to_pb(spec.sync))
+    if spec.admission is not None:
+        msg.admission.CopyFrom(admission_to_pb(spec.admission))
+    if spec.eviction is not None:
+        msg.eviction.CopyFrom(eviction_to_pb(spec.eviction))
     return msg
 
 
@@ -405,6 +548,8 @@ def table_spec_from_pb(msg: pb.TableSpec) -> TableSpec:
         optimizer=optimizer_from_pb(msg.optimizer), initializer=initializer_from_pb(msg.initializer),
         staleness=staleness_from_pb(msg.staleness), allow_nonfinite=msg.allow_nonfinite,
         sync=sync_from_pb(msg.sync) if msg.HasField("sync") else None,
+        admission=admission_from_pb(msg.admission) if msg.HasField("admission") else None,
+        eviction=eviction_from_pb(msg.eviction) if msg.HasField("eviction") else None,
     )
 
 

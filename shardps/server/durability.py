@@ -42,6 +42,8 @@ from shardps.v1 import shardps_pb2 as pb
 
 MODES = ("none", "checkpoint", "log")
 _U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_PER_ROW = 1 << 63  # flag in a push record's staleness word: per-row staleness follows
 
 Record = tuple[int, bytes]  # (kind, payload) as the write-ahead log stores it; kind 0: nothing to store
 
@@ -76,14 +78,31 @@ def record_push(name: str, ids: np.ndarray, grads: np.ndarray, client_id: str = 
     return kind, req.SerializeToString()
 
 
-def with_staleness(record: Record, staleness: int) -> Record:
-    """A push record as the log keeps it: the staleness it was applied with, then the request."""
-    return record[0], _U64.pack(staleness) + record[1]
+def record_evict(name: str, ids: np.ndarray, cause: int) -> Record:
+    """Rows evicted from a table: the cause (u32), the name's length (u32) and the name, then the ids."""
+    raw = name.encode()
+    return wal.EVICT, _U32.pack(cause) + _U32.pack(len(raw)) + raw + np.ascontiguousarray(ids, "<i8").tobytes()
 
 
-def split_staleness(payload: bytes) -> tuple[int, memoryview]:
-    (staleness,) = _U64.unpack_from(payload)
-    return staleness, memoryview(payload)[_U64.size:]
+def with_staleness(record: Record, staleness: int, per_row: Optional[np.ndarray] = None) -> Record:
+    """A push record as the log keeps it: the staleness it was applied with (with per-row staleness:
+    flagged, then the count and one int32 per unique id, in id order), then the request."""
+    if per_row is None:
+        return record[0], _U64.pack(staleness) + record[1]
+    rows = np.ascontiguousarray(per_row, "<i4")
+    return record[0], _U64.pack(staleness | _PER_ROW) + _U32.pack(rows.shape[0]) + rows.tobytes() + record[1]
+
+
+def split_staleness(payload: bytes) -> tuple[int, Optional[np.ndarray], memoryview]:
+    (word,) = _U64.unpack_from(payload)
+    view = memoryview(payload)[_U64.size:]
+    if not word & _PER_ROW:
+        return word, None, view
+    (n,) = _U32.unpack_from(view)
+    per_row = np.frombuffer(view[_U32.size:_U32.size + 4 * n], "<i4").astype(np.int64)
+    if per_row.shape[0] != n:
+        raise ValueError("push record cut short in its per-row staleness")
+    return word & ~_PER_ROW, per_row, view[_U32.size + 4 * n:]
 
 
 @dataclass(frozen=True)
@@ -108,9 +127,17 @@ class Push:
     push: wire.DecodedPush  # read by the live path's own decoder: replay sees exactly what was acknowledged
     staleness: int
     dense: bool
+    per_row: Optional[np.ndarray] = None  # per-row staleness, one per unique id in id order
 
 
-Change = Union[CreateTable, RegisterDense, Drop, Push]
+@dataclass(frozen=True)
+class Evict:
+    name: str
+    ids: np.ndarray
+    cause: int
+
+
+Change = Union[CreateTable, RegisterDense, Drop, Push, Evict]
 
 
 def read_record(kind: int, payload: bytes) -> Change:
@@ -124,9 +151,14 @@ def read_record(kind: int, payload: bytes) -> Change:
     if kind == wal.DROP:
         return Drop(payload.decode())
     if kind in (wal.PUSH, wal.PUSH_DENSE):
-        staleness, body = split_staleness(payload)
+        staleness, per_row, body = split_staleness(payload)
         dense = kind == wal.PUSH_DENSE
-        return Push(wire.decode_push(body, dense=dense), staleness, dense)
+        return Push(wire.decode_push(body, dense=dense), staleness, dense, per_row)
+    if kind == wal.EVICT:
+        cause, n = _U32.unpack_from(payload), _U32.unpack_from(payload, 4)[0]
+        name = bytes(payload[8:8 + n]).decode()
+        ids = np.frombuffer(payload[8 + n:], "<i8").astype(np.int64)
+        return Evict(name, ids, cause[0])
     raise ValueError(f"unknown write-ahead log record kind {kind}")
 
 

@@ -29,6 +29,7 @@ from shardps.server.shard import Shard, ShardConfig
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "shardps.v1.Shard"
+SWEEP_INTERVAL_S = 1.0
 IDLE_TRIM_S = 1.0  # a shard quiet this long after traffic returns its free heap pages to the OS
 
 
@@ -120,6 +121,7 @@ class ShardServer:
         self._stopped = threading.Event()
         self._ckpt_thread: Optional[threading.Thread] = None
         self._trim_thread = threading.Thread(target=self._trim_when_idle, name="trimmer", daemon=True)
+        self._sweep_thread = threading.Thread(target=self._sweep_loop, name="sweeper", daemon=True)
         self._started = False
 
     @property
@@ -143,6 +145,7 @@ class ShardServer:
             self._ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="checkpointer", daemon=True)
             self._ckpt_thread.start()
         self._trim_thread.start()
+        self._sweep_thread.start()
         log.info("shard %d of %d serving on %s", self.shard.index, self.shard.num_shards, self.address)
         return self
 
@@ -152,6 +155,15 @@ class ShardServer:
                 self.shard.checkpoint()
             except Exception:
                 log.exception("periodic checkpoint failed")
+
+    def _sweep_loop(self) -> None:
+        """Reclaim the memory of expired rows (TTL eviction), a slice of each table per second; the rows
+        already read as their initial value, so this only frees memory."""
+        while not self._stop.wait(SWEEP_INTERVAL_S):
+            try:
+                self.shard.sweep()
+            except Exception:
+                log.exception("eviction sweep failed")
 
     def _trim_when_idle(self) -> None:
         """Message buffers stay in the heap while traffic flows (``tune_malloc``); once calls

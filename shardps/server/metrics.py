@@ -22,7 +22,9 @@ Counters and histograms (all prefixed ``shardps_``):
   step; ``sync_missing_workers_total``: workers a step went on without (gone, dropped from it).
 
 Read at each scrape: ``version``, ``uptime_seconds``, ``table_rows{table}`` and
-``table_bytes{table}`` (stored rows and bytes of memory), ``live_workers``, ``gone_workers``.
+``table_bytes{table}`` (stored rows and bytes of memory), ``live_workers``, ``gone_workers``; for bounded
+tables ``table_admitted_total{table}``, ``table_rejected_total{table}`` (pushed rows of ids not admitted),
+``table_evicted_total{table,cause}`` (cause: ttl, capacity) and ``table_sketch_bytes{table}``.
 """
 
 from __future__ import annotations
@@ -190,7 +192,7 @@ class _ShardCollector:
         return []  # gauges made at collect time; nothing to check at registration
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         info = self.shard.info()
         yield GaugeMetricFamily("shardps_version", "Pushes applied since the shard's state began", value=info.version)
@@ -199,11 +201,23 @@ class _ShardCollector:
         rows = GaugeMetricFamily("shardps_table_rows", "Rows stored, by table", labels=["table"])
         nbytes = GaugeMetricFamily("shardps_table_bytes", "Memory of a table (rows, optimizer state, index)",
                                    labels=["table"])
+        admitted = CounterMetricFamily("shardps_table_admitted", "Rows admitted by a push since start", labels=["table"])
+        rejected = CounterMetricFamily("shardps_table_rejected", "Pushed rows of ids not (yet) admitted since start",
+                                       labels=["table"])
+        evicted = CounterMetricFamily("shardps_table_evicted", "Rows evicted since start, by cause",
+                                      labels=["table", "cause"])
+        sketch = GaugeMetricFamily("shardps_table_sketch_bytes", "Memory of a table's admission sketch",
+                                   labels=["table"])
         for t in info.tables:
             rows.add_metric([t.spec.name], t.num_rows)
             nbytes.add_metric([t.spec.name], t.bytes)
-        yield rows
-        yield nbytes
+            if getattr(t.spec, "bounded", False):
+                admitted.add_metric([t.spec.name], t.admitted)
+                rejected.add_metric([t.spec.name], t.rejected)
+                evicted.add_metric([t.spec.name, "ttl"], t.evicted_ttl)
+                evicted.add_metric([t.spec.name, "capacity"], t.evicted_capacity)
+                sketch.add_metric([t.spec.name], t.sketch_bytes)
+        yield from (rows, nbytes, admitted, rejected, evicted, sketch)
         _, live, gone = self.shard.membership.status()
         yield GaugeMetricFamily("shardps_live_workers", "Training workers heard from recently", value=len(live))
         yield GaugeMetricFamily("shardps_gone_workers", "Workers silent for longer than --worker-timeout",

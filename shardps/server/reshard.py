@@ -1,8 +1,8 @@
 """Turn the data of an N-shard cluster into that of an M-shard cluster.
 
 Each old shard is restored exactly as on start (newest valid checkpoint plus
-its write-ahead log), then every row of every table, with its optimizer state
-and step count, is routed to the shard that owns it under M shards, and one
+its write-ahead log), then every row of every table, with its optimizer state,
+step count and metadata (last push, pushes), is routed to the shard that owns it under M shards, and one
 checkpoint per new shard is written. Nothing is lost or duplicated: the row
 counts are checked before anything is written.
 """
@@ -26,6 +26,7 @@ from shardps.server.shard import Shard, ShardConfig
 log = logging.getLogger(__name__)
 
 _SHARD_DIR = re.compile(r"^shard-(\d+)$")
+TABLE_WIDE = "table."  # snapshot keys of a table as a whole (not one entry per row)
 
 
 def shard_dirs(root: pathlib.Path) -> list[pathlib.Path]:
@@ -66,6 +67,7 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
             if prev["spec"] != entry["spec"] or prev["dense"] != entry["dense"]:
                 raise ValueError(f"table {entry['name']!r} has different specs on different shards")
     names = sorted(specs)
+    version = max(int(m["version"]) for m, _ in snapshots)
     merged: dict[str, dict[str, np.ndarray]] = {}
     for name in names:
         parts: dict[str, list[np.ndarray]] = {}
@@ -76,12 +78,16 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
             prefix = f"t{idx}."
             for key, arr in arrays.items():
                 if key.startswith(prefix):
+                    if key.endswith(".meta.last_version"):  # keep "versions since the last push" (TTL) per row
+                        arr = np.where(arr > 0, arr + (version - int(meta["version"])), 0)
                     parts.setdefault(key[len(prefix):], []).append(arr)
-        merged[name] = {k: np.concatenate(v) for k, v in parts.items()}
+        # Per-row arrays are concatenated; a table's own arrays (its admission sketch) are merged by their
+        # element-wise maximum: every count stays at least what any old shard had (over-counts admit early).
+        merged[name] = {k: (np.maximum.reduce(v) if k.startswith(TABLE_WIDE) else np.concatenate(v))
+                        for k, v in parts.items()}
         ids = merged[name]["ids"]
         if unique_ids(ids).shape[0] != ids.shape[0]:
             raise ValueError(f"table {name!r}: an id is held by more than one old shard; refusing to reshard")
-    version = max(int(m["version"]) for m, _ in snapshots)
     stamp = time.strftime("reshard-%Y%m%d-%H%M%S")
     summary: dict[str, Any] = {"from_shards": old_n, "to_shards": num_shards, "tables": {}}
     for name in names:
@@ -103,7 +109,7 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
             else:
                 mine = shard_of_ids(ids, num_shards) == j
             for key, arr in merged[name].items():
-                arrays_j[f"t{i}.{key}"] = arr[mine]
+                arrays_j[f"t{i}.{key}"] = arr if key.startswith(TABLE_WIDE) else arr[mine]
             summary["tables"][name]["per_shard"][j] = int(mine.sum())
         d = dst / f"shard-{j}"
         d.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,9 @@ def _push_response(r: PushResult) -> pb.PushResponse:
 
 def _table_info(info: TableInfo) -> pb.TableInfo:
     out = pb.TableInfo(num_rows=info.num_rows, bytes=info.bytes, bytes_per_row=info.bytes_per_row,
-                       payload_bytes=info.payload_bytes)
+                       payload_bytes=info.payload_bytes, admitted=info.admitted, rejected=info.rejected,
+                       evicted_ttl=info.evicted_ttl, evicted_capacity=info.evicted_capacity,
+                       sketch_bytes=info.sketch_bytes)
     if isinstance(info.spec, DenseSpec):
         out.dense.CopyFrom(dense_spec_to_pb(info.spec))
     else:

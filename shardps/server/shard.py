@@ -120,6 +120,11 @@ class TableInfo:
     num_rows: int
     bytes: int
     payload_bytes: int
+    admitted: int = 0
+    rejected: int = 0
+    evicted_ttl: int = 0
+    evicted_capacity: int = 0
+    sketch_bytes: int = 0
 
     @property
     def bytes_per_row(self) -> float:
@@ -270,8 +275,11 @@ class Shard:
     @staticmethod
     def _info(t: Table) -> TableInfo:
         with t.lock:
-            n, nbytes = t.n, t.nbytes()
-        return TableInfo(spec=t.spec, num_rows=n, bytes=nbytes, payload_bytes=n * t.dim * 4)
+            n, nbytes, c = t.n, t.nbytes(), t.counts
+            return TableInfo(spec=t.spec, num_rows=n, bytes=nbytes, payload_bytes=n * t.dim * 4,
+                             admitted=c.admitted, rejected=c.rejected, evicted_ttl=c.evicted_ttl,
+                             evicted_capacity=c.evicted_capacity,
+                             sketch_bytes=t.sketch.nbytes if t.sketch is not None else 0)
 
     def pull(self, name: str, ids: np.ndarray, itemsize: int = 4) -> tuple[np.ndarray, int]:
         """Rows of ``ids`` and the version they were read at (``itemsize``: bytes per value on the wire)."""
@@ -565,6 +573,11 @@ class Shard:
             self.register_dense(change.spec, change.row_start, change.values)
         elif isinstance(change, dur.Drop):
             self.drop(change.name)
+        elif isinstance(change, dur.Evict):
+            found = self.registry.find(change.name)
+            if found is None:
+                raise NotFound(f"log record evicts from unknown table {change.name!r}")
+            self.updates.evict(found, change.ids, change.cause)
         else:
             d = change.push
             assert d.grads is not None
@@ -581,7 +594,7 @@ class Shard:
                 t.check_grads(ids, d.grads)
             if d.client_id:  # remembered, not counted: the snapshot may already hold it
                 self.updates.seen.begin(d.client_id, d.seq)
-            self.updates.apply(t, ids, d.grads, replayed_staleness=change.staleness)
+            self.updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row)
 
     def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""
@@ -599,3 +612,11 @@ class Shard:
                 t.load({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
             self.updates.version = int(meta["version"])
             self.updates.seen.load_json(meta.get("seen", {}))
+            for t in self.registry.tables():
+                t.restart_history(self.updates.version)
+
+    def sweep(self, max_slots: int = 65536) -> int:
+        """Reclaim expired rows: one slice of at most ``max_slots`` rows of each table with a TTL (the
+        shard's sweeper calls this about once a second). How many rows were evicted."""
+        return sum(self.updates.sweep(t, max_slots) for t in self.registry.tables()
+                   if t.eviction is not None and (t.eviction.ttl_steps or t.eviction.ttl_seconds))

@@ -46,12 +46,16 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
         tables = []
         for t in info.tables:
             spec = dense_spec_from_pb(t.dense) if t.HasField("dense") else table_spec_from_pb(t.spec)
-            tables.append({
+            entry = {
                 "name": spec.name, "kind": "dense" if t.HasField("dense") else "table",
                 "rows": t.num_rows, "bytes": t.bytes, "bytes_per_row": round(t.bytes_per_row, 1),
                 "payload_bytes": t.payload_bytes, "optimizer": optimizer_to_dict(spec.optimizer)["type"],
                 "mode": "sync" if spec.sync is not None else "async",
-            })
+            }
+            if getattr(spec, "bounded", False):
+                entry.update(admitted=t.admitted, rejected=t.rejected, evicted_ttl=t.evicted_ttl,
+                             evicted_capacity=t.evicted_capacity, sketch_bytes=t.sketch_bytes)
+            tables.append(entry)
         out.append({
             "address": a, "shard_index": info.shard_index, "num_shards": info.num_shards, "version": info.version,
             "uptime_s": round(info.uptime_s, 1), "durability": info.durability, "last_checkpoint": info.last_checkpoint,
@@ -89,6 +93,11 @@ def render(rows: list[dict[str, Any]]) -> str:
                 f"{'':>5}   {t['kind']} {t['name']:<24} rows {_si(t['rows']):>7}  bytes {_si(t['bytes']):>7}B "
                 f"({t['bytes_per_row']} B/row)  {t['optimizer']} {t['mode']}"
             )
+            if "admitted" in t:
+                lines.append(
+                    f"{'':>5}     admitted {_si(t['admitted'])}  rejected {_si(t['rejected'])}  evicted ttl "
+                    f"{_si(t['evicted_ttl'])} capacity {_si(t['evicted_capacity'])}  sketch {_si(t['sketch_bytes'])}B"
+                )
     total_rows = sum(t["rows"] for r in rows for t in r["tables"])
     total_bytes = sum(t["bytes"] for r in rows for t in r["tables"])
     lines.append(f"total: {len(rows)} shards, {_si(total_rows)} rows, {_si(total_bytes)}B")

@@ -17,8 +17,10 @@ from typing import Optional
 import numpy as np
 
 from shardps.core.errors import StaleUpdate, SyncStepFailed, Unavailable
+from shardps.core.ids import coalesce
 from shardps.server import fair
-from shardps.server.durability import Durability, Record, with_staleness
+from shardps.server.bounded import CAUSE_CAPACITY, CAUSE_TTL
+from shardps.server.durability import Durability, Record, record_evict, with_staleness
 from shardps.server.gate import CheckpointGate
 from shardps.server.metrics import NO_METRICS, NullMetrics
 from shardps.server.table import Table
@@ -158,24 +160,41 @@ class UpdatePath:
             self.seen.abort(client_id, seq)
 
     def apply(self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int] = None,
-              record: Record = (0, b""), replayed_staleness: Optional[int] = None) -> tuple[int, int]:
-        """Apply one update; returns (version after it, staleness).
+              record: Record = (0, b""), replayed_staleness: Optional[int] = None,
+              replayed_per_row: Optional[np.ndarray] = None) -> tuple[int, int]:
+        """Apply one update; returns (version after it, staleness: the largest row's, with per-row staleness).
 
         Live updates pass ``pulled_version`` (staleness is measured against it and
         bounded by the table's ``max_staleness``) and their ``record``, which is
-        appended for durability and waited on before returning. Replay passes the
-        staleness the log recorded instead, and no record.
+        appended for durability and waited on before returning, after the records of
+        the evictions it caused. Replay passes the staleness the log recorded instead
+        (and the per-row staleness, if any), and no record; it evicts nothing by itself
+        (the log holds the evictions).
         """
         replaying = replayed_staleness is not None
+        uniq, summed = coalesce(ids, grads) if ids.size else (ids, grads)
         while True:
             with t.lock:
                 if replaying or self.gate.is_open:
-                    staleness = self._staleness(t, pulled_version, replayed_staleness)
-                    rows = t.apply(ids, grads, t.spec.staleness.lr_scale(staleness)) if ids.size else 0
+                    staleness, per_row = self._staleness(t, uniq, pulled_version, replayed_staleness, replayed_per_row)
+                    with self._vlock:
+                        stamp = self.version + 1
+                    policy = t.spec.staleness
+                    scales = None
+                    if per_row is not None:  # one scale per distinct staleness (few), spread over the rows
+                        distinct, which = np.unique(per_row, return_inverse=True)
+                        scales = np.array([policy.lr_scale(s) for s in distinct.tolist()])[which]
+                    done = t.apply(uniq, summed, policy.lr_scale(staleness), scales, stamp - 1, stamp,
+                                   evict=not replaying)
                     with self._vlock:
                         self.version += 1
                         version = self.version
-                    ticket = self.durability.append(with_staleness(record, staleness)) if record[0] else 0
+                    name = t.spec.name
+                    if done.expired.size:
+                        self.durability.append(record_evict(name, done.expired, CAUSE_TTL))
+                    ticket = self.durability.append(with_staleness(record, staleness, per_row)) if record[0] else 0
+                    if done.over_capacity.size:
+                        ticket = self.durability.append(record_evict(name, done.over_capacity, CAUSE_CAPACITY)) or ticket
                     break
             # A two-phase checkpoint is prepared: wait for it (bounded) outside the lock.
             fair.leave_slot()
@@ -183,26 +202,51 @@ class UpdatePath:
                 raise Unavailable(f"shard {self.shard_index}: pushes held back by a checkpoint for too long")
         self.durability.wait(ticket)
         if not replaying:
-            self.stats.pushed(rows, staleness)
-            self.metrics.pushed(t.spec.name, rows, t.dim * 4, staleness)
+            self.stats.pushed(done.rows, staleness)
+            self.metrics.pushed(t.spec.name, done.rows, t.dim * 4, staleness)
         return version, staleness
 
-    def _staleness(self, t: Table, pulled_version: Optional[int], replayed: Optional[int]) -> int:
+    def evict(self, t: Table, ids: np.ndarray, cause: int) -> None:
+        """Replay of a logged eviction (ids already gone are skipped)."""
+        with t.lock:
+            present = ids[t.index.lookup(ids) >= 0]
+            t.remove(np.unique(present), cause)
+
+    def sweep(self, t: Table, max_slots: int) -> int:
+        """Evict the expired rows of the next slice of ``t`` (logged); how many."""
+        with t.lock:
+            if not self.gate.is_open:  # a checkpoint is being taken: next time
+                return 0
+            gone = t.sweep(self.version, max_slots)
+            if gone.size:
+                self.durability.append(record_evict(t.spec.name, gone, CAUSE_TTL))
+        return int(gone.size)
+
+    def _staleness(self, t: Table, uniq: np.ndarray, pulled_version: Optional[int], replayed: Optional[int],
+                   replayed_per_row: Optional[np.ndarray]) -> tuple[int, Optional[np.ndarray]]:
+        """(staleness, per-row staleness or None) of a push of the unique ids ``uniq``. Caller holds t.lock."""
         if replayed is not None:
-            return replayed
+            return replayed, replayed_per_row
+        policy = t.spec.staleness
         staleness = max(0, self.version - pulled_version) if pulled_version is not None else 0
-        limit = t.spec.staleness.max_staleness
+        per_row = None
+        if policy.per_row and t.history is not None and uniq.size:
+            per_row = t.row_staleness(uniq, pulled_version, self.version) if pulled_version is not None \
+                else np.zeros(uniq.shape[0], np.int64)
+            staleness = int(per_row.max())
+        limit = policy.max_staleness
         if limit is not None and staleness > limit:
             self.stats.count("stale_rejected")
-            raise StaleUpdate(f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
+            what = "a row of the push was updated" if per_row is not None else "push is"
+            raise StaleUpdate(f"{t.spec.name}: {what} {staleness} versions stale, more than max_staleness "
                               f"{limit}; pull again and recompute")
-        return staleness
+        return staleness, per_row
 
     def read(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of validated ``ids`` of ``t`` (absent ones created) and the version they were read at."""
         with t.lock:
-            rows = t.read(ids)
             version = self.version
+            rows = t.read(ids, version)
         self.stats.pulled(ids.shape[0])
         self.metrics.pulled(t.spec.name, ids.shape[0], t.dim * 4)
         return rows, version

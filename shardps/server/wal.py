@@ -28,9 +28,9 @@ from typing import BinaryIO, Callable, Iterator, Optional
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIB")
-CREATE_TABLE, REGISTER_DENSE, PUSH, PUSH_DENSE, DROP = 1, 2, 3, 4, 5
+CREATE_TABLE, REGISTER_DENSE, PUSH, PUSH_DENSE, DROP, EVICT = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {CREATE_TABLE: "create table", REGISTER_DENSE: "register dense", PUSH: "push", PUSH_DENSE: "dense push",
-              DROP: "drop"}
+              DROP: "drop", EVICT: "evict"}
 
 
 def segment_path(data_dir: pathlib.Path, segment: int) -> pathlib.Path:

@@ -113,7 +113,7 @@ class InitializerSpec(_message.Message):
     def __init__(self, kind: _Optional[_Union[InitializerSpec.Kind, str]] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., a: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class StalenessPolicy(_message.Message):
-    __slots__ = ("scaling", "alpha", "max_staleness")
+    __slots__ = ("scaling", "alpha", "max_staleness", "per_row")
     class Scaling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         NONE: _ClassVar[StalenessPolicy.Scaling]
@@ -125,10 +125,46 @@ class StalenessPolicy(_message.Message):
     SCALING_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    PER_ROW_FIELD_NUMBER: _ClassVar[int]
     scaling: StalenessPolicy.Scaling
     alpha: float
     max_staleness: int
-    def __init__(self, scaling: _Optional[_Union[StalenessPolicy.Scaling, str]] = ..., alpha: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    per_row: bool
+    def __init__(self, scaling: _Optional[_Union[StalenessPolicy.Scaling, str]] = ..., alpha: _Optional[float] = ..., max_staleness: _Optional[int] = ..., per_row: _Optional[bool] = ...) -> None: ...
+
+class AdmissionPolicy(_message.Message):
+    __slots__ = ("min_count", "admit_probability", "sketch_width", "sketch_depth", "seed")
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    min_count: int
+    admit_probability: float
+    sketch_width: int
+    sketch_depth: int
+    seed: int
+    def __init__(self, min_count: _Optional[int] = ..., admit_probability: _Optional[float] = ..., sketch_width: _Optional[int] = ..., sketch_depth: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class EvictionPolicy(_message.Message):
+    __slots__ = ("max_rows", "policy", "ttl_steps", "ttl_seconds", "sample")
+    class Policy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        LRU: _ClassVar[EvictionPolicy.Policy]
+        LFU: _ClassVar[EvictionPolicy.Policy]
+    LRU: EvictionPolicy.Policy
+    LFU: EvictionPolicy.Policy
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    max_rows: int
+    policy: EvictionPolicy.Policy
+    ttl_steps: int
+    ttl_seconds: float
+    sample: int
+    def __init__(self, max_rows: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy.Policy, str]] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class SyncPolicy(_message.Message):
     __slots__ = ("workers", "aggregator", "trim_fraction", "timeout_s", "on_timeout")
@@ -175,7 +211,7 @@ class SyncPart(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_embeddings", "dim", "optimizer", "initializer", "staleness", "allow_nonfinite", "sync")
+    __slots__ = ("name", "num_embeddings", "dim", "optimizer", "initializer", "staleness", "allow_nonfinite", "sync", "admission", "eviction")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +220,8 @@ class TableSpec(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_embeddings: int
     dim: int
@@ -192,7 +230,9 @@ class TableSpec(_message.Message):
     staleness: StalenessPolicy
     allow_nonfinite: bool
     sync: SyncPolicy
-    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., sync: _Optional[_Union[SyncPolicy, _Mapping]] = ...) -> None: ...
+    admission: AdmissionPolicy
+    eviction: EvictionPolicy
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., sync: _Optional[_Union[SyncPolicy, _Mapping]] = ..., admission: _Optional[_Union[AdmissionPolicy, _Mapping]] = ..., eviction: _Optional[_Union[EvictionPolicy, _Mapping]] = ...) -> None: ...
 
 class DenseSpec(_message.Message):
     __slots__ = ("name", "shape", "optimizer", "staleness", "chunk_rows", "allow_nonfinite", "sync")
@@ -233,20 +273,30 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("spec", "dense", "num_rows", "bytes", "bytes_per_row", "payload_bytes")
+    __slots__ = ("spec", "dense", "num_rows", "bytes", "bytes_per_row", "payload_bytes", "admitted", "rejected", "evicted_ttl", "evicted_capacity", "sketch_bytes")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TTL_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     dense: DenseSpec
     num_rows: int
     bytes: int
     bytes_per_row: float
     payload_bytes: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., num_rows: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    admitted: int
+    rejected: int
+    evicted_ttl: int
+    evicted_capacity: int
+    sketch_bytes: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., num_rows: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., evicted_ttl: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., sketch_bytes: _Optional[int] = ...) -> None: ...
 
 class DropTableRequest(_message.Message):
     __slots__ = ("name",)

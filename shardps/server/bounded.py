@@ -1,0 +1,163 @@
+"""What bounded tables need besides rows: the admission sketch, the push history of per-row
+staleness, and the choice of eviction victims.
+
+All three are deterministic functions of the pushes a table received (no clock, no
+global random state), so a log replay makes the same admission choices; evictions,
+which may depend on the clock (``ttl_seconds``), are logged instead of re-decided.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from shardps.core.routing import mix64
+from shardps.core.specs import Admission, Eviction
+
+_U16_MAX = 65535
+_DRAW_SEED = np.uint64(0x5DEECE66D1234567)
+_SAMPLE_SEED = np.uint64(0x9E3779B97F4A7C15)
+# Evictions are logged with their cause.
+CAUSE_TTL, CAUSE_CAPACITY = 1, 2
+CAUSE_NAMES = {CAUSE_TTL: "ttl", CAUSE_CAPACITY: "capacity"}
+
+
+class CountMinSketch:
+    """Counts of ids in ``depth`` rows of ``width`` uint16 counters (saturating at 65,535).
+
+    An id's count is the smallest of its ``depth`` counters: never below the truth, and
+    above it only when every one of them is shared with other ids. After
+    ``AGE_EVERY x width`` additions every counter is halved (TinyLFU's reset), so the
+    sketch keeps describing recent traffic and does not fill up under an endless stream.
+    """
+
+    AGE_EVERY = 10
+
+    def __init__(self, spec: Admission) -> None:
+        self.width, self.depth = spec.sketch_width, spec.sketch_depth
+        self.counters = np.zeros((self.depth, self.width), np.uint16)
+        base = np.uint64(spec.seed)
+        self._seeds = [mix64(np.array([r], np.uint64), base)[0] for r in range(self.depth)]
+        self.added = 0  # additions since the last halving
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.counters.nbytes)
+
+    def _columns(self, ids: np.ndarray) -> list[np.ndarray]:
+        w = np.uint64(self.width)
+        return [(mix64(ids, seed) % w).astype(np.int64) for seed in self._seeds]
+
+    def add(self, ids: np.ndarray) -> np.ndarray:
+        """Count each of the unique ``ids`` once; returns their counts after it."""
+        cols = self._columns(ids)
+        est = np.full(ids.shape[0], _U16_MAX, np.int64)
+        for r, c in enumerate(cols):
+            row = self.counters[r]
+            uniq, times = np.unique(c, return_counts=True)
+            row[uniq] = np.minimum(row[uniq].astype(np.int64) + times, _U16_MAX).astype(np.uint16)
+            np.minimum(est, row[c], out=est)
+        self.added += ids.shape[0]
+        if self.added >= self.AGE_EVERY * self.width:
+            self.counters >>= 1
+            self.added = 0
+        return est
+
+    def estimate(self, ids: np.ndarray) -> np.ndarray:
+        est = np.full(ids.shape[0], _U16_MAX, np.int64)
+        for r, c in enumerate(self._columns(ids)):
+            np.minimum(est, self.counters[r][c], out=est)
+        return est
+
+    def admitted(self, ids: np.ndarray, spec: Admission) -> np.ndarray:
+        """Count ``ids`` (unique, without rows) once more; which of them are admitted now."""
+        counts = self.add(ids)
+        ok = counts >= spec.min_count
+        if spec.admit_probability < 1.0 and ok.any():
+            with np.errstate(over="ignore"):
+                words = mix64(ids.astype(np.uint64) ^ (counts.astype(np.uint64) << np.uint64(48)),
+                              _DRAW_SEED ^ np.uint64(spec.seed))
+            u = (words >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+            ok &= u < spec.admit_probability
+        return ok
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"sketch": self.counters.copy(), "sketch_added": np.array([self.added], np.int64)}
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        sketch = arrays.get("sketch")
+        if sketch is not None and sketch.shape == self.counters.shape:
+            self.counters[...] = sketch
+            self.added = int(arrays["sketch_added"][0])
+
+
+class PushHistory:
+    """The ids of a table's recent pushes by version, for per-row staleness: the staleness of
+    row r for a push that pulled at version P is the number of remembered pushes after P
+    that carried r.
+
+    At most ``max_ids`` ids are remembered; ``forgot`` is the newest version no longer
+    remembered (the version the shard started at, after a restart). A push whose pull is
+    older than that cannot be measured exactly: its rows updated since then count with the
+    shard's staleness, an upper bound.
+    """
+
+    def __init__(self, start_version: int = 0, max_ids: int = 1 << 20) -> None:
+        self._pushes: deque[tuple[int, np.ndarray]] = deque()
+        self._ids = 0
+        self.max_ids = max_ids
+        self.forgot = start_version
+
+    def add(self, version: int, ids: np.ndarray) -> None:
+        """Remember that the push of ``version`` updated the sorted unique ``ids``."""
+        self._pushes.append((version, ids.copy()))
+        self._ids += ids.shape[0]
+        while self._ids > self.max_ids and len(self._pushes) > 1:
+            v, old = self._pushes.popleft()
+            self._ids -= old.shape[0]
+            self.forgot = v
+
+    def since(self, pulled: int, ids: np.ndarray) -> Optional[np.ndarray]:
+        """Pushes after version ``pulled`` that carried each of the sorted unique ``ids``; None when
+        some of those pushes are forgotten."""
+        if pulled < self.forgot:
+            return None
+        counts = np.zeros(ids.shape[0], np.int64)
+        for version, carried in reversed(self._pushes):
+            if version <= pulled:
+                break
+            pos = np.searchsorted(carried, ids)
+            pos[pos == carried.shape[0]] = 0
+            counts += carried[pos] == ids
+        return counts
+
+
+def choose_victims(spec: Eviction, n: int, count: int, ids: np.ndarray, last_version: np.ndarray,
+                   touches: np.ndarray, protected_version: int, salt: int) -> np.ndarray:
+    """Slots of ``count`` rows to evict from the ``n`` rows, by the spec's policy.
+
+    Rows pushed at ``protected_version`` (the push being applied) are chosen only when
+    nothing else is left. ``sample`` 0: the exact victims (policy order, ties broken by
+    id), else the best of ``sample x count`` slots drawn with a hash of ``salt``.
+    """
+    if count <= 0:
+        return np.zeros(0, np.int64)
+    if count >= n:
+        return np.arange(n, dtype=np.int64)
+    if spec.sample == 0 or spec.sample * count >= n:
+        cand = np.arange(n, dtype=np.int64)
+    else:
+        draws = np.arange(spec.sample * count, dtype=np.uint64) + np.uint64(salt) * np.uint64(1 << 32)
+        cand = np.unique((mix64(draws, _SAMPLE_SEED) % np.uint64(n)).astype(np.int64))
+        fresh = last_version[cand] != protected_version
+        if int(fresh.sum()) < count:  # too few old rows drawn (a small table): choose among all
+            cand = np.arange(n, dtype=np.int64)
+    lv = last_version[cand]
+    protected = (lv == protected_version).astype(np.int8)
+    if spec.policy == "lfu":
+        order = np.lexsort((ids[cand], lv, touches[cand], protected))
+    else:
+        order = np.lexsort((ids[cand], lv, protected))
+    return cand[order[:count]]
