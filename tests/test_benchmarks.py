@@ -20,6 +20,7 @@ pytest.importorskip("matplotlib")
     ("bench_durability.py", "durability", []),
     ("bench_e2e.py", "e2e", ["--cache-steps", "4"]),
     ("bench_transport.py", "transport", []),
+    ("bench_bounded.py", "bounded", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, extra):
     if name == "transport":
@@ -44,6 +45,13 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
         assert set(std) == {"grpc stream", "flight"} and std["grpc stream"]["x_grpc"] == 1.0
         assert all(r["rows_per_s"] > 0 and r["server_cpu_s_per_m_rows"] > 0 for r in std.values())
         assert all(r["same_rows"] for r in std.values())  # Flight's pulls read what gRPC's read
+    if name == "bounded":  # memory, quality and cost parts, each against its baseline of the same run
+        parts = {p: [r for r in data["results"] if r["part"] == p] for p in ("memory", "quality", "cost")}
+        assert [r["table"] for r in parts["memory"]] == ["unbounded", "max_rows", "admission + max_rows"]
+        assert all(r["rows_end"] <= data["meta"]["args"]["max_rows"] for r in parts["memory"][1:])
+        assert parts["quality"][0]["trainer"] == "local torch.optim" and parts["quality"][0]["x_local_auc"] == 1.0
+        assert parts["cost"][0]["table"] == "unbounded" and parts["cost"][0]["x_unbounded"] == 1.0
+        assert data["meta"]["sweep"]["max_ms"] > 0
     if name == "e2e":  # local baseline first, then 1 and 2 workers through the shards, each with its ratio
         local, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0

@@ -372,3 +372,73 @@ def test_sketch_false_admission_rate_is_low_for_its_size():
     slipped = float((sketch.estimate(once + 1) >= 1).mean())  # other ids: how often all 4 counters are taken
     assert slipped < 0.01
     assert (sketch.estimate(once) >= 1).all()  # never under-counts
+
+
+def test_synchronous_steps_evict_like_single_pushes_and_replay(tmp_path):
+    """Two synchronous workers: each step's combined update (the mean, rows a worker did not push counting
+    as zeros) is one push to the model; capacity eviction follows it, and the log replays it."""
+    from shardps_client import SyncPolicy
+
+    eviction = Eviction(max_rows=8, sample=0)
+    ref = Reference(None, eviction)
+    steps = workload(12, seed=2)
+    config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="log")
+    server = ShardServer(config).start()
+    try:
+        with Client([server.address]) as c:
+            c.create_table("emb", DIM, optimizer=SGD(lr=LR), initializer=INIT, eviction=eviction,
+                           sync=SyncPolicy(workers=2))
+        halves = [[(ids[r::2], grads[r::2]) for r in range(2)] for ids, grads in steps]
+
+        def body(c: Client, rank: int) -> None:
+            for step in range(len(steps)):
+                ids, grads = halves[step][rank]
+                c.push("emb", torch.tensor(ids), torch.from_numpy(grads))
+                c.flush()
+
+        errors: list = []
+
+        def run(rank: int) -> None:
+            try:
+                with Client([server.address], rank=rank, world_size=2, heartbeat_s=0.2) as c:
+                    body(c, rank)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        for ids, grads in steps:  # worker halves are disjoint: the mean is each row's gradient / 2
+            ref.push(ids, grads / 2)
+        with Client([server.address]) as c:
+            check(c, ref)
+        server.stop(checkpoint=False)
+        server = ShardServer(config).start()
+        with Client([server.address]) as c:
+            check(c, ref, counters=False)
+    finally:
+        server.stop(checkpoint=False)
+
+
+def test_metrics_export_admission_and_eviction_counts():
+    from shardps.server import ServerConfig
+    from tests.test_metrics import scrape, value
+
+    server = ShardServer(ShardConfig(0, 1), ServerConfig(metrics_port=0)).start()
+    try:
+        with Client([server.address]) as c:
+            make_table(c, Admission(min_count=2, sketch_width=1024), Eviction(max_rows=3, sample=0))
+            c.push("emb", torch.arange(5), torch.ones(5, DIM), wait=True)  # counted: 5 rejected
+            c.push("emb", torch.arange(5), torch.ones(5, DIM), wait=True)  # admitted: 5, 2 evicted over max_rows
+        samples = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        assert value(samples, "shardps_table_admitted_total", table="emb") == 5
+        assert value(samples, "shardps_table_rejected_total", table="emb") == 5
+        assert value(samples, "shardps_table_evicted_total", table="emb", cause="capacity") == 2
+        assert value(samples, "shardps_table_evicted_total", table="emb", cause="ttl") == 0
+        assert value(samples, "shardps_table_sketch_bytes", table="emb") == 1024 * 4 * 2
+        assert value(samples, "shardps_table_rows", table="emb") == 3
+    finally:
+        server.stop(checkpoint=False)

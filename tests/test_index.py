@@ -103,7 +103,8 @@ def test_unique_ids_is_np_unique(n):
 REMOVERS = {
     "hash kernel": (lambda: HashIndex(capacity=16), "remove"),
     "hash numpy": (lambda: HashIndex(capacity=16), "remove_numpy"),
-    "direct": (lambda: DirectIndex(num_embeddings=5000), "remove"),
+    "direct kernel": (lambda: DirectIndex(num_embeddings=5000), "remove"),
+    "direct numpy": (lambda: DirectIndex(num_embeddings=5000), "remove_numpy"),
 }
 
 

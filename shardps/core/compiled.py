@@ -140,6 +140,32 @@ def hash_remove(table: np.ndarray, slot_ids: np.ndarray, count: int, ids: np.nda
     return moves[:n]
 
 
+@_njit
+def direct_remove(flat: np.ndarray, slot_ids: np.ndarray, count: int, ids: np.ndarray) -> np.ndarray:
+    """``DirectIndex.remove``: the same deletions and moves through the flat id -> slot map."""
+    moves = np.empty((ids.shape[0], 2), np.int64)
+    n = 0
+    for i in range(ids.shape[0]):
+        victim = np.int64(flat[ids[i]])
+        flat[ids[i]] = -1
+        count -= 1
+        if victim != count:
+            moved = slot_ids[count]
+            slot_ids[victim] = moved
+            flat[moved] = np.int32(victim)
+            moves[n, 0] = count
+            moves[n, 1] = victim
+            n += 1
+    return moves[:n]
+
+
+@_njit
+def apply_moves(arr: np.ndarray, moves: np.ndarray) -> None:
+    """``Table.remove``'s composition of moves: row ``to`` takes row ``from``, one move after the other."""
+    for i in range(moves.shape[0]):
+        arr[moves[i, 1], :] = arr[moves[i, 0], :]
+
+
 # ---- initial rows (core.specs.Initializer) -------------------------------------------
 
 

@@ -206,6 +206,15 @@ class DirectIndex(_SlotIds):
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (np.unique(ids).size != ids.size or (self._map[ids] < 0).any()):
             raise ValueError("remove takes present, unique ids")
+        k = kernels.jit()
+        if k is not None:
+            moves = k.direct_remove(self._map, self._ids, self._count, ids)
+            self._count -= ids.shape[0]
+            return moves
+        return self.remove_numpy(ids)
+
+    def remove_numpy(self, ids: np.ndarray) -> np.ndarray:
+        """The reference of :meth:`remove` (and of its kernel)."""
         moves = []
         for x in ids.tolist():
             victim = int(self._map[x])

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
+from shardps.core import kernels
 from shardps.core.errors import InvalidArgument, OutOfRange, ResourceExhausted, WrongShard
 from shardps.core.ids import coalesce
 from shardps.core.memory import grown, zeros
@@ -351,7 +352,11 @@ class Table:
         if not k:
             return
         moves = self.index.remove(ids)
-        if moves.size:
+        k_ = kernels.jit()
+        if moves.size and k_ is not None:
+            for arr in self._per_row():  # the moves one after the other, compiled
+                k_.apply_moves(arr.reshape(arr.shape[0], -1), moves)
+        elif moves.size:
             # Compose the moves (a row may move twice): destination slot -> slot it came from.
             came_from: dict[int, int] = {}
             for frm, to in moves.tolist():

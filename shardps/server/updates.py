@@ -180,12 +180,14 @@ class UpdatePath:
                     with self._vlock:
                         stamp = self.version + 1
                     policy = t.spec.staleness
-                    scales = None
-                    if per_row is not None:  # one scale per distinct staleness (few), spread over the rows
+                    scales, scale = None, policy.lr_scale(staleness)
+                    if per_row is not None and per_row.size:  # one scale per distinct staleness, spread over rows
                         distinct, which = np.unique(per_row, return_inverse=True)
-                        scales = np.array([policy.lr_scale(s) for s in distinct.tolist()])[which]
-                    done = t.apply(uniq, summed, policy.lr_scale(staleness), scales, stamp - 1, stamp,
-                                   evict=not replaying)
+                        if distinct.size > 1:
+                            scales = np.array([policy.lr_scale(s) for s in distinct.tolist()])[which]
+                        else:
+                            scale = policy.lr_scale(int(distinct[0]))
+                    done = t.apply(uniq, summed, scale, scales, stamp - 1, stamp, evict=not replaying)
                     with self._vlock:
                         self.version += 1
                         version = self.version
