@@ -162,8 +162,11 @@ def direct_remove(flat: np.ndarray, slot_ids: np.ndarray, count: int, ids: np.nd
 @_njit
 def apply_moves(arr: np.ndarray, moves: np.ndarray) -> None:
     """``Table.remove``'s composition of moves: row ``to`` takes row ``from``, one move after the other."""
+    cols = arr.shape[1]
     for i in range(moves.shape[0]):
-        arr[moves[i, 1], :] = arr[moves[i, 0], :]
+        src, dst = moves[i, 0], moves[i, 1]
+        for j in range(cols):
+            arr[dst, j] = arr[src, j]
 
 
 # ---- initial rows (core.specs.Initializer) -------------------------------------------

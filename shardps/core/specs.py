@@ -255,7 +255,7 @@ class Eviction:
     policy: str = "lru"
     ttl_steps: Optional[int] = None
     ttl_seconds: Optional[float] = None
-    sample: int = 16
+    sample: int = 8
 
     def __post_init__(self) -> None:
         if self.max_rows is None and self.ttl_steps is None and self.ttl_seconds is None:

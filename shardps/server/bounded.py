@@ -146,18 +146,36 @@ def choose_victims(spec: Eviction, n: int, count: int, ids: np.ndarray, last_ver
         return np.zeros(0, np.int64)
     if count >= n:
         return np.arange(n, dtype=np.int64)
-    if spec.sample == 0 or spec.sample * count >= n:
-        cand = np.arange(n, dtype=np.int64)
-    else:
+    if spec.sample and spec.sample * count < n:
         draws = np.arange(spec.sample * count, dtype=np.uint64) + np.uint64(salt) * np.uint64(1 << 32)
-        cand = np.unique((mix64(draws, _SAMPLE_SEED) % np.uint64(n)).astype(np.int64))
-        fresh = last_version[cand] != protected_version
-        if int(fresh.sum()) < count:  # too few old rows drawn (a small table): choose among all
-            cand = np.arange(n, dtype=np.int64)
-    lv = last_version[cand]
+        cand = (mix64(draws, _SAMPLE_SEED) % np.uint64(n)).astype(np.int64)
+        key = _score(spec, last_version[cand], touches[cand], protected_version)
+        # The best draws first; a slot drawn twice counts once, so take a margin and drop repeats.
+        take = min(cand.shape[0], 2 * count)
+        best = cand[np.argpartition(key, take - 1)[:take]] if take < cand.shape[0] else cand
+        best_key = _score(spec, last_version[best], touches[best], protected_version)
+        best = best[np.argsort(best_key, kind="stable")]
+        _, first = np.unique(best, return_index=True)
+        chosen = best[np.sort(first)]
+        chosen = chosen[last_version[chosen] != protected_version][:count]
+        if chosen.shape[0] == count:
+            return chosen
+    # Exact: every row, by policy, ties by id (also when the sample drew too few old rows).
+    cand = np.arange(n, dtype=np.int64)
+    lv = last_version[:n]
     protected = (lv == protected_version).astype(np.int8)
     if spec.policy == "lfu":
-        order = np.lexsort((ids[cand], lv, touches[cand], protected))
+        order = np.lexsort((ids[:n], lv, touches[:n], protected))
     else:
-        order = np.lexsort((ids[cand], lv, protected))
+        order = np.lexsort((ids[:n], lv, protected))
     return cand[order[:count]]
+
+
+def _score(spec: Eviction, last_version: np.ndarray, touches: np.ndarray, protected_version: int) -> np.ndarray:
+    """One int64 per row, lower evicted first: LRU the last push's version; LFU the pushes (capped at
+    2^22), then the last push's version (its low 40 bits); rows of the current push last."""
+    protected = (last_version == protected_version).astype(np.int64) << np.int64(62)
+    if spec.policy == "lfu":
+        capped = np.minimum(touches, (1 << 22) - 1).astype(np.int64)
+        return protected | (capped << np.int64(40)) | (last_version & np.int64((1 << 40) - 1))
+    return protected | last_version

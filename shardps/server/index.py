@@ -116,11 +116,12 @@ class HashIndex(_SlotIds):
         else:
             self._place(ids, values)
 
-    def remove(self, ids: np.ndarray) -> np.ndarray:
+    def remove(self, ids: np.ndarray, check: bool = True) -> np.ndarray:
         """Delete present, unique ``ids``; the slots stay 0..len-1: after each deletion the last slot moves
-        into the freed one. Returns the moves, rows of (from slot, to slot) in the order made."""
+        into the freed one. Returns the moves, rows of (from slot, to slot) in the order made.
+        ``check=False``: the caller vouches that the ids are present and unique (a table's own victims)."""
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (np.unique(ids).size != ids.size or (self.lookup(ids) < 0).any()):
+        if check and ids.size and (np.unique(ids).size != ids.size or (self.lookup(ids) < 0).any()):
             raise ValueError("remove takes present, unique ids")
         k = kernels.jit()
         if k is not None:
@@ -201,10 +202,10 @@ class DirectIndex(_SlotIds):
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         return self._map[ids].astype(np.int64)
 
-    def remove(self, ids: np.ndarray) -> np.ndarray:
+    def remove(self, ids: np.ndarray, check: bool = True) -> np.ndarray:
         """As ``HashIndex.remove``: delete present, unique ids, moving the last slot into each freed one."""
         ids = np.asarray(ids, dtype=np.int64)
-        if ids.size and (np.unique(ids).size != ids.size or (self._map[ids] < 0).any()):
+        if check and ids.size and (np.unique(ids).size != ids.size or (self._map[ids] < 0).any()):
             raise ValueError("remove takes present, unique ids")
         k = kernels.jit()
         if k is not None:

@@ -286,7 +286,7 @@ class Table:
             expired = live[self._expired(slots[live], version, now)]
             if expired.size:
                 out.expired = ids[expired]
-                self.remove(out.expired, CAUSE_TTL)
+                self.remove(out.expired, CAUSE_TTL, check=False)
         if self.bounded:
             slots = self.index.lookup(ids)
             missing = slots < 0
@@ -329,7 +329,7 @@ class Table:
             victims = choose_victims(e, n, n - e.max_rows, self.ids, self.last_version[:n], self.touches[:n],
                                      stamp, salt=stamp)
             out.over_capacity = self.ids[victims].copy()
-            self.remove(out.over_capacity, CAUSE_CAPACITY)
+            self.remove(out.over_capacity, CAUSE_CAPACITY, check=False)
         return out
 
     def row_staleness(self, ids: np.ndarray, pulled: int, version: int) -> np.ndarray:
@@ -346,12 +346,13 @@ class Table:
             out[touched] = since if since is not None else max(0, version - pulled)
         return out
 
-    def remove(self, ids: np.ndarray, cause: int) -> None:
-        """Evict the rows of present, unique ``ids`` with their state and metadata. Caller holds ``lock``."""
+    def remove(self, ids: np.ndarray, cause: int, check: bool = True) -> None:
+        """Evict the rows of present, unique ``ids`` with their state and metadata. Caller holds ``lock``.
+        ``check=False``: the ids are the table's own victims (present and unique by construction)."""
         k = int(ids.shape[0])
         if not k:
             return
-        moves = self.index.remove(ids)
+        moves = self.index.remove(ids, check)
         k_ = kernels.jit()
         if moves.size and k_ is not None:
             for arr in self._per_row():  # the moves one after the other, compiled
@@ -384,7 +385,7 @@ class Table:
         end = min(self.n, start + max_slots)
         slots = np.arange(start, end, dtype=np.int64)
         ids = self.ids[slots[self._expired(slots, version, now_ticks())]].copy()
-        self.remove(ids, CAUSE_TTL)
+        self.remove(ids, CAUSE_TTL, check=False)
         self._sweep_at = end - ids.shape[0]
         return ids
 
