@@ -442,3 +442,27 @@ def test_metrics_export_admission_and_eviction_counts():
         assert value(samples, "shardps_table_rows", table="emb") == 3
     finally:
         server.stop(checkpoint=False)
+
+
+def test_log_replay_keeps_each_rows_last_push_time_for_ttl_seconds(tmp_path):
+    """The log holds when each push was applied: after a restart a row expires ttl_seconds after its live
+    push, not after the replay."""
+    config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="log")
+    ids = torch.arange(10) * 3
+    initial = torch.from_numpy(INIT.rows(ids.numpy(), DIM))
+    server = ShardServer(config).start()
+    try:
+        with Client([server.address]) as c:
+            make_table(c, None, Eviction(ttl_seconds=2.0))
+            c.push("emb", ids, torch.ones(10, DIM), wait=True)
+        pushed = time.monotonic()
+        time.sleep(1.2)
+        server.stop(checkpoint=False)
+        server = ShardServer(config).start()  # replayed about 1.2 s after the push
+        with Client([server.address]) as c:
+            assert not torch.allclose(c.pull("emb", ids), initial)  # still alive
+            time.sleep(max(0.0, pushed + 2.4 - time.monotonic()))
+            # 2.4 s after the push (1.2 s after the replay): expired, as it would have been without the restart.
+            torch.testing.assert_close(c.pull("emb", ids), initial, rtol=0, atol=0)
+    finally:
+        server.stop(checkpoint=False)

@@ -44,6 +44,7 @@ MODES = ("none", "checkpoint", "log")
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _PER_ROW = 1 << 63  # flag in a push record's staleness word: per-row staleness follows
+_TICKS = 1 << 62  # flag: the time the push was applied follows (tables that keep per-row push times by TTL)
 
 Record = tuple[int, bytes]  # (kind, payload) as the write-ahead log stores it; kind 0: nothing to store
 
@@ -84,25 +85,38 @@ def record_evict(name: str, ids: np.ndarray, cause: int) -> Record:
     return wal.EVICT, _U32.pack(cause) + _U32.pack(len(raw)) + raw + np.ascontiguousarray(ids, "<i8").tobytes()
 
 
-def with_staleness(record: Record, staleness: int, per_row: Optional[np.ndarray] = None) -> Record:
-    """A push record as the log keeps it: the staleness it was applied with (with per-row staleness:
-    flagged, then the count and one int32 per unique id, in id order), then the request."""
-    if per_row is None:
+def with_staleness(record: Record, staleness: int, per_row: Optional[np.ndarray] = None,
+                   ticks: Optional[int] = None) -> Record:
+    """A push record as the log keeps it: the staleness it was applied with (a u64 whose top bits flag what
+    follows), then with ``ticks`` the time it was applied (u32, ``table.now_ticks``: the rows' last push time),
+    then with per-row staleness its count and one int32 per unique id in id order, then the request."""
+    if per_row is None and ticks is None:
         return record[0], _U64.pack(staleness) + record[1]
-    rows = np.ascontiguousarray(per_row, "<i4")
-    return record[0], _U64.pack(staleness | _PER_ROW) + _U32.pack(rows.shape[0]) + rows.tobytes() + record[1]
+    word = staleness | (_PER_ROW if per_row is not None else 0) | (_TICKS if ticks is not None else 0)
+    out = [_U64.pack(word)]
+    if ticks is not None:
+        out.append(_U32.pack(ticks & 0xFFFFFFFF))
+    if per_row is not None:
+        rows = np.ascontiguousarray(per_row, "<i4")
+        out += [_U32.pack(rows.shape[0]), rows.tobytes()]
+    return record[0], b"".join(out) + record[1]
 
 
-def split_staleness(payload: bytes) -> tuple[int, Optional[np.ndarray], memoryview]:
+def split_staleness(payload: bytes) -> tuple[int, Optional[np.ndarray], Optional[int], memoryview]:
+    """(staleness, per-row staleness or None, ticks or None, the request) of a stored push."""
     (word,) = _U64.unpack_from(payload)
     view = memoryview(payload)[_U64.size:]
-    if not word & _PER_ROW:
-        return word, None, view
-    (n,) = _U32.unpack_from(view)
-    per_row = np.frombuffer(view[_U32.size:_U32.size + 4 * n], "<i4").astype(np.int64)
-    if per_row.shape[0] != n:
-        raise ValueError("push record cut short in its per-row staleness")
-    return word & ~_PER_ROW, per_row, view[_U32.size + 4 * n:]
+    ticks = per_row = None
+    if word & _TICKS:
+        (ticks,) = _U32.unpack_from(view)
+        view = view[_U32.size:]
+    if word & _PER_ROW:
+        (n,) = _U32.unpack_from(view)
+        per_row = np.frombuffer(view[_U32.size:_U32.size + 4 * n], "<i4").astype(np.int64)
+        if per_row.shape[0] != n:
+            raise ValueError("push record cut short in its per-row staleness")
+        view = view[_U32.size + 4 * n:]
+    return word & ~(_PER_ROW | _TICKS), per_row, ticks, view
 
 
 @dataclass(frozen=True)
@@ -128,6 +142,7 @@ class Push:
     staleness: int
     dense: bool
     per_row: Optional[np.ndarray] = None  # per-row staleness, one per unique id in id order
+    ticks: Optional[int] = None  # when it was applied (the rows' last push time), where the table needs it
 
 
 @dataclass(frozen=True)
@@ -151,9 +166,9 @@ def read_record(kind: int, payload: bytes) -> Change:
     if kind == wal.DROP:
         return Drop(payload.decode())
     if kind in (wal.PUSH, wal.PUSH_DENSE):
-        staleness, per_row, body = split_staleness(payload)
+        staleness, per_row, ticks, body = split_staleness(payload)
         dense = kind == wal.PUSH_DENSE
-        return Push(wire.decode_push(body, dense=dense), staleness, dense, per_row)
+        return Push(wire.decode_push(body, dense=dense), staleness, dense, per_row, ticks)
     if kind == wal.EVICT:
         cause, n = _U32.unpack_from(payload), _U32.unpack_from(payload, 4)[0]
         name = bytes(payload[8:8 + n]).decode()

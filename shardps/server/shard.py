@@ -594,7 +594,8 @@ class Shard:
                 t.check_grads(ids, d.grads)
             if d.client_id:  # remembered, not counted: the snapshot may already hold it
                 self.updates.seen.begin(d.client_id, d.seq)
-            self.updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row)
+            self.updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row,
+                               replayed_ticks=change.ticks)
 
     def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""

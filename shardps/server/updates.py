@@ -23,7 +23,7 @@ from shardps.server.bounded import CAUSE_CAPACITY, CAUSE_TTL
 from shardps.server.durability import Durability, Record, record_evict, with_staleness
 from shardps.server.gate import CheckpointGate
 from shardps.server.metrics import NO_METRICS, NullMetrics
-from shardps.server.table import Table
+from shardps.server.table import Table, now_ticks
 
 
 class SeenPushes:
@@ -161,15 +161,16 @@ class UpdatePath:
 
     def apply(self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int] = None,
               record: Record = (0, b""), replayed_staleness: Optional[int] = None,
-              replayed_per_row: Optional[np.ndarray] = None) -> tuple[int, int]:
+              replayed_per_row: Optional[np.ndarray] = None, replayed_ticks: Optional[int] = None) -> tuple[int, int]:
         """Apply one update; returns (version after it, staleness: the largest row's, with per-row staleness).
 
         Live updates pass ``pulled_version`` (staleness is measured against it and
         bounded by the table's ``max_staleness``) and their ``record``, which is
         appended for durability and waited on before returning, after the records of
         the evictions it caused. Replay passes the staleness the log recorded instead
-        (and the per-row staleness, if any), and no record; it evicts nothing by itself
-        (the log holds the evictions).
+        (and the per-row staleness and the time, if any), and no record; it evicts nothing by
+        itself (the log holds the evictions). Tables with ``ttl_seconds`` log the time of each push,
+        so a replayed row keeps its live last push time.
         """
         replaying = replayed_staleness is not None
         uniq, summed = coalesce(ids, grads) if ids.size else (ids, grads)
@@ -187,14 +188,17 @@ class UpdatePath:
                             scales = np.array([policy.lr_scale(s) for s in distinct.tolist()])[which]
                         else:
                             scale = policy.lr_scale(int(distinct[0]))
-                    done = t.apply(uniq, summed, scale, scales, stamp - 1, stamp, evict=not replaying)
+                    timed = t.eviction is not None and t.eviction.ttl_seconds is not None
+                    now = replayed_ticks if replaying and replayed_ticks is not None else now_ticks()
+                    done = t.apply(uniq, summed, scale, scales, stamp - 1, stamp, evict=not replaying, now=now)
                     with self._vlock:
                         self.version += 1
                         version = self.version
                     name = t.spec.name
                     if done.expired.size:
                         self.durability.append(record_evict(name, done.expired, CAUSE_TTL))
-                    ticket = self.durability.append(with_staleness(record, staleness, per_row)) if record[0] else 0
+                    ticket = self.durability.append(with_staleness(record, staleness, per_row, now if timed else None)) \
+                        if record[0] else 0
                     if done.over_capacity.size:
                         ticket = self.durability.append(record_evict(name, done.over_capacity, CAUSE_CAPACITY)) or ticket
                     break
@@ -209,10 +213,9 @@ class UpdatePath:
         return version, staleness
 
     def evict(self, t: Table, ids: np.ndarray, cause: int) -> None:
-        """Replay of a logged eviction (ids already gone are skipped)."""
+        """Replay of a logged eviction, in the logged order (so the slots end as they did live)."""
         with t.lock:
-            present = ids[t.index.lookup(ids) >= 0]
-            t.remove(np.unique(present), cause)
+            t.remove(ids[t.index.lookup(ids) >= 0], cause)
 
     def sweep(self, t: Table, max_slots: int) -> int:
         """Evict the expired rows of the next slice of ``t`` (logged); how many."""
@@ -239,8 +242,10 @@ class UpdatePath:
         limit = policy.max_staleness
         if limit is not None and staleness > limit:
             self.stats.count("stale_rejected")
-            what = "a row of the push was updated" if per_row is not None else "push is"
-            raise StaleUpdate(f"{t.spec.name}: {what} {staleness} versions stale, more than max_staleness "
+            if per_row is not None:
+                raise StaleUpdate(f"{t.spec.name}: a row of the push was updated {staleness} times since its pull, "
+                                  f"more than max_staleness {limit} (per row); pull again and recompute")
+            raise StaleUpdate(f"{t.spec.name}: push is {staleness} versions stale, more than max_staleness "
                               f"{limit}; pull again and recompute")
         return staleness, per_row
 
