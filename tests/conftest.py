@@ -1,9 +1,11 @@
-"""Shared fixtures: in-process clusters of real gRPC shard servers on 127.0.0.1, port 0."""
+"""Shared fixtures: in-process clusters of real gRPC shard servers on 127.0.0.1, port 0, and workers
+training against them in threads."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+import threading
+from typing import Callable, Iterator, Optional
 
 import pytest
 from shardps_client import Client
@@ -28,6 +30,27 @@ def running_cluster(
     finally:
         for s in servers:
             s.stop(checkpoint=False)
+
+
+def run_workers(addresses: list[str], n: int, body: Callable[[Client, int], None], **client_kwargs) -> list:
+    """Run ``body(client, rank)`` for ranks 0..n-1, each in a thread with its own worker Client; the
+    (rank, exception) pairs they raised (asserts that none hung)."""
+    errors: list = []
+
+    def run(rank: int) -> None:
+        try:
+            with Client(addresses, rank=rank, world_size=n, heartbeat_s=0.2, **client_kwargs) as c:
+                body(c, rank)
+        except Exception as e:  # reported to the test below
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
+    return errors
 
 
 @pytest.fixture

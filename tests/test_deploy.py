@@ -4,6 +4,7 @@ runs the same files in a real Docker engine."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
 import re
@@ -100,7 +101,7 @@ def test_compose_file_is_valid_for_the_real_compose_tools(tool, tmp_path):
     version = subprocess.run([*tool, "version"], capture_output=True, text=True, timeout=60)
     if version.returncode != 0:
         pytest.skip(f"{' '.join(tool)} is not installed")
-    make_compose = _make_compose()
+    make_compose = _docker_script("make_compose")
     (tmp_path / "compose.8.yaml").write_text(make_compose.make(8))
     for path in (DOCKER / "compose.yaml", tmp_path / "compose.8.yaml"):
         out = subprocess.run([*tool, "-p", "shardps", "-f", str(path), "config"], capture_output=True, text=True,
@@ -154,7 +155,7 @@ def test_every_service_command_parses_with_the_real_cli(compose):
 
 
 def test_generator_reproduces_the_committed_file_and_scales():
-    make_compose = _make_compose()
+    make_compose = _docker_script("make_compose")
     assert make_compose.make(4) == (DOCKER / "compose.yaml").read_text()
     eight = yaml.safe_load(make_compose.make(8))
     shards = _shards(eight)
@@ -243,29 +244,20 @@ def _k8s(text: str) -> dict[str, dict]:
     return {d["kind"]: d for d in yaml.safe_load_all(text)}
 
 
-def _make_compose():
+def _docker_script(name: str):
+    """One of docker/'s generator scripts (make_compose, make_k8s), imported as a module."""
     sys.path.insert(0, str(DOCKER))
     try:
-        import make_compose
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return make_compose
-
-
-def _make_k8s():
-    sys.path.insert(0, str(DOCKER))
-    try:
-        import make_k8s
-    finally:
-        sys.path.pop(0)
-    return make_k8s
 
 
 def test_kubernetes_manifests_are_valid_against_the_schemas():
     """Offline, against the API schemas of the oldest version the manifests need (1.28: the pod-index
     label) and the newest kubernetes-validate knows, in strict mode (unknown fields are errors)."""
     kv = pytest.importorskip("kubernetes_validate")
-    make_k8s = _make_k8s()
+    make_k8s = _docker_script("make_k8s")
     assert make_k8s.make(4) == (DOCKER / "k8s" / "shardps.yaml").read_text()
     for shards in (1, 4, 16):
         docs = list(yaml.safe_load_all(make_k8s.make(shards, namespace="training")))
@@ -334,7 +326,7 @@ def test_kubernetes_tls_manifests_are_valid_and_wire_every_file_the_shard_and_tr
     through the real CLI) name files its Secret mounts hold; the probes run shardps-health with the
     client certificate; the trainer's client finds TLS and its token from its env."""
     kv = pytest.importorskip("kubernetes_validate")
-    make_k8s = _make_k8s()
+    make_k8s = _docker_script("make_k8s")
     assert make_k8s.make_tls(4) == (DOCKER / "k8s" / "shardps-tls.yaml").read_text()
     docs = list(yaml.safe_load_all(make_k8s.make_tls(4, namespace="training")))
     for version in ("1.28.0", kv.latest_version()):
@@ -371,7 +363,7 @@ def test_kubernetes_tls_manifests_are_valid_and_wire_every_file_the_shard_and_tr
 
 
 def test_compose_tls_override_is_generated_valid_and_complete(tmp_path):
-    make_compose = _make_compose()
+    make_compose = _docker_script("make_compose")
     assert make_compose.make_tls(4) == (DOCKER / "compose.tls.yaml").read_text()
     override = yaml.safe_load(make_compose.make_tls(4))
     base = yaml.safe_load(make_compose.make(4))

@@ -4,33 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
 
 import pytest
 import torch
 from shardps_client import SGD, Client, SyncPolicy, SyncStepError, planner
 
 from shardps.core.specs import Initializer
-from tests.conftest import running_cluster
-
-
-def _run_workers(addresses: list[str], n: int, body: Callable[[Client, int], None], **client_kwargs) -> list:
-    errors: list = []
-
-    def run(rank: int) -> None:
-        try:
-            with Client(addresses, rank=rank, world_size=n, heartbeat_s=0.2, **client_kwargs) as c:
-                body(c, rank)
-        except Exception as e:  # reported to the test below
-            errors.append((rank, e))
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a worker hung"
-    return errors
+from tests.conftest import run_workers, running_cluster
 
 
 def test_two_workers_mean_equals_one_worker_on_both_batches():
@@ -55,7 +35,7 @@ def test_two_workers_mean_equals_one_worker_on_both_batches():
                 c.push_dense("w", w.grad)
                 c.flush()
 
-        assert not _run_workers(addresses, 2, body)
+        assert not run_workers(addresses, 2, body)
         # Reference: one worker, both batches together, torch.optim.SGD.
         emb = torch.nn.Parameter(w0.clone())
         w = torch.nn.Parameter(torch.ones(3, 4))
@@ -83,7 +63,7 @@ def test_median_ignores_one_wild_worker():
                 honest = torch.full((8,), 1.0 + 0.1 * rank)
                 c.push_dense("m", honest if rank < 2 else torch.full((8,), 1e6), wait=True)
 
-        assert not _run_workers(addresses, 3, body)
+        assert not run_workers(addresses, 3, body)
         with Client(addresses) as c:
             # median of {1.0, 1.1, 1e6} = 1.1 per step: the wild worker moved nothing.
             torch.testing.assert_close(c.pull_dense("m")[0], torch.full((8,), -5.5))
@@ -96,7 +76,7 @@ def test_trimmed_mean_drops_extremes():
             c.register_dense("t", torch.zeros(2), optimizer=SGD(lr=1.0),
                              sync=SyncPolicy(workers=4, aggregator="trimmed_mean", trim_fraction=0.25))
         values = [-100.0, 1.0, 3.0, 100.0]
-        assert not _run_workers(addresses, 4, lambda c, r: c.push_dense("t", torch.full((2,), values[r]), wait=True))
+        assert not run_workers(addresses, 4, lambda c, r: c.push_dense("t", torch.full((2,), values[r]), wait=True))
         with Client(addresses) as c:
             torch.testing.assert_close(c.pull_dense("t")[0], torch.full((2,), -2.0))
 
@@ -115,7 +95,7 @@ def test_straggler_proceed_reports_late_worker():
             c.push_dense("p", torch.full((2,), 1.0 + rank), wait=True)
             reports[rank] = list(c.sync_reports)
 
-        assert not _run_workers(addresses, 2, body)
+        assert not run_workers(addresses, 2, body)
         assert reports[0] == [("p", [1], False)]  # step applied without rank 1
         assert reports[1] == [("p", [], True)]  # rank 1's push came late and was dropped
         with Client(addresses) as c:
@@ -147,7 +127,7 @@ def test_worker_that_leaves_does_not_hang_the_others():
                 c.push("l", torch.arange(10), torch.ones(10, 2), wait=True)
 
         t0 = time.monotonic()
-        assert not _run_workers(addresses, 2, body)
+        assert not run_workers(addresses, 2, body)
         assert time.monotonic() - t0 < 30  # far below the 60 s straggler timeout
         with Client(addresses) as c:
             torch.testing.assert_close(c.pull("l", torch.arange(10)), torch.full((10, 2), -5.0))
@@ -189,7 +169,7 @@ def test_ssp_never_lets_a_worker_run_more_than_k_ahead():
                     clocks[rank] += 1
                 c.advance_clock()
 
-        assert not _run_workers(addresses, 2, body, ssp_bound=k)
+        assert not run_workers(addresses, 2, body, ssp_bound=k)
         assert 1 <= worst[0] <= k  # the fast worker did run ahead, but never by more than k
 
 
@@ -213,7 +193,7 @@ def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out
 
         t0 = time.monotonic()
         # ~64 KB messages: each rank's 2,000 rows per shard go in 4 parts.
-        assert not _run_workers(addresses, 2, body, max_message_bytes=64 * 1024)
+        assert not run_workers(addresses, 2, body, max_message_bytes=64 * 1024)
         assert min(parts_seen) >= 3
         assert time.monotonic() - t0 < 10, "a step waited for its straggler timeout"
         with Client(addresses) as c:
@@ -258,6 +238,6 @@ def test_a_refused_push_does_not_use_up_a_step_number():
             c.push("s", [1], torch.ones(1, 4))
             c.flush()
 
-        assert not _run_workers(addresses, 2, body)
+        assert not run_workers(addresses, 2, body)
         with Client(addresses) as c:
             assert torch.equal(c.pull("s", [1]), torch.full((1, 4), -2.0))
