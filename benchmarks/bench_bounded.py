@@ -36,6 +36,9 @@ from shardps.core.specs import Initializer, TableSpec  # noqa: E402
 from shardps.server.launcher import LocalCluster  # noqa: E402
 from shardps.server.table import Table  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "clients", "examples"))
+from dlrm import auc  # noqa: E402  (the DLRM example's AUC, ties averaged)
+
 SPACE = 10**9
 DIM = 64
 
@@ -60,7 +63,6 @@ def memory_run(label: str, admission: Optional[Admission], eviction: Optional[Ev
                        admission=admission, eviction=eviction)
         rng = np.random.default_rng(11)
         samples: list[tuple[int, float]] = []
-        distinct = 0
         seen_total = 0
         pause = []
         at_capacity: Optional[int] = None
@@ -76,7 +78,6 @@ def memory_run(label: str, admission: Optional[Admission], eviction: Optional[Ev
                 if eviction is not None and at_capacity is None and info.num_rows >= eviction.max_rows:
                     at_capacity = int(info.bytes)
                 samples.append((step, rss_bytes(pid) / 2**20))
-                distinct = int(info.num_rows) if eviction is None else distinct
         info = c.describe_table("s")[0]
         elapsed = time.perf_counter() - t0
     rss_end = samples[-1][1] * 2**20
@@ -89,8 +90,6 @@ def memory_run(label: str, admission: Optional[Admission], eviction: Optional[Ev
         bound = rss0 + (at_capacity or info.bytes)
         row["x_bound"] = rss_end / bound
         row["max_rss_after_fill_mb"] = max(r for _, r in samples[len(samples) // 3:])
-    if eviction is None:
-        row["distinct_rows"] = distinct
     return row
 
 
@@ -111,15 +110,6 @@ def click_batch(rng: np.random.Generator, n: int, offset: int, space: int) -> tu
     logit = -0.5 + sum(0.8 * effect(f, ids[:, f]) for f in range(FEATURES))
     labels = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
     return ids, labels
-
-
-def auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    ranks[order] = np.arange(1, len(scores) + 1)
-    pos = labels > 0.5
-    n_pos, n_neg = pos.sum(), (~pos).sum()
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / max(n_pos * n_neg, 1))
 
 
 def quality_run(label: str, steps: int, drift: int, space: int, admission: Optional[Admission] = None,

@@ -26,7 +26,7 @@ from shardps.server.shard import ShardConfig
 from shardps.server.stats import collect
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
-from tests.conftest import running_cluster
+from tests.conftest import run_workers, running_cluster
 from tests.procs import start_shard
 
 DIM, LR = 4, 0.5
@@ -396,21 +396,7 @@ def test_synchronous_steps_evict_like_single_pushes_and_replay(tmp_path):
                 c.push("emb", torch.tensor(ids), torch.from_numpy(grads))
                 c.flush()
 
-        errors: list = []
-
-        def run(rank: int) -> None:
-            try:
-                with Client([server.address], rank=rank, world_size=2, heartbeat_s=0.2) as c:
-                    body(c, rank)
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors and not any(t.is_alive() for t in threads)
+        assert not run_workers([server.address], 2, body)
         for ids, grads in steps:  # worker halves are disjoint: the mean is each row's gradient / 2
             ref.push(ids, grads / 2)
         with Client([server.address]) as c:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union, overload
 
 import numpy as np
 
@@ -176,7 +176,15 @@ class Staleness:
         if self.max_staleness is not None and self.max_staleness < 0:
             raise InvalidArgument(f"max_staleness must be >= 0, got {self.max_staleness}")
 
-    def lr_scale(self, s: int) -> float:
+    @overload
+    def lr_scale(self, s: int) -> float: ...
+
+    @overload
+    def lr_scale(self, s: np.ndarray) -> Union[float, np.ndarray]: ...
+
+    def lr_scale(self, s: Union[int, np.ndarray]) -> Union[float, np.ndarray]:
+        """The learning-rate factor for staleness ``s`` (or, element-wise, for an array of them; "none"
+        gives 1.0 for any)."""
         if self.scaling == "inverse":
             return 1.0 / (1.0 + s)
         if self.scaling == "linear":

@@ -152,9 +152,8 @@ def choose_victims(spec: Eviction, n: int, count: int, ids: np.ndarray, last_ver
         key = _score(spec, last_version[cand], touches[cand], protected_version)
         # The best draws first; a slot drawn twice counts once, so take a margin and drop repeats.
         take = min(cand.shape[0], 2 * count)
-        best = cand[np.argpartition(key, take - 1)[:take]] if take < cand.shape[0] else cand
-        best_key = _score(spec, last_version[best], touches[best], protected_version)
-        best = best[np.argsort(best_key, kind="stable")]
+        top = np.argpartition(key, take - 1)[:take] if take < cand.shape[0] else np.arange(cand.shape[0])
+        best = cand[top[np.argsort(key[top], kind="stable")]]
         _, first = np.unique(best, return_index=True)
         chosen = best[np.sort(first)]
         chosen = chosen[last_version[chosen] != protected_version][:count]

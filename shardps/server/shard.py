@@ -619,5 +619,4 @@ class Shard:
     def sweep(self, max_slots: int = 65536) -> int:
         """Reclaim expired rows: one slice of at most ``max_slots`` rows of each table with a TTL (the
         shard's sweeper calls this about once a second). How many rows were evicted."""
-        return sum(self.updates.sweep(t, max_slots) for t in self.registry.tables()
-                   if t.eviction is not None and (t.eviction.ttl_steps or t.eviction.ttl_seconds))
+        return sum(self.updates.sweep(t, max_slots) for t in self.registry.tables() if t.expires)

@@ -280,15 +280,15 @@ class Table:
         out = Applied(0)
         ids, grads = coalesce(ids, grads)
         now = now_ticks() if now is None else now
-        if self.eviction is not None and evict:
-            slots = self.index.lookup(ids)
-            live = np.flatnonzero(slots >= 0)
-            expired = live[self._expired(slots[live], version, now)]
-            if expired.size:
-                out.expired = ids[expired]
-                self.remove(out.expired, CAUSE_TTL, check=False)
         if self.bounded:
             slots = self.index.lookup(ids)
+            if self.eviction is not None and evict:
+                live = np.flatnonzero(slots >= 0)
+                expired = live[self._expired(slots[live], version, now)]
+                if expired.size:
+                    out.expired = ids[expired]
+                    self.remove(out.expired, CAUSE_TTL, check=False)
+                    slots = self.index.lookup(ids)  # the removal moved rows
             missing = slots < 0
             if missing.any():
                 keep = np.ones(ids.shape[0], dtype=bool)
@@ -310,10 +310,12 @@ class Table:
             slots = self._slots(ids, create=True)
         if ids.size:
             step = self.steps[slots] + 1
-            if row_scales is None:
-                self.optimizer.apply(self.rows, self.state, slots, grads, step, lr_scale)
-            else:
-                for scale in np.unique(row_scales).tolist():
+            distinct = np.unique(row_scales) if row_scales is not None else None
+            if distinct is None or distinct.size == 1:
+                scale = lr_scale if distinct is None else float(distinct[0])
+                self.optimizer.apply(self.rows, self.state, slots, grads, step, scale)
+            else:  # one optimizer call per distinct scale (rows staler by the same count share one)
+                for scale in distinct.tolist():
                     m = row_scales == scale
                     self.optimizer.apply(self.rows, self.state, slots[m], grads[m], step[m], scale)
             self.steps[slots] = step
@@ -375,11 +377,16 @@ class Table:
         elif cause == CAUSE_CAPACITY:
             self.counts.evicted_capacity += k
 
+    @property
+    def expires(self) -> bool:
+        """Whether rows of this table expire (a TTL in its eviction policy)."""
+        e = self.eviction
+        return e is not None and (e.ttl_steps is not None or e.ttl_seconds is not None)
+
     def sweep(self, version: int, max_slots: int) -> np.ndarray:
         """Evict the expired rows among the next ``max_slots`` slots (a slice of the table per call, so
         no call holds the lock for long); returns their ids, for the log. Caller holds ``lock``."""
-        e = self.eviction
-        if e is None or (e.ttl_steps is None and e.ttl_seconds is None) or self.n == 0:
+        if not self.expires or self.n == 0:
             return np.zeros(0, np.int64)
         start = self._sweep_at if self._sweep_at < self.n else 0
         end = min(self.n, start + max_slots)

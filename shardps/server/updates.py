@@ -181,16 +181,13 @@ class UpdatePath:
                     with self._vlock:
                         stamp = self.version + 1
                     policy = t.spec.staleness
-                    scales, scale = None, policy.lr_scale(staleness)
-                    if per_row is not None and per_row.size:  # one scale per distinct staleness, spread over rows
-                        distinct, which = np.unique(per_row, return_inverse=True)
-                        if distinct.size > 1:
-                            scales = np.array([policy.lr_scale(s) for s in distinct.tolist()])[which]
-                        else:
-                            scale = policy.lr_scale(int(distinct[0]))
+                    scales = None  # lr_scale is arithmetic: it maps an array of staleness row by row
+                    if per_row is not None and per_row.size:
+                        scales = np.broadcast_to(policy.lr_scale(per_row.astype(np.float64)), per_row.shape)
                     timed = t.eviction is not None and t.eviction.ttl_seconds is not None
                     now = replayed_ticks if replaying and replayed_ticks is not None else now_ticks()
-                    done = t.apply(uniq, summed, scale, scales, stamp - 1, stamp, evict=not replaying, now=now)
+                    done = t.apply(uniq, summed, policy.lr_scale(staleness), scales, stamp - 1, stamp,
+                                   evict=not replaying, now=now)
                     with self._vlock:
                         self.version += 1
                         version = self.version
