@@ -6,9 +6,11 @@ from shardps_client.client import Client, Versions
 from shardps_client.data import Prefetcher
 from shardps_client.errors import (
     AuthenticationError,
+    ExportGapError,
     IdOutOfRangeError,
     InvalidArgumentError,
     PermissionDeniedError,
+    ReadOnlyError,
     RequestTooLargeError,
     ShardMapError,
     ShardpsError,
@@ -27,5 +29,5 @@ __all__ = [
     "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
-    "TLS", "AuthenticationError", "PermissionDeniedError",
+    "TLS", "AuthenticationError", "PermissionDeniedError", "ReadOnlyError", "ExportGapError",
 ]

@@ -33,7 +33,9 @@ import numpy as np
 import torch
 
 from shardps.core import codec, wire
+from shardps.core.errors import ExportGap as _ServerExportGap
 from shardps.core.errors import InvalidArgument as _ServerInvalidArgument
+from shardps.core.exports import Exporter, ExportResult
 from shardps.core.ids import coalesce, is_sorted_unique, unique_ids
 from shardps.core.memory import tune_malloc
 from shardps.core.optim import SGD, Optimizer
@@ -53,7 +55,7 @@ from shardps.core.tokens import token_from_environment
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import admin, planner
 from shardps_client.cache import CacheStats, RowCache
-from shardps_client.errors import IdOutOfRangeError, InvalidArgumentError, ShardpsError
+from shardps_client.errors import ExportGapError, IdOutOfRangeError, InvalidArgumentError, ShardpsError
 from shardps_client.pushes import DensePull, PushHold, PushPipeline
 from shardps_client.transport import TLS, Transport
 from shardps_client.worker import WorkerClock
@@ -721,6 +723,66 @@ class Client:
         """
         self.flush()
         return admin.checkpoint(self.transport, checkpoint_id, hold_s)
+
+    def export(self, out: Union[str, os.PathLike], tables: Optional[Sequence[str]] = None,
+               optimizer_state: bool = False, hold_s: float = 30.0) -> ExportResult:
+        """Write a base of the cluster's tables and dense tensors (or of ``tables``) to the export directory
+        ``out``: every shard at one cut (two-phase, like ``checkpoint``), safetensors files and a manifest
+        with checksums (``shardps.core.exports``). Optimizer state only with ``optimizer_state``. Flushes
+        this client's pushes first."""
+        self.flush()
+        return self._exporter(hold_s).base(out, list(tables) if tables else None, optimizer_state)
+
+    def export_delta(self, out: Union[str, os.PathLike], fallback_base: bool = False,
+                     hold_s: float = 30.0) -> ExportResult:
+        """Write the next delta of ``out``: rows changed since its last cut, tombstones of evicted ids, dropped
+        tables. ExportGapError when the cluster cannot (a shard restarted, another shard map); with
+        ``fallback_base`` a new base instead. Nothing changed: nothing written (``kind == "none"``)."""
+        self.flush()
+        try:
+            return self._exporter(hold_s).delta(out, fallback_base)
+        except _ServerExportGap as e:
+            raise ExportGapError(str(e)) from None
+
+    def _exporter(self, hold_s: float) -> Exporter:
+        return Exporter(lambda s, method, request: self.transport.call(s, method, request), self.num_shards, hold_s)
+
+    def state_dict(self, table: str) -> dict[str, torch.Tensor]:
+        """The table as a ``torch.nn.Embedding`` state dict: ``{"weight": [num_embeddings, dim]}`` (CPU float32),
+        for a table with ``num_embeddings`` small enough to hold here. Rows never pushed read as their
+        initializer's values (an unbounded table creates them, as a pull does)."""
+        spec = self.table_spec(table)
+        if spec.num_embeddings is None:
+            raise InvalidArgumentError(f"{table}: a state dict needs num_embeddings (export a table without it)")
+        self.flush()
+        weight = torch.empty(spec.num_embeddings, spec.dim, dtype=torch.float32)
+        step = max(1, planner.rows_per_message(self.max_message_bytes, spec.dim, pb.FLOAT32) * self.num_shards)
+        for start in range(0, spec.num_embeddings, step):
+            ids = torch.arange(start, min(start + step, spec.num_embeddings), dtype=torch.int64)
+            weight[start:start + ids.numel()] = self.pull(table, ids)
+        return {"weight": weight}
+
+    def load_state_dict(self, table: str, state_dict: dict[str, Any]) -> None:
+        """Set every row of ``table`` from a ``torch.nn.Embedding`` state dict (``{"weight": [n, dim]}``; n is the
+        table's num_embeddings, or any n for a table without one: ids 0..n-1). Optimizer state of existing rows
+        is kept, as ``Module.load_state_dict`` leaves an optimizer's; each row counts as changed (the next
+        export delta carries it)."""
+        spec = self.table_spec(table)
+        unexpected = set(state_dict) - {"weight"}
+        if "weight" not in state_dict or unexpected:
+            raise InvalidArgumentError(f"{table}: a state dict of one key 'weight' expected, got {sorted(state_dict)}")
+        w = _grads_to_numpy(state_dict["weight"], f"{table}: weight")
+        n = spec.num_embeddings if spec.num_embeddings is not None else w.shape[0]
+        _check_grads(w, table, "weight", (n, spec.dim), "num_embeddings x dim", False)
+        self.flush()
+        ids = np.arange(n, dtype=np.int64)
+        calls = []
+        for s, idx in planner.id_pieces(ids, self.num_shards, planner.rows_per_message(
+                self.max_message_bytes, spec.dim, pb.FLOAT32)):
+            calls.append((s, "Assign", pb.AssignRequest(table=table, ids=codec.encode(ids[idx]),
+                                                        values=codec.encode(w[idx]),
+                                                        shard_map=planner.shard_map(s, self.num_shards))))
+        self.transport.fan_out(calls)  # flush() emptied any row cache of the table, so none serves old rows
 
     def close(self) -> None:
         """Flush pending pushes (errors are logged) and close the channels."""

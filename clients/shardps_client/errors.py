@@ -77,6 +77,14 @@ class PermissionDeniedError(ShardpsError):
     """The client's token has a role that may not make this call (reader, trainer, admin)."""
 
 
+class ReadOnlyError(ShardpsError):
+    """The shard serves a read-only export (``shardps serve --serve-from``): pushes and table changes are refused."""
+
+
+class ExportGapError(ShardpsError):
+    """A delta cannot follow the export's last cut (a shard restarted or the shard map changed): write a new base."""
+
+
 # Each kind of the status table (shardps.core.status), carried as data by the shard.
 _BY_KIND: dict[str, type] = {s.kind: globals()[s.client_error] for s in status.TABLE}
 # Without a kind (an older shard, or a status gRPC itself produced), by code name: the table's first

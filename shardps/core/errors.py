@@ -53,6 +53,14 @@ class PermissionDenied(ShardError):
     """The call's token has a role that may not make this call."""
 
 
+class ReadOnly(ShardError):
+    """The shard serves a read-only export (``--serve-from``): it refuses changes."""
+
+
+class ExportGap(ShardError):
+    """A delta was asked since a cut this shard cannot follow (it restarted, or forgot its removals)."""
+
+
 def clip(text: str, limit: int = 200) -> str:
     """``text`` cut to ``limit`` characters (names and values echoed in errors stay small)."""
     return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"

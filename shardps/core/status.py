@@ -47,6 +47,8 @@ TABLE: tuple[Status, ...] = (
     Status("unavailable", "UNAVAILABLE", errors.Unavailable, "ShardUnavailableError"),
     Status("unauthenticated", "UNAUTHENTICATED", errors.Unauthenticated, "AuthenticationError"),
     Status("permission_denied", "PERMISSION_DENIED", errors.PermissionDenied, "PermissionDeniedError"),
+    Status("read_only", "FAILED_PRECONDITION", errors.ReadOnly, "ReadOnlyError"),
+    Status("export_gap", "FAILED_PRECONDITION", errors.ExportGap, "ExportGapError"),
 )
 
 BY_KIND: dict[str, Status] = {s.kind: s for s in TABLE}

@@ -178,3 +178,38 @@ def _score(spec: Eviction, last_version: np.ndarray, touches: np.ndarray, protec
         capped = np.minimum(touches, (1 << 22) - 1).astype(np.int64)
         return protected | (capped << np.int64(40)) | (last_version & np.int64((1 << 40) - 1))
     return protected | last_version
+
+
+class RemovalLog:
+    """The ids evicted from a table since an export's last cut, for the next delta's tombstones.
+
+    Kept only while an export follows the shard (``shardps export``; started by the first export of
+    the shard), at most ``max_ids`` ids: past that the oldest are forgotten and ``floor`` (the newest
+    version whose removals are forgotten) rises, so a delta since an older cut is refused and the
+    exporter writes a new base instead.
+    """
+
+    def __init__(self, floor: int, max_ids: int = 1 << 23) -> None:
+        self._removed: deque[tuple[int, np.ndarray]] = deque()
+        self._ids = 0
+        self.max_ids = max_ids
+        self.floor = floor
+
+    def add(self, version: int, ids: np.ndarray) -> None:
+        """Rows of ``ids`` are gone from ``version`` on."""
+        self._removed.append((version, ids.copy()))
+        self._ids += ids.shape[0]
+        while self._ids > self.max_ids and self._removed:
+            v, old = self._removed.popleft()
+            self._ids -= old.shape[0]
+            self.floor = max(self.floor, v)
+
+    def since(self, version: int) -> np.ndarray:
+        """Ids removed after ``version`` (unique, sorted)."""
+        parts = [ids for v, ids in self._removed if v > version]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+    def trim(self, version: int) -> None:
+        """Forget removals at or before ``version`` (an export has them)."""
+        while self._removed and self._removed[0][0] <= version:
+            self._ids -= self._removed.popleft()[1].shape[0]

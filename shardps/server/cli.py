@@ -59,6 +59,9 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("max-workers", int, _LIMITS.max_workers, "training workers: ranks, world size, workers of a synchronous table"),
     ("wal-recovery", str, "fail", f"one of {', '.join(WAL_RECOVERY)}: what a write-ahead log record that cannot "
      "be replayed does on start (truncate: set it and all later records aside, logged as lost, and start)"),
+    ("serve-from", str, None, "serve this export directory read-only (shardps export), following its deltas; "
+     "pushes and table changes are refused"),
+    ("delta-poll", float, 1.0, "with --serve-from: seconds between looks for a new delta"),
     ("ready-file", str, None, "write the bound address to this file once serving"),
     ("log-level", str, "INFO", "DEBUG, INFO, WARNING or ERROR"),
 ]
@@ -130,6 +133,34 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "stats":
             p.add_argument("--interval", type=float, default=1.0,
                            help="seconds between two samples for current rates (0: averages since start)")
+    p = sub.add_parser("export", help="write a consistent snapshot of a cluster's tables (safetensors files, a "
+                                      "manifest with checksums), then deltas")
+    p.add_argument("addresses", nargs="*", help="shard addresses host:port, in index order")
+    p.add_argument("--cluster-file", help="read addresses from a cluster file")
+    p.add_argument("--out", required=True, help="export directory (a new base is numbered after what it holds)")
+    p.add_argument("--tables", nargs="+", default=None, help="tables and dense tensors to export (default: all)")
+    p.add_argument("--optimizer-state", action="store_true", help="include optimizer state and step counts")
+    p.add_argument("--delta", action="store_true", help="write one delta (rows changed since the last cut, "
+                   "tombstones) instead of a base")
+    p.add_argument("--delta-interval", type=float, default=0.0,
+                   help="keep running: a delta every this many seconds (a base first if --out has none, or when a "
+                        "shard restarted), until SIGTERM")
+    p.add_argument("--compact-every", type=int, default=0,
+                   help="with --delta-interval: fold the chain into a new base after this many deltas (0: never)")
+    p.add_argument("--keep-bases", type=int, default=2, help="bases kept by compaction (older ones and the deltas "
+                   "before the oldest kept are deleted)")
+    p.add_argument("--count", type=int, default=0, help="with --delta-interval: stop after this many deltas (0: run on)")
+    p.add_argument("--hold", type=float, default=30.0, help="longest seconds shards hold pushes back for the cut")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    p.add_argument("--log-level", default="INFO")
+    add_tls_args(p)
+    p = sub.add_parser("compact", help="fold an export's base and deltas into one base (offline); --to and "
+                                       "--shards reshard it")
+    p.add_argument("directory", help="export directory")
+    p.add_argument("--to", default=None, help="write the compacted base to this new directory instead of in place")
+    p.add_argument("--shards", type=int, default=None, help="with --to: partition it for this many shards")
+    p.add_argument("--keep-bases", type=int, default=2, help="in place: bases kept (older ones and their deltas go)")
+    p.add_argument("--log-level", default="INFO")
     p = sub.add_parser("reshard", help="turn the data of N shards into M shards (offline)")
     p.add_argument("--from", dest="src", required=True, help="cluster data dir holding shard-0 .. shard-(N-1)")
     p.add_argument("--to", dest="dst", required=True, help="new cluster data dir (shard-0 .. shard-(M-1) are written)")
@@ -247,6 +278,78 @@ def run_reshard(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(args: argparse.Namespace) -> int:
+    import json
+    import pathlib
+    import signal
+    import time
+
+    from shardps.core.errors import ShardError
+    from shardps.core.exports import CorruptExport, Exporter, compact, generations
+    from shardps.server.stats import caller
+
+    addresses = _addresses(args)
+    exporter = Exporter(caller(addresses, args.timeout, {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}),
+                        len(addresses), hold_s=args.hold)
+    try:
+        if args.delta_interval <= 0:
+            result = exporter.delta(args.out) if args.delta else exporter.base(args.out, args.tables,
+                                                                                args.optimizer_state)
+            print(json.dumps(_result(result)), flush=True)
+            return 0
+        stop = {"now": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+        signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+        if not generations(pathlib.Path(args.out)):
+            print(json.dumps(_result(exporter.base(args.out, args.tables, args.optimizer_state))), flush=True)
+        written = since_compaction = 0
+        next_at = time.monotonic() + args.delta_interval
+        while not stop["now"] and not (args.count and written >= args.count):
+            if time.monotonic() < next_at:
+                time.sleep(min(0.1, next_at - time.monotonic()))
+                continue
+            next_at += args.delta_interval
+            try:
+                result = exporter.delta(args.out, fallback_base=True)
+            except Exception as e:  # noqa: BLE001 - a shard unreachable for a while: try again next interval
+                print(f"shardps export: delta failed, retrying next interval: {e}", file=sys.stderr, flush=True)
+                continue
+            if result.kind == "none":
+                continue
+            written += 1
+            since_compaction = 0 if result.kind == "base" else since_compaction + 1
+            print(json.dumps(_result(result)), flush=True)
+            if args.compact_every and since_compaction >= args.compact_every:
+                print(json.dumps(_result(compact(args.out, keep_bases=args.keep_bases))), flush=True)
+                since_compaction = 0
+        return 0
+    except (ShardError, CorruptExport, ValueError) as e:
+        raise SystemExit(f"shardps export: {e}") from None
+
+
+def _result(r: object) -> dict:
+    from dataclasses import asdict
+
+    out = asdict(r)  # type: ignore[call-overload]
+    out["path"] = str(out["path"]) if out["path"] else None
+    out["seconds"] = round(out["seconds"], 4)
+    out["pause_s"] = round(out["pause_s"], 4)
+    return out
+
+
+def run_compact(args: argparse.Namespace) -> int:
+    import json
+
+    from shardps.core.exports import CorruptExport, compact
+
+    try:
+        result = compact(args.directory, args.to, args.shards, keep_bases=args.keep_bases)
+    except (CorruptExport, ValueError) as e:
+        raise SystemExit(f"shardps compact: {e}") from None
+    print(json.dumps(_result(result)))
+    return 0
+
+
 def _tls(args: argparse.Namespace) -> Optional[TLSFiles]:
     if args.tls_cert is None and args.tls_key is None:
         if args.tls_client_ca:
@@ -264,6 +367,7 @@ def run_serve(args: argparse.Namespace) -> int:
         shard_config = ShardConfig(
             shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
             durability=args.durability, worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
+            serve_from=args.serve_from,
             limits=Limits(
                 max_memory_mb=args.max_memory_mb, max_tables=args.max_tables, max_table_rows=args.max_table_rows,
                 max_ids_per_request=args.max_ids_per_request, max_name_length=args.max_name_length,
@@ -274,6 +378,7 @@ def run_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb,
             checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace, metrics_port=args.metrics_port,
+            delta_poll_s=args.delta_poll,
             tls=_tls(args), tokens=Tokens.load(args.tokens_file) if args.tokens_file else None,
             fairness=FairConfig(slots=args.fair_slots, calls_per_connection=args.max_calls_per_connection,
                                 streams_per_connection=args.max_streams_per_connection,
@@ -283,11 +388,13 @@ def run_serve(args: argparse.Namespace) -> int:
             server_config.tls.read()  # a missing or unreadable file is a clear error here, not a traceback later
     except (ValueError, OSError) as e:
         raise SystemExit(f"shardps serve: {e}") from None
+    from shardps.core.exports import CorruptExport
+    from shardps.server.serving import ServeMismatch
     from shardps.server.shard import LogReplayError, ShardMapMismatch
 
     try:
         return serve(shard_config, server_config, ready_file=args.ready_file)
-    except (ShardMapMismatch, LogReplayError) as e:
+    except (ShardMapMismatch, LogReplayError, CorruptExport, ServeMismatch) as e:
         raise SystemExit(f"shardps serve: {e}") from None
 
 
@@ -297,7 +404,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO) if hasattr(args, "log_level") else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handlers = {"serve": run_serve, "reshard": run_reshard, "cluster": run_cluster, "health": run_health, "stats": run_stats}
+    handlers = {"serve": run_serve, "reshard": run_reshard, "cluster": run_cluster, "health": run_health,
+                "stats": run_stats, "export": run_export, "compact": run_compact}
     return handlers[args.command](args)
 
 

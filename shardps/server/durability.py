@@ -79,6 +79,12 @@ def record_push(name: str, ids: np.ndarray, grads: np.ndarray, client_id: str = 
     return kind, req.SerializeToString()
 
 
+def record_assign(name: str, ids: np.ndarray, values: np.ndarray) -> Record:
+    """Rows set to values (a loaded state dict): an AssignRequest."""
+    req = pb.AssignRequest(table=name, ids=codec.encode(ids), values=codec.encode(values))
+    return wal.ASSIGN, req.SerializeToString()
+
+
 def record_evict(name: str, ids: np.ndarray, cause: int) -> Record:
     """Rows evicted from a table: the cause (u32), the name's length (u32) and the name, then the ids."""
     raw = name.encode()
@@ -152,7 +158,14 @@ class Evict:
     cause: int
 
 
-Change = Union[CreateTable, RegisterDense, Drop, Push, Evict]
+@dataclass(frozen=True)
+class Assign:
+    name: str
+    ids: np.ndarray
+    values: np.ndarray
+
+
+Change = Union[CreateTable, RegisterDense, Drop, Push, Evict, Assign]
 
 
 def read_record(kind: int, payload: bytes) -> Change:
@@ -169,6 +182,9 @@ def read_record(kind: int, payload: bytes) -> Change:
         staleness, per_row, ticks, body = split_staleness(payload)
         dense = kind == wal.PUSH_DENSE
         return Push(wire.decode_push(body, dense=dense), staleness, dense, per_row, ticks)
+    if kind == wal.ASSIGN:
+        req = pb.AssignRequest.FromString(payload)
+        return Assign(req.table, codec.decode(req.ids, "ids"), codec.decode(req.values, "values"))
     if kind == wal.EVICT:
         cause, n = _U32.unpack_from(payload), _U32.unpack_from(payload, 4)[0]
         name = bytes(payload[8:8 + n]).decode()

@@ -9,6 +9,7 @@ one until SIGTERM or SIGINT (the ``shardps serve`` command).
 from __future__ import annotations
 
 import logging
+import pathlib
 import signal
 import threading
 from concurrent import futures
@@ -24,6 +25,7 @@ from shardps.server.auth import TLSFiles, Tokens
 from shardps.server.fair import FairConfig
 from shardps.server.metrics import NO_METRICS, Metrics, NullMetrics
 from shardps.server.servicer import ShardServicer, add_to_server
+from shardps.server.serving import Follower
 from shardps.server.shard import Shard, ShardConfig
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class ServerConfig:
     tls: Optional[TLSFiles] = None
     tokens: Optional[Tokens] = None
     fairness: FairConfig = FairConfig()
+    delta_poll_s: float = 1.0
 
 
 class ShardServer:
@@ -83,6 +86,10 @@ class ShardServer:
         self.metrics: NullMetrics = Metrics() if server_config.metrics_port is not None else NO_METRICS
         self.shard = Shard(shard_config, self.metrics)
         self.config = server_config
+        self.follower: Optional[Follower] = None
+        if shard_config.serve_from is not None:  # loaded before the port opens: a serving shard never serves nothing
+            self.follower = Follower(self.shard, pathlib.Path(shard_config.serve_from))
+            self.follower.load()
         self.metrics_port: Optional[int] = None
         self._server = grpc.server(
             # Threads start on demand: the pool grows past ``workers`` only while streams are open or
@@ -122,6 +129,7 @@ class ShardServer:
         self._ckpt_thread: Optional[threading.Thread] = None
         self._trim_thread = threading.Thread(target=self._trim_when_idle, name="trimmer", daemon=True)
         self._sweep_thread = threading.Thread(target=self._sweep_loop, name="sweeper", daemon=True)
+        self._follow_thread = threading.Thread(target=self._follow_loop, name="follower", daemon=True)
         self._started = False
 
     @property
@@ -146,6 +154,8 @@ class ShardServer:
             self._ckpt_thread.start()
         self._trim_thread.start()
         self._sweep_thread.start()
+        if self.follower is not None:
+            self._follow_thread.start()
         log.info("shard %d of %d serving on %s", self.shard.index, self.shard.num_shards, self.address)
         return self
 
@@ -164,6 +174,13 @@ class ShardServer:
                 self.shard.sweep()
             except Exception:
                 log.exception("eviction sweep failed")
+
+    def _follow_loop(self) -> None:
+        """A serving shard: apply the export's next deltas as they appear."""
+        assert self.follower is not None
+        while not self._stop.wait(self.config.delta_poll_s):
+            while self.follower.poll() and not self._stop.is_set():
+                pass
 
     def _trim_when_idle(self) -> None:
         """Message buffers stay in the heap while traffic flows (``tune_malloc``); once calls

@@ -50,12 +50,22 @@ class TableRegistry:
     def new(self, spec: Union[TableSpec, DenseSpec], owns: Any, expected_rows: int) -> Table:
         """Create and add a table charged to the budget (callers hold ``lock`` and checked it is absent)."""
         self.limits.check("tables and dense tensors", len(self._tables) + 1, "max_tables")
+        t = self.build(spec, owns, expected_rows)
+        self._tables[spec.name] = t
+        return t
+
+    def build(self, spec: Union[TableSpec, DenseSpec], owns: Any, expected_rows: int) -> Table:
+        """A table charged to the budget, not added (``put`` adds it: a serving shard swaps tables in whole)."""
         self.check_name(spec.name)
         if spec.sync is not None:
             self.limits.check(f"{spec.name}: sync workers", spec.sync.workers, "max_workers")
-        t = Table(spec, owns, expected_rows, budget=self.budget, max_rows=self.limits.max_table_rows)
-        self._tables[spec.name] = t
-        return t
+        return Table(spec, owns, expected_rows, budget=self.budget, max_rows=self.limits.max_table_rows)
+
+    def put(self, t: Table) -> Optional[Table]:
+        """Add ``t``, replacing the table of its name (callers hold ``lock``); the one replaced, or None."""
+        old = self._tables.get(t.spec.name)
+        self._tables[t.spec.name] = t
+        return old
 
     def pop(self, name: str) -> Optional[Table]:
         """Remove a table (callers hold ``lock``); its memory is released by the caller under its lock."""

@@ -145,11 +145,14 @@ def _stats(c: Counters) -> pb.ShardStats:
 
 
 def _shard_info(info: ShardInfo) -> pb.ShardInfoResponse:
-    return pb.ShardInfoResponse(
+    out = pb.ShardInfoResponse(
         shard_index=info.shard_index, num_shards=info.num_shards, version=info.version,
         tables=[_table_info(t) for t in info.tables], uptime_s=info.uptime_s, stats=_stats(info.stats),
-        durability=info.durability, last_checkpoint=info.last_checkpoint,
+        durability=info.durability, last_checkpoint=info.last_checkpoint, export_floor=info.export_floor,
     )
+    if info.serving is not None:
+        out.serving.CopyFrom(info.serving.to_pb())
+    return out
 
 
 class ShardServicer(pb_grpc.ShardServicer):
@@ -435,6 +438,49 @@ class ShardServicer(pb_grpc.ShardServicer):
         prepared = phase == pb.CheckpointRequest.COMMIT
         cid, version, size, pause = self.shard.checkpoint(request.checkpoint_id, prepared=prepared)
         return pb.CheckpointResponse(checkpoint_id=cid, version=version, bytes=size, pause_s=pause)
+
+    @_rpc
+    def Export(self, request: pb.ExportRequest, context: grpc.ServicerContext) -> pb.ExportResponse:
+        self._check_map(request.shard_map)
+        phase, shard = request.phase, self.shard
+        if phase == pb.ExportRequest.PREPARE:
+            shard.hold_pushes(request.hold_s)
+            return pb.ExportResponse(version=shard.version)
+        if phase == pb.ExportRequest.ABORT:
+            shard.abort_checkpoint()
+            return pb.ExportResponse(version=shard.version)
+        if phase == pb.ExportRequest.END:
+            shard.export_end(request.export_id)
+            return pb.ExportResponse()
+        if phase == pb.ExportRequest.BEGIN:
+            since = request.since_version if request.delta else None
+            version, copies = shard.export_begin(request.export_id, list(request.tables), request.optimizer_state,
+                                                 since, prepared=True)
+            out = pb.ExportResponse(version=version)
+            for copy in copies.values():
+                entry = out.tables.add(rows=copy.arrays["ids"].shape[0], full=copy.full,
+                                       tombstones=copy.arrays["tombstones"].shape[0] if "tombstones" in copy.arrays else 0)
+                if isinstance(copy.spec, DenseSpec):
+                    entry.dense.CopyFrom(dense_spec_to_pb(copy.spec))
+                else:
+                    entry.spec.CopyFrom(table_spec_to_pb(copy.spec))
+            return out
+        page = shard.export_read(request.export_id, request.table, request.offset, request.max_rows,
+                                 request.read_tombstones)
+        out = pb.ExportResponse(ids=codec.encode(page.pop("ids")))
+        if "values" in page:
+            out.values.CopyFrom(codec.encode(page.pop("values")))
+        if "steps" in page:
+            out.steps.CopyFrom(codec.encode(page.pop("steps")))
+        for k, v in page.items():
+            out.state[k[len("state."):]].CopyFrom(codec.encode(v))
+        return out
+
+    @_rpc
+    def Assign(self, request: pb.AssignRequest, context: grpc.ServicerContext) -> pb.AssignResponse:
+        self._check_map(request.shard_map)
+        values = _grads(request.values, "values")
+        return pb.AssignResponse(version=self.shard.assign(request.table, _ids(request.ids), values))
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:

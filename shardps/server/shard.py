@@ -31,10 +31,12 @@ import numpy as np
 
 from shardps.core.errors import (
     AlreadyExists,
+    ExportGap,
     InvalidArgument,
     NotFound,
     OutOfRange,
     PermissionDenied,
+    ReadOnly,
     ResourceExhausted,
     Unavailable,
     WrongShard,
@@ -44,6 +46,7 @@ from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server import checkpoint as ckpt
 from shardps.server import durability as dur
 from shardps.server import wal as wal_mod
+from shardps.server.bounded import RemovalLog
 from shardps.server.gate import CheckpointGate
 from shardps.server.limits import Limits
 from shardps.server.metrics import NO_METRICS, NullMetrics
@@ -89,6 +92,8 @@ class ShardConfig:
             on start: "fail" (the shard does not start, and says which record and
             how to recover) or "truncate" (that record and every later one are
             moved aside to a ``.corrupt`` file, logged as lost, and the shard starts).
+        serve_from: an export directory: the shard serves it read-only and follows its deltas
+            (``shardps.server.serving``); pushes and table changes are refused.
     """
 
     shard_index: int = 0
@@ -100,8 +105,11 @@ class ShardConfig:
     worker_timeout_s: float = 10.0
     limits: Limits = Limits()
     wal_recovery: str = "fail"
+    serve_from: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.serve_from is not None and self.data_dir is not None:
+            raise ValueError("a serving shard (--serve-from) keeps no data dir: its state is the export's")
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard index {self.shard_index} is not in [0, {self.num_shards})")
         if self.durability not in DURABILITY_LEVELS:
@@ -143,6 +151,25 @@ class ShardInfo:
     stats: Counters
     durability: str
     last_checkpoint: str
+    export_floor: int = -1  # deltas may follow a cut at this version or later (-1: no export followed yet)
+    serving: Optional[Any] = None  # a serving shard's ServingState (shardps.server.serving)
+
+
+@dataclass
+class ExportedCopy:
+    """One table of an export's copy: its spec, whether the copy is the whole table, and its arrays
+    (``ids``, ``values``; ``steps`` and ``state.*`` with optimizer state; ``tombstones`` in a delta)."""
+
+    spec: Union[TableSpec, DenseSpec]
+    full: bool
+    arrays: dict[str, np.ndarray]
+
+
+@dataclass
+class _Export:
+    version: int
+    tables: dict[str, ExportedCopy]
+    touched: float
 
 
 @dataclass
@@ -175,6 +202,10 @@ class Shard:
         self.membership = self.sync.membership
         self._ckpt_lock = threading.Lock()
         self._ckpts = _Checkpoints()
+        self.read_only = config.serve_from is not None
+        self.serving: Optional[Any] = None  # set by a serving shard's follower
+        self.export_floor: Optional[int] = None  # removals are tracked since this version (None: not yet)
+        self._exports: dict[str, _Export] = {}
         if self.data_dir is not None and self.durability.mode != "none":
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._restore()
@@ -224,6 +255,17 @@ class Shard:
                 f"largest message of {self.limits.max_message_bytes:,} bytes (--max-message-mb); split the request"
             )
 
+    def ownership(self, spec: Union[TableSpec, DenseSpec]) -> tuple[Callable[[np.ndarray], np.ndarray], int]:
+        """(which ids of an array this shard owns, rows it is expected to hold) of a table or dense tensor."""
+        if isinstance(spec, DenseSpec):
+            owned = dense_rows_owned(spec.name, spec.rows, spec.chunk_rows, self.num_shards, self.index)
+
+            def owns(ids: np.ndarray, owned: np.ndarray = owned) -> np.ndarray:
+                return owned[ids]
+
+            return owns, int(owned.sum())
+        return self._owns_ids, 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
+
     def _owns_ids(self, ids: np.ndarray) -> np.ndarray:
         return shard_of_ids(ids, self.num_shards) == self.index
 
@@ -246,17 +288,31 @@ class Shard:
                         f"table {spec.name!r} exists with a different spec: {existing.spec} (requested {spec})"
                     )
                 return False
+            self._writable(f"creating table {spec.name!r}")
             if not may_create:
                 raise PermissionDenied(f"table {spec.name!r} does not exist, and only an admin token may create it")
-            expected = 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
-            self.registry.new(spec, self._owns_ids, expected)
+            self._created(self.registry.new(spec, *self.ownership(spec)))
             ticket = self._record(dur.record_create_table, spec)
         log.info("shard %d: created table %s", self.index, spec.name)
         self.durability.wait(ticket)
         return True
 
+    def _writable(self, what: str) -> None:
+        """Refuse a change on a serving shard."""
+        if self.read_only:
+            raise ReadOnly(f"shard {self.index} serves the export {self.config.serve_from} read-only (--serve-from): "
+                           f"{what} refused; send it to the training cluster")
+
+    def _created(self, t: Table) -> None:
+        """A new table or dense tensor: a delta since an earlier cut copies it whole; while an export follows,
+        its evictions are tracked."""
+        t.created_version = self.version + 1
+        if self.export_floor is not None and t.eviction is not None:
+            t.removals = RemovalLog(self.version)
+
     def drop(self, name: str) -> bool:
         self.registry.check_name(name)
+        self._writable(f"dropping {name!r}")
         with self.registry.lock:
             t = self.registry.pop(name)
             ticket = self._record(dur.record_drop, name) if t is not None else 0
@@ -296,6 +352,7 @@ class Shard:
     def validate_push(self, name: str, ids: np.ndarray, grads: np.ndarray, sync: Optional[SyncPart] = None) -> Table:
         """Check a row push without applying it; returns its table."""
         t = self.registry.get(name, dense=False)
+        self._writable(f"a push to {name!r}")
         self._check_ids_count(ids.shape[0] if ids.ndim else 1)
         if sync is None or ids.size:  # a synchronous worker may contribute nothing to a step
             t.check_ids(ids)
@@ -371,13 +428,11 @@ class Shard:
             elif not may_create:
                 raise PermissionDenied(f"dense tensor {spec.name!r} does not exist, and only an admin token may create it")
             else:
-                owned = dense_rows_owned(spec.name, spec.rows, spec.chunk_rows, self.num_shards, self.index)
-
-                def owns(ids: np.ndarray, owned: np.ndarray = owned) -> np.ndarray:
-                    return owned[ids]
-
-                t = self.registry.new(spec, owns, int(owned.sum()))
-        if values is None or values.size == 0:
+                self._writable(f"registering dense tensor {spec.name!r}")
+                owns, expected = self.ownership(spec)
+                t = self.registry.new(spec, owns, expected)
+                self._created(t)
+        if values is None or values.size == 0 or self.read_only:  # a serving shard's tensors hold the export's values
             if created:
                 self.durability.wait(self._record(dur.record_register_dense, spec))
             return created, False
@@ -388,7 +443,7 @@ class Shard:
         if not np.isfinite(values).all():
             raise InvalidArgument(f"{spec.name}: initial values contain NaN or Inf")
         with self.registry.lock:  # log order = application order for first-writer-wins
-            initialized = t.assign(ids, values)
+            initialized = t.assign(ids, values, stamp=self.version + 1)
             ticket = self._record(dur.record_register_dense, spec, row_start, values) if initialized or created else 0
         self.durability.wait(ticket)
         return created, initialized
@@ -416,6 +471,7 @@ class Shard:
                             sync: Optional[SyncPart] = None) -> tuple[Table, np.ndarray]:
         """Check a dense push without applying it; returns its table and row ids."""
         t = self.registry.get(name, dense=True)
+        self._writable(f"a push to {name!r}")
         if grads.ndim != 2:
             raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
         ids = self._dense_rows(t, row_start, row_start + grads.shape[0])
@@ -433,6 +489,7 @@ class Shard:
             shard_index=self.index, num_shards=self.num_shards, version=version,
             tables=[self._info(t) for t in tables], uptime_s=time.monotonic() - self.started,
             stats=self.stats, durability=self.durability.mode, last_checkpoint=self._ckpts.last,
+            export_floor=self.delta_floor(), serving=self.serving,
         )
 
     # ---- checkpoints ----------------------------------------------------------------
@@ -445,6 +502,12 @@ class Shard:
         coordinator that died cannot stall training.
         """
         self._require_data_dir()
+        self.hold_pushes(hold_s)
+
+    def hold_pushes(self, hold_s: Optional[float] = None) -> None:
+        """Hold new pushes back and let running ones finish: phase 1 of a cluster-wide cut (checkpoint or
+        export), ended by phase 2, an abort, or after ``hold_s`` (at most ``config.checkpoint_hold_s``)."""
+        self._writable("a checkpoint or export")
         hold = self.config.checkpoint_hold_s if not hold_s else min(hold_s, self.config.checkpoint_hold_s)
         with self._ckpt_lock:
             self.gate.close()
@@ -458,6 +521,7 @@ class Shard:
             self.gate.open()
 
     def _require_data_dir(self) -> pathlib.Path:
+        self._writable("a checkpoint")
         if self.data_dir is None or self.durability.mode == "none":
             raise InvalidArgument(f"shard {self.index} has no data dir: start it with --data-dir to checkpoint")
         return self.data_dir
@@ -495,6 +559,127 @@ class Shard:
         log.info("shard %d: checkpoint %s at version %d (%d bytes, pause %.3fs)",
                  self.index, checkpoint_id, meta["version"], size, pause)
         return checkpoint_id, meta["version"], size, pause
+
+    # ---- exports (shardps.core.exports) ---------------------------------------------------
+
+    MAX_EXPORTS = 4  # copies kept at once
+    EXPORT_IDLE_S = 600.0  # a copy nobody read for this long is freed
+
+    def delta_floor(self) -> int:
+        """The oldest cut a delta may follow (-1: no export followed yet, so none): where removal tracking
+        started, or later where a table's removals overflowed."""
+        if self.export_floor is None:
+            return -1
+        floors = [t.removals.floor for t in self.registry.tables() if t.removals is not None]
+        return max([self.export_floor, *floors])
+
+    def export_begin(self, export_id: str, names: list[str], optimizer_state: bool, since: Optional[int],
+                     prepared: bool = False) -> tuple[int, dict[str, ExportedCopy]]:
+        """Copy tables for an export at one version (phase 2 after ``hold_pushes`` when ``prepared``): every
+        table (or those of ``names``) whole, or with ``since`` what changed after that version, with
+        tombstones. The copy is kept as ``export_id`` for ``export_read``. Returns (version, copies)."""
+        self._writable("an export")
+        if not export_id or len(export_id) > 64 or not all(c.isalnum() or c in "-_" for c in export_id):
+            raise InvalidArgument(f"invalid export id {export_id!r}: use 1 to 64 of [A-Za-z0-9_-]")
+        self._free_idle_exports()
+        if len(self._exports) >= self.MAX_EXPORTS and export_id not in self._exports:
+            raise ResourceExhausted(f"shard {self.index}: {self.MAX_EXPORTS} exports are being read already")
+        with self._ckpt_lock:
+            if prepared and self.gate.is_open:
+                raise Unavailable(f"shard {self.index}: export {export_id} was not prepared or its hold expired")
+            try:
+                with ExitStack() as stack:
+                    stack.enter_context(self.registry.lock)
+                    tables = self.registry.sorted_items()
+                    for _, t in tables:
+                        stack.enter_context(t.lock)
+                    version = self.version
+                    wanted = set(names)
+                    missing = wanted - {name for name, _ in tables}
+                    if missing and since is None:
+                        raise NotFound(f"shard {self.index}: no table or dense tensor {sorted(missing)[0]!r} to export")
+                    chosen = [(name, t) for name, t in tables if not wanted or name in wanted]
+                    if since is not None:
+                        floor = self.delta_floor()
+                        if floor < 0 or not floor <= since <= version:
+                            why = ("it has not been exported since it started" if floor < 0 else
+                                   f"it keeps removals since version {floor} only" if since < floor else
+                                   f"it is at version {version}, before that cut (its state was lost)")
+                            raise ExportGap(f"shard {self.index}: no delta since version {since}: {why}; "
+                                            "write a new base")
+                    copies = {}
+                    for name, t in chosen:
+                        full = since is None or t.created_version > since
+                        copies[name] = ExportedCopy(t.spec, full, t.export_copy(version, None if full else since,
+                                                                                optimizer_state))
+                        if since is not None and t.removals is not None:
+                            t.removals.trim(since)
+                    if self.export_floor is None:  # from this cut on, evictions are kept for the next delta
+                        self.export_floor = version
+                    for _, t in tables:
+                        if t.eviction is not None and t.removals is None:
+                            t.removals = RemovalLog(version)
+            finally:
+                if prepared:
+                    self.gate.open()
+        self._exports[export_id] = _Export(version, copies, time.monotonic())
+        rows = sum(c.arrays["ids"].shape[0] for c in copies.values())
+        log.info("shard %d: export %s at version %d: %d tables, %d rows%s", self.index, export_id, version,
+                 len(copies), rows, "" if since is None else f" changed since version {since}")
+        return version, copies
+
+    def export_read(self, export_id: str, name: str, offset: int, max_rows: int,
+                    tombstones: bool = False) -> dict[str, np.ndarray]:
+        """A page of an export's copy of table ``name``: rows [offset, offset + max_rows) (at most what fits in
+        a message), or with ``tombstones`` that page of its tombstones (as ``ids``)."""
+        export = self._exports.get(export_id)
+        if export is None:
+            raise NotFound(f"shard {self.index}: no export {export_id!r} (ended, or freed after "
+                           f"{self.EXPORT_IDLE_S:.0f} s unread)")
+        export.touched = time.monotonic()
+        copy = export.tables.get(name)
+        if copy is None:
+            raise NotFound(f"shard {self.index}: export {export_id} has no table {name!r}")
+        if tombstones:
+            ids = copy.arrays.get("tombstones", np.zeros(0, np.int64))
+            page = max(1, self.limits.max_message_bytes // 16)
+            return {"ids": ids[offset:offset + min(max_rows or page, page)]}
+        per_row = sum(a[:1].nbytes for k, a in copy.arrays.items() if k != "tombstones")
+        page = max(1, (self.limits.max_message_bytes - 65536) // max(per_row, 1))
+        end = offset + min(max_rows or page, page)
+        return {k: a[offset:end] for k, a in copy.arrays.items() if k != "tombstones"}
+
+    def export_end(self, export_id: str) -> None:
+        self._exports.pop(export_id, None)
+
+    def _free_idle_exports(self) -> None:
+        now = time.monotonic()
+        for eid, e in list(self._exports.items()):
+            if now - e.touched > self.EXPORT_IDLE_S:
+                log.warning("shard %d: export %s freed unfinished (unread for %.0f s)", self.index, eid, now - e.touched)
+                self._exports.pop(eid, None)
+
+    # ---- assignments ------------------------------------------------------------------------
+
+    def assign(self, name: str, ids: np.ndarray, values: np.ndarray) -> int:
+        """Set the rows of ``ids`` (unique) to ``values``, creating absent ones: a loaded state dict. Returns
+        the shard version after it."""
+        t = self.registry.get(name, dense=False)
+        self._writable(f"assigning rows of {name!r}")
+        self._check_ids_count(ids.shape[0] if ids.ndim else 1)
+        t.check_ids(ids)
+        if values.shape != (ids.shape[0], t.dim):
+            raise InvalidArgument(f"{name}: values must have shape [{ids.shape[0]}, {t.dim}] (ids x dim), "
+                                  f"got {list(values.shape)}")
+        if not np.isfinite(values).all():
+            raise InvalidArgument(f"{name}: values contain NaN or Inf; assignment refused")
+        order = np.argsort(ids, kind="stable")
+        ids, values = ids[order], np.ascontiguousarray(values[order], dtype=np.float32)
+        if ids.shape[0] > 1 and (ids[1:] == ids[:-1]).any():
+            raise InvalidArgument(f"{name}: assigned ids must be unique (id {int(ids[1:][ids[1:] == ids[:-1]][0])} "
+                                  "appears twice)")
+        record = dur.record_assign(name, ids, values) if self.durability.wants_records else (0, b"")
+        return self.updates.assign(t, ids, values, record)
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
         """Copy every table at one consistent version: (checkpoint header, arrays, seconds pushes waited)."""
@@ -573,6 +758,12 @@ class Shard:
             self.register_dense(change.spec, change.row_start, change.values)
         elif isinstance(change, dur.Drop):
             self.drop(change.name)
+        elif isinstance(change, dur.Assign):
+            found = self.registry.find(change.name)
+            if found is None:
+                raise NotFound(f"log record assigns to unknown table {change.name!r}")
+            found.check_ids(change.ids)
+            self.updates.assign(found, change.ids, change.values, replaying=True)
         elif isinstance(change, dur.Evict):
             found = self.registry.find(change.name)
             if found is None:

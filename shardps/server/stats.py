@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 
+from shardps.core import status
 from shardps.core.optim import optimizer_to_dict
 from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
 from shardps.core.tokens import bearer, token_from_environment
@@ -22,6 +23,26 @@ def _info(address: str, timeout: float, tls: Optional[dict[str, Optional[str]]],
             return pb_grpc.ShardStub(ch).ShardInfo(pb.ShardInfoRequest(), timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
             raise RuntimeError(f"shard at {address}: {e.code().name} {e.details()}") from None
+
+
+def caller(addresses: list[str], timeout: float = 60.0, tls: Optional[dict[str, Optional[str]]] = None
+           ) -> Callable[[int, str, Any], Any]:
+    """``call(shard, method, request)`` over one channel per shard (TLS files as in ``collect``; the token from
+    SHARDPS_TOKEN_FILE / SHARDPS_TOKEN). A refusal raises the shard's own error class (shardps.core.status)."""
+    token = token_from_environment()
+    metadata = bearer(token) if token else None
+    stubs = [pb_grpc.ShardStub(channel(a, **(tls or {}))) for a in addresses]
+
+    def call(shard: int, method: str, request: Any) -> Any:
+        try:
+            return getattr(stubs[shard], method)(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            kind = dict(e.trailing_metadata() or ()).get(status.KIND_METADATA, "")
+            st = status.BY_KIND.get(kind)
+            message = f"shard at {addresses[shard]}: {e.code().name} {e.details()}"
+            raise (st.shard_error(message) if st is not None else RuntimeError(message)) from None
+
+    return call
 
 
 def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
@@ -65,8 +86,13 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
             "rows_pushed_rate": (st.rows_pushed - base.rows_pushed) / span,
             "max_staleness": st.max_staleness, "mean_staleness": round(st.mean_staleness, 3),
             "stale_rejected": st.stale_rejected, "duplicates": st.duplicates, "errors": st.errors,
-            "tables": tables, "server_version": info.server_version,
+            "tables": tables, "server_version": info.server_version, "export_floor": info.export_floor,
         })
+        if info.HasField("serving"):
+            sv = info.serving
+            out[-1]["serving"] = {"directory": sv.directory, "base": sv.base, "delta": sv.delta,
+                                  "applied_age_s": round(sv.applied_age_s, 1), "error": sv.error,
+                                  "deltas_applied": sv.deltas_applied, "last_apply_s": round(sv.last_apply_s, 4)}
     return out
 
 
@@ -88,6 +114,13 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{_si(r['rows_pushed_rate']):>10} {_si(r['rows_pulled_rate']):>10} "
             f"{str(r['max_staleness']) + '/' + str(r['mean_staleness']):>15} {r['uptime_s']:>7.0f}s"
         )
+        if "serving" in r:
+            sv = r["serving"]
+            lines.append(f"{'':>5}   serving {sv['directory']}: base {sv['base']} + delta {sv['delta']} "
+                         f"(applied {sv['applied_age_s']:.0f}s ago in {sv['last_apply_s']:.3f}s; "
+                         f"{sv['deltas_applied']} deltas since start)")
+            if sv["error"]:
+                lines.append(f"{'':>5}   next delta refused: {sv['error']}")
         for t in r["tables"]:
             lines.append(
                 f"{'':>5}   {t['kind']} {t['name']:<24} rows {_si(t['rows']):>7}  bytes {_si(t['bytes']):>7}B "

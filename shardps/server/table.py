@@ -26,7 +26,7 @@ from shardps.core.ids import coalesce
 from shardps.core.memory import grown, zeros
 from shardps.core.optim import RowOptimizer
 from shardps.core.specs import DenseSpec, Initializer, TableSpec
-from shardps.server.bounded import CAUSE_CAPACITY, CAUSE_TTL, CountMinSketch, PushHistory, choose_victims
+from shardps.server.bounded import CAUSE_CAPACITY, CAUSE_TTL, CountMinSketch, PushHistory, RemovalLog, choose_victims
 from shardps.server.index import DirectIndex, HashIndex
 from shardps.server.limits import MemoryBudget, optional_budget
 
@@ -114,6 +114,9 @@ class Table:
         self.counts = BoundedCounts()
         self._sweep_at = 0  # the slot the next sweep starts from
         self._high = 0  # slots ever used (past it the arrays are still zeros)
+        self.created_version = 0  # a delta since an earlier cut copies the whole table (shard.py sets it)
+        self.removals: Optional[RemovalLog] = None  # evicted ids, while an export follows (tombstones)
+        self.read_only = False  # a serving shard's table: reads never create rows
 
     # ---- validation (no lock needed) -------------------------------------------------
 
@@ -216,8 +219,9 @@ class Table:
         self._high = max(self._high, self.n)
         return slots
 
-    def _slots(self, ids: np.ndarray, create: bool) -> np.ndarray:
-        """Slots of ``ids``, materialising absent ones from the initializer if ``create``."""
+    def _slots(self, ids: np.ndarray, create: bool, stamp: int = 0) -> np.ndarray:
+        """Slots of ``ids``, materialising absent ones from the initializer if ``create`` (``stamp``: their
+        last change's version, so an export's next delta carries them)."""
         slots = self.index.lookup(ids)
         missing = slots < 0
         if missing.any():
@@ -226,24 +230,27 @@ class Table:
                 raise InvalidArgument(f"{self.spec.name}: row {bad} is not initialised; register the tensor first")
             new_ids, inverse = np.unique(ids[missing], return_inverse=True)
             new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
+            self.last_version[new_slots] = stamp
             slots[missing] = new_slots[inverse]
         return slots
 
     def read(self, ids: np.ndarray, version: int = 0) -> np.ndarray:
         """Rows of ``ids`` (a copy) at shard version ``version``. Caller holds ``lock``.
 
-        An unbounded table creates absent rows from the initializer; a bounded one creates
-        nothing: absent and expired rows read their initial value."""
-        if not self.bounded:
-            slots = self._slots(ids, create=True)  # first: creating rows may grow (replace) self.rows
+        An unbounded table creates absent rows from the initializer; a bounded one (and a serving
+        shard's) creates nothing: absent and expired rows read their initial value."""
+        if not self.bounded and not self.read_only:
+            slots = self._slots(ids, create=True, stamp=version + 1)  # first: may grow (replace) self.rows
             return np.take(self.rows, slots, axis=0)
         slots = self.index.lookup(ids)
         live = slots >= 0
-        if self.eviction is not None and live.any():
+        if self.eviction is not None and not self.read_only and live.any():
             live[live] = ~self._expired(slots[live], version, now_ticks())
         out = np.take(self.rows, np.where(live, slots, 0), axis=0)
         if not live.all():
-            assert self.initializer is not None
+            if self.initializer is None:
+                bad = int(ids[np.argmin(live)])
+                raise InvalidArgument(f"{self.spec.name}: row {bad} is not initialised")
             out[~live] = self.initializer.rows(ids[~live], self.dim)
         return out
 
@@ -287,7 +294,7 @@ class Table:
                 expired = live[self._expired(slots[live], version, now)]
                 if expired.size:
                     out.expired = ids[expired]
-                    self.remove(out.expired, CAUSE_TTL, check=False)
+                    self.remove(out.expired, CAUSE_TTL, check=False, version=stamp)
                     slots = self.index.lookup(ids)  # the removal moved rows
             missing = slots < 0
             if missing.any():
@@ -325,13 +332,39 @@ class Table:
             if self.history is not None:
                 self.history.add(stamp, ids)
         out.rows = int(ids.shape[0])
+        if evict:
+            out.over_capacity = self._evict_over_capacity(stamp)
+        return out
+
+    def _evict_over_capacity(self, stamp: int) -> np.ndarray:
+        """Evict the rows over the eviction's ``max_rows`` (none of the push of ``stamp`` unless it alone is
+        larger); their ids, for the log."""
         e = self.eviction
-        if e is not None and evict and e.max_rows is not None and self.n > e.max_rows:
-            n = self.n
-            victims = choose_victims(e, n, n - e.max_rows, self.ids, self.last_version[:n], self.touches[:n],
-                                     stamp, salt=stamp)
-            out.over_capacity = self.ids[victims].copy()
-            self.remove(out.over_capacity, CAUSE_CAPACITY, check=False)
+        if e is None or e.max_rows is None or self.n <= e.max_rows:
+            return np.zeros(0, np.int64)
+        n = self.n
+        victims = choose_victims(e, n, n - e.max_rows, self.ids, self.last_version[:n], self.touches[:n],
+                                 stamp, salt=stamp)
+        gone = self.ids[victims].copy()
+        self.remove(gone, CAUSE_CAPACITY, check=False, version=stamp)
+        return gone
+
+    def assign_rows(self, ids: np.ndarray, values: np.ndarray, stamp: int, now: int, evict: bool = True) -> Applied:
+        """Set the rows of unique ``ids`` to ``values`` (a loaded state dict), creating absent ones (a bounded
+        table admits them: the caller chose them); optimizer state and step counts of existing rows are
+        kept, as ``torch.nn.Module.load_state_dict`` leaves an optimizer's. Caller holds ``lock``."""
+        slots = self.index.lookup(ids)
+        missing = slots < 0
+        if missing.any():
+            slots[missing] = self._append(ids[missing], values[missing])
+            if self.bounded:
+                self.counts.admitted += int(missing.sum())
+        self.rows[slots] = values
+        self.last_version[slots] = stamp
+        self.last_time[slots] = max(0, now)
+        out = Applied(int(ids.shape[0]))
+        if evict:
+            out.over_capacity = self._evict_over_capacity(stamp)
         return out
 
     def row_staleness(self, ids: np.ndarray, pulled: int, version: int) -> np.ndarray:
@@ -348,12 +381,15 @@ class Table:
             out[touched] = since if since is not None else max(0, version - pulled)
         return out
 
-    def remove(self, ids: np.ndarray, cause: int, check: bool = True) -> None:
+    def remove(self, ids: np.ndarray, cause: int, check: bool = True, version: int = 0) -> None:
         """Evict the rows of present, unique ``ids`` with their state and metadata. Caller holds ``lock``.
-        ``check=False``: the ids are the table's own victims (present and unique by construction)."""
+        ``check=False``: the ids are the table's own victims (present and unique by construction).
+        ``version``: the shard version from which they are gone (for an export's tombstones)."""
         k = int(ids.shape[0])
         if not k:
             return
+        if self.removals is not None:
+            self.removals.add(version, ids)
         moves = self.index.remove(ids, check)
         k_ = kernels.jit()
         if moves.size and k_ is not None:
@@ -392,18 +428,19 @@ class Table:
         end = min(self.n, start + max_slots)
         slots = np.arange(start, end, dtype=np.int64)
         ids = self.ids[slots[self._expired(slots, version, now_ticks())]].copy()
-        self.remove(ids, CAUSE_TTL, check=False)
+        self.remove(ids, CAUSE_TTL, check=False, version=version + 1)
         self._sweep_at = end - ids.shape[0]
         return ids
 
-    def assign(self, ids: np.ndarray, values: np.ndarray) -> bool:
-        """Initialise rows of a dense tensor unless already initialised (first writer wins)."""
+    def assign(self, ids: np.ndarray, values: np.ndarray, stamp: int = 0) -> bool:
+        """Initialise rows of a dense tensor unless already initialised (first writer wins); ``stamp`` is
+        their last change's version (an export's next delta copies them)."""
         with self.lock:
             slots = self.index.lookup(ids)
             if (slots >= 0).all():
                 return False
             fresh = slots < 0
-            self._append(ids[fresh], values[fresh])
+            self.last_version[self._append(ids[fresh], values[fresh])] = stamp
             return True
 
     # ---- accounting and snapshots ----------------------------------------------------
@@ -454,6 +491,29 @@ class Table:
                     arr[slots] = arrays["meta." + name]
             for k in self.state:
                 self.state[k][slots] = arrays["state." + k]
+
+    def export_copy(self, version: int, since: Optional[int], optimizer_state: bool) -> dict[str, np.ndarray]:
+        """Copies for an export at shard version ``version``. Caller holds ``lock``.
+
+        ``since`` None: every live row (a base). Otherwise the rows changed after version ``since`` and,
+        as ``tombstones``, the ids removed since then or expired now (they read as their initial value).
+        Expired rows are left out either way; ``steps`` and ``state.*`` only with ``optimizer_state``."""
+        n = self.n
+        keep = np.ones(n, dtype=bool) if since is None else self.last_version[:n] > since
+        expired = self._expired(np.arange(n, dtype=np.int64), version, now_ticks()) if self.expires else None
+        if expired is not None:
+            keep &= ~expired
+        slots = np.flatnonzero(keep)
+        out = {"ids": self.ids[slots], "values": self.rows[slots]}
+        if optimizer_state:
+            out["steps"] = self.steps[slots].astype(np.int64)
+            out.update({"state." + k: v[slots] for k, v in self.state.items()})
+        if since is not None:
+            gone = [self.removals.since(since)] if self.removals is not None else []
+            if expired is not None:
+                gone.append(self.ids[:n][expired])
+            out["tombstones"] = np.unique(np.concatenate(gone)) if gone else np.zeros(0, np.int64)
+        return out
 
     def restart_history(self, version: int) -> None:
         """Forget the push history: pulls before ``version`` (the version restored) count as forgotten."""

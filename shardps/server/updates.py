@@ -209,10 +209,36 @@ class UpdatePath:
             self.metrics.pushed(t.spec.name, done.rows, t.dim * 4, staleness)
         return version, staleness
 
+    def assign(self, t: Table, ids: np.ndarray, values: np.ndarray, record: Record = (0, b""),
+               replaying: bool = False) -> int:
+        """Set the rows of sorted unique ``ids`` to ``values``: a new version, like a push, logged (``record``)
+        before the capacity evictions it causes (replay applies the logged ones instead). The version after."""
+        while True:
+            with t.lock:
+                if replaying or self.gate.is_open:
+                    with self._vlock:
+                        stamp = self.version + 1
+                    done = t.assign_rows(ids, values, stamp, now_ticks(), evict=not replaying)
+                    if t.history is not None:
+                        t.history.add(stamp, ids)
+                    with self._vlock:
+                        self.version += 1
+                        version = self.version
+                    ticket = self.durability.append(record) if record[0] else 0
+                    if done.over_capacity.size:
+                        ticket = self.durability.append(
+                            record_evict(t.spec.name, done.over_capacity, CAUSE_CAPACITY)) or ticket
+                    break
+            fair.leave_slot()
+            if not self.gate.wait(self.gate_wait_s):
+                raise Unavailable(f"shard {self.shard_index}: changes held back by a checkpoint for too long")
+        self.durability.wait(ticket)
+        return version
+
     def evict(self, t: Table, ids: np.ndarray, cause: int) -> None:
         """Replay of a logged eviction, in the logged order (so the slots end as they did live)."""
         with t.lock:
-            t.remove(ids[t.index.lookup(ids) >= 0], cause)
+            t.remove(ids[t.index.lookup(ids) >= 0], cause, version=self.version + 1)
 
     def sweep(self, t: Table, max_slots: int) -> int:
         """Evict the expired rows of the next slice of ``t`` (logged); how many."""

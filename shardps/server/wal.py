@@ -28,9 +28,9 @@ from typing import BinaryIO, Callable, Iterator, Optional
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIB")
-CREATE_TABLE, REGISTER_DENSE, PUSH, PUSH_DENSE, DROP, EVICT = 1, 2, 3, 4, 5, 6
+CREATE_TABLE, REGISTER_DENSE, PUSH, PUSH_DENSE, DROP, EVICT, ASSIGN = 1, 2, 3, 4, 5, 6, 7
 KIND_NAMES = {CREATE_TABLE: "create table", REGISTER_DENSE: "register dense", PUSH: "push", PUSH_DENSE: "dense push",
-              DROP: "drop", EVICT: "evict"}
+              DROP: "drop", EVICT: "evict", ASSIGN: "assign"}
 
 
 def segment_path(data_dir: pathlib.Path, segment: int) -> pathlib.Path:

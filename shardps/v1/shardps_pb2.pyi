@@ -551,7 +551,7 @@ class ShardStats(_message.Message):
     def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version")
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -561,6 +561,8 @@ class ShardInfoResponse(_message.Message):
     DURABILITY_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FLOOR_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -570,7 +572,27 @@ class ShardInfoResponse(_message.Message):
     durability: str
     last_checkpoint: str
     server_version: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
+    serving: ServingInfo
+    export_floor: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ...) -> None: ...
+
+class ServingInfo(_message.Message):
+    __slots__ = ("directory", "base", "delta", "applied_age_s", "error", "deltas_applied", "last_apply_s")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    LAST_APPLY_S_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    base: int
+    delta: int
+    applied_age_s: float
+    error: str
+    deltas_applied: int
+    last_apply_s: float
+    def __init__(self, directory: _Optional[str] = ..., base: _Optional[int] = ..., delta: _Optional[int] = ..., applied_age_s: _Optional[float] = ..., error: _Optional[str] = ..., deltas_applied: _Optional[int] = ..., last_apply_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("checkpoint_id", "phase", "hold_s")
@@ -603,3 +625,98 @@ class CheckpointResponse(_message.Message):
     bytes: int
     pause_s: float
     def __init__(self, checkpoint_id: _Optional[str] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ..., pause_s: _Optional[float] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("phase", "export_id", "hold_s", "tables", "optimizer_state", "delta", "since_version", "table", "offset", "max_rows", "read_tombstones", "shard_map")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PREPARE: _ClassVar[ExportRequest.Phase]
+        BEGIN: _ClassVar[ExportRequest.Phase]
+        READ: _ClassVar[ExportRequest.Phase]
+        END: _ClassVar[ExportRequest.Phase]
+        ABORT: _ClassVar[ExportRequest.Phase]
+    PREPARE: ExportRequest.Phase
+    BEGIN: ExportRequest.Phase
+    READ: ExportRequest.Phase
+    END: ExportRequest.Phase
+    ABORT: ExportRequest.Phase
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_S_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STATE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    READ_TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    phase: ExportRequest.Phase
+    export_id: str
+    hold_s: float
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    optimizer_state: bool
+    delta: bool
+    since_version: int
+    table: str
+    offset: int
+    max_rows: int
+    read_tombstones: bool
+    shard_map: ShardMap
+    def __init__(self, phase: _Optional[_Union[ExportRequest.Phase, str]] = ..., export_id: _Optional[str] = ..., hold_s: _Optional[float] = ..., tables: _Optional[_Iterable[str]] = ..., optimizer_state: _Optional[bool] = ..., delta: _Optional[bool] = ..., since_version: _Optional[int] = ..., table: _Optional[str] = ..., offset: _Optional[int] = ..., max_rows: _Optional[int] = ..., read_tombstones: _Optional[bool] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class ExportedTable(_message.Message):
+    __slots__ = ("spec", "dense", "rows", "tombstones", "full")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    dense: DenseSpec
+    rows: int
+    tombstones: int
+    full: bool
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., rows: _Optional[int] = ..., tombstones: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
+
+class ExportResponse(_message.Message):
+    __slots__ = ("version", "tables", "ids", "values", "steps", "state")
+    class StateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tables: _containers.RepeatedCompositeFieldContainer[ExportedTable]
+    ids: Tensor
+    values: Tensor
+    steps: Tensor
+    state: _containers.MessageMap[str, Tensor]
+    def __init__(self, version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[ExportedTable, _Mapping]]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., steps: _Optional[_Union[Tensor, _Mapping]] = ..., state: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+
+class AssignRequest(_message.Message):
+    __slots__ = ("table", "ids", "values", "shard_map")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: Tensor
+    values: Tensor
+    shard_map: ShardMap
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
+
+class AssignResponse(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

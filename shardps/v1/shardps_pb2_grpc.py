@@ -105,6 +105,16 @@ class ShardStub:
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/shardps.v1.Shard/Export',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.ExportRequest.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.ExportResponse.FromString,
+                _registered_method=True)
+        self.Assign = channel.unary_unary(
+                '/shardps.v1.Shard/Assign',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.AssignRequest.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.AssignResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -210,6 +220,20 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """A consistent copy of tables for an export (snapshot or delta), read in pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Assign(self, request, context):
+        """Set rows of a table to given values.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -282,6 +306,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatRequest.FromString,
                     response_serializer=shardps_dot_v1_dot_shardps__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.ExportRequest.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.ExportResponse.SerializeToString,
+            ),
+            'Assign': grpc.unary_unary_rpc_method_handler(
+                    servicer.Assign,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.AssignRequest.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.AssignResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -663,6 +697,60 @@ class Shard:
             '/shardps.v1.Shard/Heartbeat',
             shardps_dot_v1_dot_shardps__pb2.HeartbeatRequest.SerializeToString,
             shardps_dot_v1_dot_shardps__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/Export',
+            shardps_dot_v1_dot_shardps__pb2.ExportRequest.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.ExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Assign(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/Assign',
+            shardps_dot_v1_dot_shardps__pb2.AssignRequest.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.AssignResponse.FromString,
             options,
             channel_credentials,
             insecure,
