@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
-from shardps_client import SGD, Adagrad, Client, Eviction, Initializer
-from shardps_client.errors import ExportGapError, ReadOnlyError, TableExistsError
+from shardps_client import SGD, Adagrad, Client, Eviction, Initializer, RemoteEmbedding
+from shardps_client.errors import ExportGapError, InvalidArgumentError, ReadOnlyError, TableExistsError
 
 from shardps.core.exports import compact, generations, load_tables, read_manifest
 from shardps.core.routing import shard_of_ids
@@ -268,3 +268,86 @@ def test_served_dlrm_scores_like_the_trainer(tmp_path: pathlib.Path) -> None:
     for d in r["deltas"]:
         assert d["served_equals_trainer"] and d["max_score_diff"] == 0.0
         assert d["moved"] > 0  # predictions moved with the delta
+
+
+def test_state_dict_round_trip_with_nn_embedding_and_log_replay(tmp_path: pathlib.Path) -> None:
+    """``load_state_dict`` / ``state_dict`` against torch.nn.Embedding (the reference module), through the log."""
+    ref = torch.nn.Embedding(500, DIM)
+    procs = [start_shard(i, 2, tmp_path, data_dir=str(tmp_path / f"log-{i}"), extra=["--durability", "log"])
+             for i in range(2)]
+    try:
+        with Client([p.address for p in procs]) as c:
+            c.create_table("t", dim=DIM, num_embeddings=500, optimizer=SGD(lr=0.1), initializer=INIT)
+            c.load_state_dict("t", ref.state_dict())
+            got = c.state_dict("t")
+            assert set(got) == {"weight"}
+            torch.testing.assert_close(got["weight"], ref.weight.detach(), rtol=0, atol=0)
+            copy = torch.nn.Embedding(500, DIM)
+            copy.load_state_dict(got)  # an ordinary PyTorch model loads it
+            ids = torch.tensor([[3, 7], [499, 0]])
+            torch.testing.assert_close(RemoteEmbedding(c, "t")(ids), copy(ids), rtol=0, atol=0)
+            for bad, match in (({"weight": torch.zeros(499, DIM)}, "shape"), ({"w": ref.weight}, "weight"),
+                               ({"weight": torch.full((500, DIM), float("nan"))}, "NaN")):
+                with pytest.raises(InvalidArgumentError, match=match):
+                    c.load_state_dict("t", bad)
+            # A push after the load steps from the loaded values (SGD, the reference optimizer).
+            c.push("t", [5], torch.ones(1, DIM))
+            c.flush()
+            expected = ref.weight.detach()[5] - 0.1
+        for p in procs:  # kill -9: the assignment and the push come back from the log
+            p.kill()
+        procs = [start_shard(i, 2, tmp_path, data_dir=str(tmp_path / f"log-{i}"), extra=["--durability", "log"])
+                 for i in range(2)]
+        with Client([p.address for p in procs]) as c:
+            w = c.state_dict("t")["weight"]
+            torch.testing.assert_close(w[5], expected, rtol=0, atol=1e-7)
+            torch.testing.assert_close(w[:5], ref.weight.detach()[:5], rtol=0, atol=0)
+            # After a restart the shards cannot say what they evicted before it: a delta needs a new base.
+            out = tmp_path / "export"
+            c.export(out)
+    finally:
+        for p in procs:
+            p.terminate()
+    procs = [start_shard(i, 2, tmp_path, data_dir=str(tmp_path / f"log-{i}"), extra=["--durability", "log"])
+             for i in range(2)]
+    try:
+        with Client([p.address for p in procs]) as c:
+            with pytest.raises(ExportGapError, match="write a new base"):
+                c.export_delta(out)
+            r = c.export_delta(out, fallback_base=True)
+            assert (r.kind, r.seq) == ("base", 1)
+            assert c.export_delta(out).kind == "none"
+    finally:
+        for p in procs:
+            p.terminate()
+
+
+def test_export_command_follows_with_deltas_and_compacts(tmp_path: pathlib.Path) -> None:
+    """``shardps export --delta-interval`` as users run it, while a trainer pushes; a serving shard follows."""
+    out = tmp_path / "export"
+    rng = np.random.default_rng(4)
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        _tables(c)
+        _train(c, rng, 1)
+        cmd = [sys.executable, "-m", "shardps", "export", *[s.address for s in servers], "--out", str(out),
+               "--delta-interval", "0.3", "--count", "4", "--compact-every", "3", "--keep-bases", "1"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline:
+                _train(c, rng, 1)
+                time.sleep(0.05)
+            stdout, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, stderr
+        lines = [json.loads(line) for line in stdout.splitlines()]
+        assert [(x["kind"], x["seq"]) for x in lines] == [("base", 0), ("delta", 1), ("delta", 2), ("delta", 3),
+                                                           ("base", 3), ("delta", 4)]
+        assert [(seq, kind) for seq, kind, _ in generations(out)] == [(3, "base"), (4, "delta")]
+        with serving(out, 2) as replicas:
+            assert all(s.shard.serving.delta == 4 and s.shard.serving.base == 3 for s in replicas)
+            with Client([s.address for s in replicas]) as r:
+                _, state = load_tables(out)
+                np.testing.assert_array_equal(_every_row(r, "emb"), _served(state, "emb", 2))
