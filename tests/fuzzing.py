@@ -771,6 +771,34 @@ def heartbeat_requests(draw: Any) -> pb.HeartbeatRequest:
     return msg
 
 
+@st.composite
+def export_requests(draw: Any) -> pb.ExportRequest:
+    """Every phase: holds (short), copies (mostly of t and d), pages of them, ends and aborts."""
+    eid = draw(weighted((4, st.sampled_from(["e1", "e2"])), (1, st.text(string.ascii_letters + "-_", max_size=70)),
+                        (1, st.text(max_size=20))))
+    msg = pb.ExportRequest(
+        phase=draw(weighted((6, st.integers(0, 4)), (1, enum_values(5)))), export_id=eid, hold_s=draw(doubles(-1, 1)),
+        tables=draw(st.lists(names(TABLE, DENSE, *FUZZ_TABLES), max_size=2)), optimizer_state=draw(st.booleans()),
+        delta=draw(st.booleans()), since_version=draw(u64()), table=draw(names(TABLE, DENSE)), offset=draw(u64()),
+        max_rows=draw(u64()), read_tombstones=draw(st.booleans()),
+    )
+    _set(msg, "shard_map", draw(shard_maps()))
+    return msg
+
+
+@st.composite
+def assign_requests(draw: Any) -> pb.AssignRequest:
+    n = draw(weighted((8, st.integers(1, 16)), (1, st.just(0)), (1, st.integers(17, 300))))
+    ids = draw(weighted((6, st.just(_int64_tensor(draw(id_lists(n, in_range=draw(st.integers(0, 9)) > 0))))),
+                        (1, weird_tensors()), (1, st.none())))
+    msg = pb.AssignRequest(table=draw(names(TABLE, *FUZZ_TABLES)))
+    _set(msg, "ids", ids)
+    _set(msg, "values", draw(weighted((6, float_tensors(n, draw(weighted((6, st.just(TABLE_DIM)), (1, st.integers(0, 9)))))),
+                                      (1, weird_tensors()), (1, st.none()))))
+    _set(msg, "shard_map", draw(shard_maps()))
+    return msg
+
+
 VALID: dict[type, st.SearchStrategy] = {
     pb.CreateTableRequest: create_table_requests(),
     pb.DescribeTableRequest: st.builds(lambda n: pb.DescribeTableRequest(name=n), names(TABLE, DENSE, *FUZZ_TABLES)),
@@ -788,6 +816,8 @@ VALID: dict[type, st.SearchStrategy] = {
     pb.ShardInfoRequest: st.just(pb.ShardInfoRequest()),
     pb.CheckpointRequest: checkpoint_requests(),
     pb.HeartbeatRequest: heartbeat_requests(),
+    pb.ExportRequest: export_requests(),
+    pb.AssignRequest: assign_requests(),
 }
 _missing = set(INPUT_TYPES.values()) - set(VALID)
 assert not _missing, f"no generator for {_missing}"
@@ -1520,8 +1550,14 @@ class Harness:
             ):
                 may_change = True
                 self.acked += push_entries(method, payload)  # type: ignore[arg-type]
+            if method == "Assign" and code == grpc.StatusCode.OK:  # rows set: a new version, logged
+                may_change = True
         if method == "Checkpoint":  # a PREPARE would hold pushes back: always resume
             self.unary("Checkpoint", pb.CheckpointRequest(phase=pb.CheckpointRequest.ABORT).SerializeToString())
+        if method == "Export":  # likewise, and free the copies
+            for phase in (pb.ExportRequest.ABORT, pb.ExportRequest.END):
+                for eid in ("e1", "e2"):
+                    self.unary("Export", pb.ExportRequest(phase=phase, export_id=eid).SerializeToString())
         pending, self._pending = self._pending, []
         healthy = self._healthy(method, payload, codes, log_pos)
         for code, f in pending:  # a call cut short by a crash or hang is reported as that, not as its status

@@ -454,8 +454,9 @@ class ShardServicer(pb_grpc.ShardServicer):
             return pb.ExportResponse()
         if phase == pb.ExportRequest.BEGIN:
             since = request.since_version if request.delta else None
+            # After PREPARE (a cluster-wide cut) the copy resumes pushes; without it, this shard is copied now.
             version, copies = shard.export_begin(request.export_id, list(request.tables), request.optimizer_state,
-                                                 since, prepared=True)
+                                                 since, prepared=not shard.gate.is_open)
             out = pb.ExportResponse(version=version)
             for copy in copies.values():
                 entry = out.tables.add(rows=copy.arrays["ids"].shape[0], full=copy.full,
