@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_e2e.py --repeat $(REPEAT)
 	$(BIN)/python benchmarks/bench_transport.py --repeat $(REPEAT)
 	$(BIN)/python benchmarks/bench_bounded.py --repeat $(REPEAT)
+	$(BIN)/python benchmarks/bench_serving.py
 
 # Images built offline: a base from Debian's mirror (where python:3.11-slim cannot be pulled) and a
 # wheelhouse; then docker build/compose with --build-arg PIP_SOURCE=wheelhouse (README, "Deploy").

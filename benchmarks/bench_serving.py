@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS, Progress, percentile_ms, table, write_outputs  # noqa: E402
 from shardps_client import SGD, Client, Initializer  # noqa: E402
 
+from benchmarks.common import RESULTS, Progress, percentile_ms, table, write_outputs  # noqa: E402
 from shardps.core.exports import compact  # noqa: E402
 from shardps.server.launcher import LocalCluster  # noqa: E402
 

@@ -21,6 +21,7 @@ pytest.importorskip("matplotlib")
     ("bench_e2e.py", "e2e", ["--cache-steps", "4"]),
     ("bench_transport.py", "transport", []),
     ("bench_bounded.py", "bounded", []),
+    ("bench_serving.py", "serving", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, extra):
     if name == "transport":
@@ -52,6 +53,10 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
         assert parts["quality"][0]["trainer"] == "local torch.optim" and parts["quality"][0]["x_local_auc"] == 1.0
         assert parts["cost"][0]["table"] == "unbounded" and parts["cost"][0]["x_unbounded"] == 1.0
         assert data["meta"]["sweep"]["max_ms"] > 0
+    if name == "serving":  # each part beside its baseline of the same run
+        parts = {p: [r for r in data["results"] if r["part"] == p] for p in ("export", "delta", "apply")}
+        assert all(len(rs) == 2 and rs[1]["x_baseline"] == 1.0 and rs[0]["x_baseline"] > 0 for rs in parts.values())
+        assert parts["apply"][0]["rows"] == data["meta"]["args"]["rows"] and parts["apply"][0]["pulls"] > 0
     if name == "e2e":  # local baseline first, then 1 and 2 workers through the shards, each with its ratio
         local, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0

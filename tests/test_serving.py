@@ -180,7 +180,7 @@ def test_serving_shards_follow_deltas_and_refuse_changes(tmp_path: pathlib.Path)
             for k in range(1, 4):
                 c.load_state_dict("emb", {"weight": torch.full((N, DIM), float(k))})
                 d = c.export_delta(out)
-                _wait(lambda: all(s.shard.serving.delta == d.seq for s in replicas), what=f"delta {d.seq}")
+                _wait(lambda seq=d.seq: all(s.shard.serving.delta == seq for s in replicas), what=f"delta {d.seq}")
                 if k == 1:
                     t.start()
                 np.testing.assert_array_equal(_every_row(r, "emb"), np.full((N, DIM), float(k), np.float32))

@@ -486,6 +486,8 @@ class Exporter:
         try:
             if last["num_shards"] != self.num_shards:
                 raise ExportGap(f"{out} was written by {last['num_shards']} shards, the cluster has {self.num_shards}")
+            if len(last["versions"]) != self.num_shards:  # a resharded compaction: no cut of this cluster
+                raise ExportGap(f"{out}'s last generation was resharded offline: it follows no cut of this cluster")
             known = self._known_tables(out)
             return self._write(out, "delta", gens[-1][0] + 1, gens[-1][0], selection, optimizer_state,
                                [int(v) for v in last["versions"]], known)
