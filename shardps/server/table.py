@@ -503,11 +503,11 @@ class Table:
         expired = self._expired(np.arange(n, dtype=np.int64), version, now_ticks()) if self.expires else None
         if expired is not None:
             keep &= ~expired
-        slots = np.flatnonzero(keep)
-        out = {"ids": self.ids[slots], "values": self.rows[slots]}
+        take: Union[slice, np.ndarray] = slice(0, n) if keep.all() else np.flatnonzero(keep)  # a slice: a memcpy
+        out = {"ids": self.ids[take].copy(), "values": self.rows[take].copy()}
         if optimizer_state:
-            out["steps"] = self.steps[slots].astype(np.int64)
-            out.update({"state." + k: v[slots] for k, v in self.state.items()})
+            out["steps"] = self.steps[take].astype(np.int64)
+            out.update({"state." + k: v[take].copy() for k, v in self.state.items()})
         if since is not None:
             gone = [self.removals.since(since)] if self.removals is not None else []
             if expired is not None:
