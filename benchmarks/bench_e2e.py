@@ -64,6 +64,8 @@ def main() -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker process counts")
     p.add_argument("--cache-steps", type=int, nargs="*", default=[2, 8],
                    help="row-cache steps k of the cached variants (prefetch, dense lag 1, Client.cache_table)")
+    p.add_argument("--skip-ddp", action="store_true",
+                   help="leave out the DDP variant (the test suite's smoke run: the DDP example has its own test)")
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -71,7 +73,7 @@ def main() -> int:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.quick:
         args.train, args.test, args.rows = 20_000, 5_000, 50_000
-    variants = VARIANTS + [cached(k) for k in args.cache_steps]
+    variants = [v for v in VARIANTS if not (args.skip_ddp and "DDP" in v[0])] + [cached(k) for k in args.cache_steps]
     configs = [(workers, label, extra) for workers in args.workers for label, extra in variants]
     progress = Progress(len(configs) * args.repeat, "e2e")
     runs: dict[tuple[str, int, str], list[dict]] = {}  # (trainer, workers, prefetch) -> one result per pass
