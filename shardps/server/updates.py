@@ -11,8 +11,9 @@ with the staleness the log recorded.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -174,35 +175,25 @@ class UpdatePath:
         """
         replaying = replayed_staleness is not None
         uniq, summed = coalesce(ids, grads) if ids.size else (ids, grads)
-        while True:
-            with t.lock:
-                if replaying or self.gate.is_open:
-                    staleness, per_row = self._staleness(t, uniq, pulled_version, replayed_staleness, replayed_per_row)
-                    with self._vlock:
-                        stamp = self.version + 1
-                    policy = t.spec.staleness
-                    scales = None  # lr_scale is arithmetic: it maps an array of staleness row by row
-                    if per_row is not None and per_row.size:
-                        scales = np.broadcast_to(policy.lr_scale(per_row.astype(np.float64)), per_row.shape)
-                    timed = t.eviction is not None and t.eviction.ttl_seconds is not None
-                    now = replayed_ticks if replaying and replayed_ticks is not None else now_ticks()
-                    done = t.apply(uniq, summed, policy.lr_scale(staleness), scales, stamp - 1, stamp,
-                                   evict=not replaying, now=now)
-                    with self._vlock:
-                        self.version += 1
-                        version = self.version
-                    name = t.spec.name
-                    if done.expired.size:
-                        self.durability.append(record_evict(name, done.expired, CAUSE_TTL))
-                    ticket = self.durability.append(with_staleness(record, staleness, per_row, now if timed else None)) \
-                        if record[0] else 0
-                    if done.over_capacity.size:
-                        ticket = self.durability.append(record_evict(name, done.over_capacity, CAUSE_CAPACITY)) or ticket
-                    break
-            # A two-phase checkpoint is prepared: wait for it (bounded) outside the lock.
-            fair.leave_slot()
-            if not self.gate.wait(self.gate_wait_s):
-                raise Unavailable(f"shard {self.shard_index}: pushes held back by a checkpoint for too long")
+        with self._turn(t, replaying, "pushes"):
+            staleness, per_row = self._staleness(t, uniq, pulled_version, replayed_staleness, replayed_per_row)
+            stamp = self._next_version()
+            policy = t.spec.staleness
+            scales = None  # lr_scale is arithmetic: it maps an array of staleness row by row
+            if per_row is not None and per_row.size:
+                scales = np.broadcast_to(policy.lr_scale(per_row.astype(np.float64)), per_row.shape)
+            timed = t.eviction is not None and t.eviction.ttl_seconds is not None
+            now = replayed_ticks if replaying and replayed_ticks is not None else now_ticks()
+            done = t.apply(uniq, summed, policy.lr_scale(staleness), scales, stamp - 1, stamp,
+                           evict=not replaying, now=now)
+            version = self._advance()
+            name = t.spec.name
+            if done.expired.size:
+                self.durability.append(record_evict(name, done.expired, CAUSE_TTL))
+            ticket = self.durability.append(with_staleness(record, staleness, per_row, now if timed else None)) \
+                if record[0] else 0
+            if done.over_capacity.size:
+                ticket = self.durability.append(record_evict(name, done.over_capacity, CAUSE_CAPACITY)) or ticket
         self.durability.wait(ticket)
         if not replaying:
             self.stats.pushed(done.rows, staleness)
@@ -213,27 +204,45 @@ class UpdatePath:
                replaying: bool = False) -> int:
         """Set the rows of sorted unique ``ids`` to ``values``: a new version, like a push, logged (``record``)
         before the capacity evictions it causes (replay applies the logged ones instead). The version after."""
-        while True:
-            with t.lock:
-                if replaying or self.gate.is_open:
-                    with self._vlock:
-                        stamp = self.version + 1
-                    done = t.assign_rows(ids, values, stamp, now_ticks(), evict=not replaying)
-                    if t.history is not None:
-                        t.history.add(stamp, ids)
-                    with self._vlock:
-                        self.version += 1
-                        version = self.version
-                    ticket = self.durability.append(record) if record[0] else 0
-                    if done.over_capacity.size:
-                        ticket = self.durability.append(
-                            record_evict(t.spec.name, done.over_capacity, CAUSE_CAPACITY)) or ticket
-                    break
-            fair.leave_slot()
-            if not self.gate.wait(self.gate_wait_s):
-                raise Unavailable(f"shard {self.shard_index}: changes held back by a checkpoint for too long")
+        with self._turn(t, replaying, "changes"):
+            stamp = self._next_version()
+            done = t.assign_rows(ids, values, stamp, now_ticks(), evict=not replaying)
+            if t.history is not None:
+                t.history.add(stamp, ids)
+            version = self._advance()
+            ticket = self.durability.append(record) if record[0] else 0
+            if done.over_capacity.size:
+                ticket = self.durability.append(record_evict(t.spec.name, done.over_capacity, CAUSE_CAPACITY)) or ticket
         self.durability.wait(ticket)
         return version
+
+    @contextmanager
+    def _turn(self, t: Table, replaying: bool, what: str) -> Iterator[None]:
+        """Hold ``t.lock`` for one change, once no prepared two-phase checkpoint holds ``what`` back: that is
+        waited out (bounded) outside the lock. Replay never waits."""
+        while True:
+            t.lock.acquire()
+            if replaying or self.gate.is_open:
+                try:
+                    yield
+                finally:
+                    t.lock.release()
+                return
+            t.lock.release()
+            fair.leave_slot()
+            if not self.gate.wait(self.gate_wait_s):
+                raise Unavailable(f"shard {self.shard_index}: {what} held back by a checkpoint for too long")
+
+    def _next_version(self) -> int:
+        """The version the change being applied will have (caller holds its table's lock)."""
+        with self._vlock:
+            return self.version + 1
+
+    def _advance(self) -> int:
+        """Count the change just applied; the version after it."""
+        with self._vlock:
+            self.version += 1
+            return self.version
 
     def evict(self, t: Table, ids: np.ndarray, cause: int) -> None:
         """Replay of a logged eviction, in the logged order (so the slots end as they did live)."""
