@@ -29,7 +29,6 @@ back (the serving shard, ``shardps.server.serving``).
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
@@ -41,21 +40,15 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import numpy as np
 
 from shardps.core import codec
 from shardps.core.errors import ExportGap
+from shardps.core.files import fsync_dir
 from shardps.core.routing import dense_rows_owned, shard_of_ids
-from shardps.core.specs import (
-    DenseSpec,
-    TableSpec,
-    dense_spec_from_pb,
-    dense_spec_to_pb,
-    table_spec_from_pb,
-    table_spec_to_pb,
-)
+from shardps.core.specs import DenseSpec, TableSpec, dense_spec_from_pb, spec_from_b64, spec_to_b64, table_spec_from_pb
 from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -141,16 +134,9 @@ def read_safetensors(path: pathlib.Path, sha256: Optional[str] = None) -> tuple[
 # ---- manifests and the directory ----------------------------------------------------------------
 
 
-def spec_b64(spec: Spec) -> str:
-    msg = dense_spec_to_pb(spec) if isinstance(spec, DenseSpec) else table_spec_to_pb(spec)
-    return base64.b64encode(msg.SerializeToString()).decode()
-
-
 def spec_from_entry(entry: dict[str, Any]) -> Spec:
-    raw = base64.b64decode(entry["spec"])
-    if entry["kind"] == "dense":
-        return dense_spec_from_pb(pb.DenseSpec.FromString(raw))
-    return table_spec_from_pb(pb.TableSpec.FromString(raw))
+    """The spec of a manifest's table entry."""
+    return spec_from_b64(entry["spec"], entry["kind"] == "dense")
 
 
 def _digest(body: dict[str, Any]) -> str:
@@ -170,7 +156,7 @@ def write_manifest(out: pathlib.Path, body: dict[str, Any]) -> pathlib.Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(out)
+    fsync_dir(out)
     return path
 
 
@@ -185,14 +171,6 @@ def read_manifest(path: pathlib.Path) -> dict[str, Any]:
         return data
     except (OSError, ValueError, KeyError, AttributeError) as e:
         raise CorruptExport(f"{path}: unreadable manifest ({e})") from None
-
-
-def _fsync_dir(d: pathlib.Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def generations(out: pathlib.Path) -> list[tuple[int, str, pathlib.Path]]:
@@ -360,18 +338,26 @@ class Exporter:
             raise
         return eid, begun, time.perf_counter() - started
 
+    def _pages(self, shard: int, eid: str, name: str, total: int, tombstones: bool = False
+               ) -> Iterator[tuple[int, pb.ExportResponse, np.ndarray]]:
+        """(offset, reply, its ids) of each page of one table's copy on one shard (or of its tombstones)."""
+        at = 0
+        while at < total:
+            r = self.call(shard, "Export", pb.ExportRequest(phase=pb.ExportRequest.READ, export_id=eid, table=name,
+                                                           offset=at, read_tombstones=tombstones))
+            ids = codec.decode(r.ids, "ids")
+            if ids.shape[0] == 0:
+                what = "tombstones" if tombstones else "rows"
+                raise RuntimeError(f"shard {shard}: export {eid} of {name!r} {what} ended at {at} of {total}")
+            yield at, r, ids
+            at += ids.shape[0]
+
     def _read(self, shard: int, eid: str, name: str, rows: int, tombstones: int, dim: int,
               optimizer_state: bool) -> dict[str, np.ndarray]:
-        """Every page of one table's copy on one shard, into arrays."""
+        """Every page of one table's copy on one shard, into arrays (``tombstones`` -1: none asked)."""
         out: dict[str, np.ndarray] = {"ids": np.empty(rows, np.int64), "values": np.empty((rows, dim), np.float32)}
-        at = 0
-        while at < rows:
-            r = self.call(shard, "Export", pb.ExportRequest(phase=pb.ExportRequest.READ, export_id=eid, table=name,
-                                                           offset=at))
-            ids = codec.decode(r.ids, "ids")
+        for at, r, ids in self._pages(shard, eid, name, rows):
             k = ids.shape[0]
-            if k == 0:
-                raise RuntimeError(f"shard {shard}: export {eid} of {name!r} ended at row {at} of {rows}")
             out["ids"][at:at + k] = ids
             out["values"][at:at + k] = codec.decode(r.values, "values")
             if optimizer_state:
@@ -382,21 +368,12 @@ class Exporter:
                 out["steps"][at:at + k] = codec.decode(r.steps, "steps")
                 for sname, t in r.state.items():
                     out["state." + sname][at:at + k] = codec.decode(t, sname)
-            at += k
         if optimizer_state and "steps" not in out:
             out["steps"] = np.zeros(0, np.int64)
         if tombstones >= 0:
-            gone = np.empty(tombstones, np.int64)
-            at = 0
-            while at < tombstones:
-                r = self.call(shard, "Export", pb.ExportRequest(phase=pb.ExportRequest.READ, export_id=eid, table=name,
-                                                               offset=at, read_tombstones=True))
-                ids = codec.decode(r.ids, "ids")
-                if ids.shape[0] == 0:
-                    raise RuntimeError(f"shard {shard}: export {eid} of {name!r} tombstones ended at {at} of {tombstones}")
-                gone[at:at + ids.shape[0]] = ids
-                at += ids.shape[0]
-            out["tombstones"] = gone
+            out["tombstones"] = np.empty(tombstones, np.int64)
+            for at, _, ids in self._pages(shard, eid, name, tombstones, tombstones=True):
+                out["tombstones"][at:at + ids.shape[0]] = ids
         return out
 
     def _write(self, out: pathlib.Path, kind: str, seq: int, previous: Optional[int], tables: list[str],
@@ -420,7 +397,7 @@ class Exporter:
                     arrays = self._read(s, eid, spec.name, int(t.rows), -1 if full else int(t.tombstones), dim,
                                         optimizer_state)
                     e = entries.setdefault(spec.name, {"name": spec.name, "kind": "dense" if dense else "table",
-                                                       "dim": dim, "spec": spec_b64(spec), "full": full,
+                                                       "dim": dim, "spec": spec_to_b64(spec), "full": full,
                                                        "shards": [None] * self.num_shards})
                     e["full"] = e["full"] and full
                     rel = f"{shard_dir(gen, s, self.num_shards)}/{_file_name(k, spec.name)}"
@@ -433,7 +410,7 @@ class Exporter:
                     result.rows += int(t.rows)
                     result.tombstones += n_tomb
                     result.bytes += size
-                _fsync_dir(sdir)
+                fsync_dir(sdir)
         finally:
             for s in range(self.num_shards):
                 try:
@@ -560,7 +537,7 @@ def compact(src: Union[str, pathlib.Path], dst: Optional[Union[str, pathlib.Path
             owner = shard_of_ids(ids, m)
         dim = spec.cols if isinstance(spec, DenseSpec) else spec.dim
         entry = {"name": name, "kind": "dense" if isinstance(spec, DenseSpec) else "table", "dim": dim,
-                 "spec": spec_b64(spec), "full": True, "shards": []}
+                 "spec": spec_to_b64(spec), "full": True, "shards": []}
         for s in range(m):
             sel = np.flatnonzero(owner == s)
             sel = sel[np.argsort(ids[sel], kind="stable")]
@@ -577,7 +554,7 @@ def compact(src: Union[str, pathlib.Path], dst: Optional[Union[str, pathlib.Path
         entries.append(entry)
     for s in range(m):
         (out / shard_dir(gen, s, m)).mkdir(parents=True, exist_ok=True)
-        _fsync_dir(out / shard_dir(gen, s, m))
+        fsync_dir(out / shard_dir(gen, s, m))
     body = {"format": FORMAT, "kind": "base", "seq": seq, "previous": None, "created": time.time(),
             "num_shards": m, "optimizer_state": manifest.get("optimizer_state", False),
             "selection": manifest.get("selection", []), "versions": result.versions, "since": None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from dataclasses import dataclass, field
@@ -577,3 +578,15 @@ def dense_spec_from_pb(msg: pb.DenseSpec) -> DenseSpec:
         staleness=staleness_from_pb(msg.staleness), chunk_rows=msg.chunk_rows, allow_nonfinite=msg.allow_nonfinite,
         sync=sync_from_pb(msg.sync) if msg.HasField("sync") else None,
     )
+
+
+def spec_to_b64(spec: Union[TableSpec, DenseSpec]) -> str:
+    """A table's or dense tensor's spec as base64 of its protobuf form (checkpoint headers, export manifests)."""
+    msg = dense_spec_to_pb(spec) if isinstance(spec, DenseSpec) else table_spec_to_pb(spec)
+    return base64.b64encode(msg.SerializeToString()).decode()
+
+
+def spec_from_b64(text: str, dense: bool) -> Union[TableSpec, DenseSpec]:
+    """The spec ``spec_to_b64`` wrote (``dense``: of a dense tensor)."""
+    raw = base64.b64decode(text)
+    return dense_spec_from_pb(pb.DenseSpec.FromString(raw)) if dense else table_spec_from_pb(pb.TableSpec.FromString(raw))

@@ -12,7 +12,6 @@ truncated or corrupted file fails its checksum on load and is skipped.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
@@ -25,15 +24,8 @@ from typing import Any, Iterator, Union
 
 import numpy as np
 
-from shardps.core.specs import (
-    DenseSpec,
-    TableSpec,
-    dense_spec_from_pb,
-    dense_spec_to_pb,
-    table_spec_from_pb,
-    table_spec_to_pb,
-)
-from shardps.v1 import shardps_pb2 as pb
+from shardps.core.files import fsync_dir
+from shardps.core.specs import DenseSpec, TableSpec, spec_from_b64, spec_to_b64
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +49,12 @@ class Loaded:
 
 def spec_entry(spec: Union[TableSpec, DenseSpec]) -> dict[str, Any]:
     """A table's entry in a checkpoint header: name, kind and spec (its protobuf form, base64)."""
-    dense = isinstance(spec, DenseSpec)
-    spec_pb = dense_spec_to_pb(spec) if dense else table_spec_to_pb(spec)  # type: ignore[arg-type]
-    return {"name": spec.name, "dense": dense, "spec": base64.b64encode(spec_pb.SerializeToString()).decode()}
+    return {"name": spec.name, "dense": isinstance(spec, DenseSpec), "spec": spec_to_b64(spec)}
 
 
 def spec_of(entry: dict[str, Any]) -> Union[TableSpec, DenseSpec]:
     """The spec of a checkpoint header's table entry."""
-    raw = base64.b64decode(entry["spec"])
-    if entry["dense"]:
-        return dense_spec_from_pb(pb.DenseSpec.FromString(raw))
-    return table_spec_from_pb(pb.TableSpec.FromString(raw))
+    return spec_from_b64(entry["spec"], entry["dense"])
 
 
 class _HashingWriter:
@@ -110,14 +97,6 @@ def write(path: pathlib.Path, meta: dict[str, Any], arrays: dict[str, np.ndarray
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return size
-
-
-def fsync_dir(d: pathlib.Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read(path: pathlib.Path) -> Loaded:
