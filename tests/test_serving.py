@@ -63,6 +63,16 @@ def _train(c: Client, rng: np.random.Generator, steps: int, tables: tuple = ("em
     c.flush()
 
 
+@contextlib.contextmanager
+def trained(steps: int, seed: int) -> Iterator[tuple[list[ShardServer], Client, np.random.Generator]]:
+    """A training cluster of two shards holding the test's tables after ``steps`` rounds of pushes."""
+    rng = np.random.default_rng(seed)
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        _tables(c)
+        _train(c, rng, steps)
+        yield servers, c, rng
+
+
 def _every_row(c: Client, table: str) -> np.ndarray:
     return c.pull(table, torch.arange(N)).numpy()
 
@@ -94,10 +104,7 @@ def _wait(predicate, timeout: float = 20.0, what: str = "") -> None:
 
 def test_base_and_deltas_reproduce_the_live_tables(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "export"
-    rng = np.random.default_rng(0)
-    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
-        _tables(c)
-        _train(c, rng, 3)
+    with trained(3, seed=0) as (servers, c, rng):
         base = c.export(out)
         assert base.kind == "base" and base.seq == 0 and base.rows > 0
         # An independent reader: the safetensors library, on the files the manifest names.
@@ -142,10 +149,7 @@ def test_base_and_deltas_reproduce_the_live_tables(tmp_path: pathlib.Path) -> No
 
 def test_serving_shards_follow_deltas_and_refuse_changes(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "export"
-    rng = np.random.default_rng(1)
-    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
-        _tables(c)
-        _train(c, rng, 2)
+    with trained(2, seed=1) as (servers, c, rng):
         c.export(out)
         with serving(out, 2) as replicas, Client([s.address for s in replicas], retry_timeout=1) as r:
             for table in ("emb", "hot"):
@@ -201,10 +205,7 @@ def test_serving_shards_follow_deltas_and_refuse_changes(tmp_path: pathlib.Path)
 
 def test_bad_deltas_are_refused_and_the_last_good_state_served(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "export"
-    rng = np.random.default_rng(2)
-    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
-        _tables(c)
-        _train(c, rng, 2)
+    with trained(2, seed=2) as (servers, c, rng):
         c.export(out)
         with serving(out, 2, poll_s=3600) as replicas, Client([s.address for s in replicas]) as r:
             follower, state = replicas[0].follower, replicas[0].shard.serving
@@ -325,10 +326,7 @@ def test_state_dict_round_trip_with_nn_embedding_and_log_replay(tmp_path: pathli
 def test_export_command_follows_with_deltas_and_compacts(tmp_path: pathlib.Path) -> None:
     """``shardps export --delta-interval`` as users run it, while a trainer pushes; a serving shard follows."""
     out = tmp_path / "export"
-    rng = np.random.default_rng(4)
-    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
-        _tables(c)
-        _train(c, rng, 1)
+    with trained(1, seed=4) as (servers, c, rng):
         cmd = [sys.executable, "-m", "shardps", "export", *[s.address for s in servers], "--out", str(out),
                "--delta-interval", "0.3", "--count", "4", "--compact-every", "3", "--keep-bases", "1"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

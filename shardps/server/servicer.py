@@ -129,11 +129,16 @@ def _table_info(info: TableInfo) -> pb.TableInfo:
                        payload_bytes=info.payload_bytes, admitted=info.admitted, rejected=info.rejected,
                        evicted_ttl=info.evicted_ttl, evicted_capacity=info.evicted_capacity,
                        sketch_bytes=info.sketch_bytes)
-    if isinstance(info.spec, DenseSpec):
-        out.dense.CopyFrom(dense_spec_to_pb(info.spec))
-    else:
-        out.spec.CopyFrom(table_spec_to_pb(info.spec))
+    _set_spec(out, info.spec)
     return out
+
+
+def _set_spec(msg: Any, spec: Any) -> None:
+    """Fill a message's ``dense`` field with a dense tensor's spec, or its ``spec`` field with a table's."""
+    if isinstance(spec, DenseSpec):
+        msg.dense.CopyFrom(dense_spec_to_pb(spec))
+    else:
+        msg.spec.CopyFrom(table_spec_to_pb(spec))
 
 
 def _stats(c: Counters) -> pb.ShardStats:
@@ -461,10 +466,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             for copy in copies.values():
                 entry = out.tables.add(rows=copy.arrays["ids"].shape[0], full=copy.full,
                                        tombstones=copy.arrays["tombstones"].shape[0] if "tombstones" in copy.arrays else 0)
-                if isinstance(copy.spec, DenseSpec):
-                    entry.dense.CopyFrom(dense_spec_to_pb(copy.spec))
-                else:
-                    entry.spec.CopyFrom(table_spec_to_pb(copy.spec))
+                _set_spec(entry, copy.spec)
             return out
         page = shard.export_read(request.export_id, request.table, request.offset, request.max_rows,
                                  request.read_tombstones)

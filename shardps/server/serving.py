@@ -90,7 +90,9 @@ class Follower:
         owns, expected = self.shard.ownership(spec)
         t = self.shard.registry.build(spec, owns, max(expected if entry["kind"] == "dense" else 0, arrays["ids"].shape[0]))
         t.read_only = True
-        self._upsert(t, arrays["ids"], arrays["values"], path)
+        self._verify(t, arrays["ids"], arrays["values"], path)
+        if arrays["ids"].size:
+            t.assign_rows(arrays["ids"], arrays["values"], 0, 0, evict=False)
         return t
 
     def _owned(self, t: Table, ids: np.ndarray, path: str) -> None:
@@ -100,12 +102,11 @@ class Follower:
             except ShardError as e:
                 raise CorruptExport(f"{path}: {e}") from None
 
-    def _upsert(self, t: Table, ids: np.ndarray, values: np.ndarray, path: str) -> None:
+    def _verify(self, t: Table, ids: np.ndarray, values: np.ndarray, path: str) -> None:
+        """Rows a file gives ``t``: every id this shard's, every value finite."""
         self._owned(t, ids, path)
         if not np.isfinite(values).all():
             raise CorruptExport(f"{path}: values contain NaN or Inf")
-        if ids.size:
-            t.assign_rows(ids, values, 0, 0, evict=False)
 
     def _read(self, seq: int, kind: str, path: pathlib.Path) -> tuple[dict[str, Any], list[_Change]]:
         """A generation read and verified for this shard, nothing applied yet."""
@@ -127,19 +128,16 @@ class Follower:
             arrays = load_shard_file(self.root, entry, i)
             part = entry["shards"][i]
             where = str(self.root / part["file"])
-            full = kind == "base" or part.get("full", entry["full"]) or self.shard.registry.lookup(entry["name"]) is None
-            if full:
+            existing = self.shard.registry.lookup(entry["name"])
+            if kind == "base" or part.get("full", entry["full"]) or existing is None:
                 changes.append(_Change(entry["name"], table=self._table(entry, arrays, where)))
                 continue
-            existing = self.shard.registry.lookup(entry["name"])
             spec = spec_from_entry(entry)
             if existing.spec != spec:
                 raise CorruptExport(f"{where}: table {spec.name!r} changed its spec without being copied whole")
             tomb = arrays.get("tombstones", np.zeros(0, np.int64))
             self._owned(existing, tomb, where)
-            self._owned(existing, arrays["ids"], where)
-            if not np.isfinite(arrays["values"]).all():
-                raise CorruptExport(f"{where}: values contain NaN or Inf")
+            self._verify(existing, arrays["ids"], arrays["values"], where)
             changes.append(_Change(entry["name"], tombstones=np.unique(tomb), ids=arrays["ids"],
                                    values=arrays["values"]))
         return m, changes

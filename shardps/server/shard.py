@@ -23,9 +23,9 @@ import pathlib
 import threading
 import time
 import uuid
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 
@@ -588,11 +588,7 @@ class Shard:
             if prepared and self.gate.is_open:
                 raise Unavailable(f"shard {self.index}: export {export_id} was not prepared or its hold expired")
             try:
-                with ExitStack() as stack:
-                    stack.enter_context(self.registry.lock)
-                    tables = self.registry.sorted_items()
-                    for _, t in tables:
-                        stack.enter_context(t.lock)
+                with self._all_locked() as (tables, _):
                     version = self.version
                     wanted = set(names)
                     missing = wanted - {name for name, _ in tables}
@@ -681,14 +677,21 @@ class Shard:
         record = dur.record_assign(name, ids, values) if self.durability.wants_records else (0, b"")
         return self.updates.assign(t, ids, values, record)
 
-    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
-        """Copy every table at one consistent version: (checkpoint header, arrays, seconds pushes waited)."""
+    @contextmanager
+    def _all_locked(self) -> Iterator[tuple[list[tuple[str, Table]], float]]:
+        """Every (name, table) by name, with the registry lock and every table's lock held (one version), and
+        when the table locks began to be taken (``time.perf_counter``: from then on pushes wait)."""
         with ExitStack() as stack:
             stack.enter_context(self.registry.lock)
             tables = self.registry.sorted_items()
             t0 = time.perf_counter()
             for _, t in tables:
                 stack.enter_context(t.lock)
+            yield tables, t0
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
+        """Copy every table at one consistent version: (checkpoint header, arrays, seconds pushes waited)."""
+        with self._all_locked() as (tables, t0):
             meta: dict[str, Any] = {
                 "shard_index": self.index, "num_shards": self.num_shards, "version": self.version,
                 "seen": self.updates.seen.to_json(), "tables": [], "wal_segment": self.durability.cut(),
