@@ -33,8 +33,8 @@ from shardps_client import SGD, Adagrad, Admission, Client, Eviction, Staleness 
 
 from benchmarks.common import RESULTS, Progress, median_and_range, rss_bytes, table, unique_batches, write_outputs  # noqa: E402
 from shardps.core.specs import Initializer, TableSpec  # noqa: E402
-from shardps.server.launcher import LocalCluster  # noqa: E402
-from shardps.server.table import Table  # noqa: E402
+from shardps.server.ops.launcher import LocalCluster  # noqa: E402
+from shardps.server.storage.table import Table  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "clients", "examples"))
 from dlrm import auc  # noqa: E402  (the DLRM example's AUC, ties averaged)

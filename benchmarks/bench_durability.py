@@ -27,7 +27,7 @@ from shardps_client import SGD, Client  # noqa: E402
 
 from benchmarks.common import RESULTS, Progress, plot, table, unique_batches, write_outputs  # noqa: E402
 from shardps.core.specs import Initializer  # noqa: E402
-from shardps.server.launcher import LocalCluster  # noqa: E402
+from shardps.server.ops.launcher import LocalCluster  # noqa: E402
 from shardps.v1 import shardps_pb2 as pb  # noqa: E402
 
 DIM = 64

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import RESULTS, Progress, plot, rss_bytes, table, write_outputs  # noqa: E402
 from shardps.core.optim import SGD, Adagrad, Adam  # noqa: E402
 from shardps.core.specs import Initializer, TableSpec  # noqa: E402
-from shardps.server.index import DirectIndex, HashIndex  # noqa: E402
-from shardps.server.table import Table  # noqa: E402
+from shardps.server.storage.index import DirectIndex, HashIndex  # noqa: E402
+from shardps.server.storage.table import Table  # noqa: E402
 
 
 def rate(fn: Callable[[], object], items: int, budget: float) -> float:
@@ -115,8 +115,8 @@ def memory(args: argparse.Namespace) -> list[dict]:
     """
     from shardps_client import Client
 
-    from shardps.server.grpc_server import IDLE_TRIM_S
-    from shardps.server.launcher import LocalCluster
+    from shardps.server.ops.launcher import LocalCluster
+    from shardps.server.rpc.server import IDLE_TRIM_S
 
     def load(c: Client, ids: torch.Tensor, dim: int) -> None:
         for part in torch.split(ids, 250_000):

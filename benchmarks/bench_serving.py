@@ -37,7 +37,7 @@ from shardps_client import SGD, Client, Initializer  # noqa: E402
 
 from benchmarks.common import RESULTS, Progress, percentile_ms, table, write_outputs  # noqa: E402
 from shardps.core.exports import compact  # noqa: E402
-from shardps.server.launcher import LocalCluster  # noqa: E402
+from shardps.server.ops.launcher import LocalCluster  # noqa: E402
 
 
 def fill(c: Client, rows: int, dim: int) -> None:

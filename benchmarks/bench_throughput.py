@@ -45,7 +45,7 @@ from benchmarks.common import (  # noqa: E402
     unique_batches,
     write_outputs,
 )
-from shardps.server.launcher import free_port  # noqa: E402
+from shardps.server.ops.launcher import free_port  # noqa: E402
 
 DIM = 64
 
@@ -207,7 +207,7 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
     from shardps_client import SGD, TLS, Client
 
     from shardps.core.specs import Initializer
-    from shardps.server.launcher import LocalCluster
+    from shardps.server.ops.launcher import LocalCluster
 
     ctx = mp.get_context("spawn")
     tls, tokens = SECURITY.get(cfg.backend, (None, False))

@@ -79,8 +79,8 @@ def shard_process(index: int, num_shards: int, queue) -> None:
     """A real ShardServer, with its frames also served over Flight DoExchange; runs until killed."""
     pa, fl = _flight()
     from shardps.core import kernels
-    from shardps.server.grpc_server import ServerConfig, ShardServer
-    from shardps.server.shard import ShardConfig
+    from shardps.server.rpc.server import ServerConfig, ShardServer
+    from shardps.server.shard.facade import ShardConfig
 
     kernels.warm_up()
     server = ShardServer(ShardConfig(index, num_shards), ServerConfig()).start()

@@ -39,7 +39,7 @@ def make(shards: int) -> str:
 TLS_HEADER = """\
 # Mutual TLS and bearer tokens for the {n}-shard cluster of docker/compose.yaml (an override file):
 #
-#   python -m shardps.server.certs docker/secrets --tokens --world-readable \\
+#   python -m shardps.server.ops.certs docker/secrets --tokens --world-readable \\
 #       --hosts {hosts},localhost,127.0.0.1
 #   docker-compose -p shardps -f docker/compose.yaml -f docker/compose.tls.yaml up --build
 #

@@ -150,7 +150,7 @@ TLS_HEADER = """\
 # Mutual TLS and bearer tokens: every shard serves TLS, wants a client certificate of the CA, and checks
 # a tokens file; the trainer presents a client certificate and an admin token (the DLRM example creates
 # its tables). Create the Secrets first, from your own CA or, to try it, throwaway files:
-#   python -m shardps.server.certs tls --tokens --hosts {hosts},127.0.0.1,localhost
+#   python -m shardps.server.ops.certs tls --tokens --hosts {hosts},127.0.0.1,localhost
 #   kubectl -n {ns} create secret generic shardps-tls --from-file=tls.crt=tls/server.pem \\
 #       --from-file=tls.key=tls/server.key --from-file=ca.crt=tls/ca.pem
 #   kubectl -n {ns} create secret generic shardps-client-tls --from-file=tls.crt=tls/client.pem \\

@@ -1,5 +1,5 @@
 import sys
 
-from shardps.server.cli import main
+from shardps.server.ops.cli import main
 
 sys.exit(main())

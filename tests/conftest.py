@@ -10,8 +10,8 @@ from typing import Callable, Iterator, Optional
 import pytest
 from shardps_client import Client
 
-from shardps.server import ServerConfig, ShardServer
-from shardps.server.shard import ShardConfig
+from shardps.server.rpc import ServerConfig, ShardServer
+from shardps.server.shard.facade import ShardConfig
 
 
 @contextlib.contextmanager

@@ -18,12 +18,12 @@ from shardps_client.errors import StaleUpdateError, TableExistsError
 
 from shardps.core.routing import mix64
 from shardps.core.specs import TableSpec, table_spec_to_pb
-from shardps.server import ShardServer
-from shardps.server import checkpoint as ckpt
-from shardps.server.bounded import CountMinSketch
-from shardps.server.reshard import reshard
-from shardps.server.shard import ShardConfig
-from shardps.server.stats import collect
+from shardps.server.durability import checkpoints as ckpt
+from shardps.server.ops.report import collect
+from shardps.server.ops.reshard import reshard
+from shardps.server.rpc import ShardServer
+from shardps.server.shard.facade import ShardConfig
+from shardps.server.storage.bounded import CountMinSketch
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.conftest import run_workers, running_cluster
@@ -410,7 +410,7 @@ def test_synchronous_steps_evict_like_single_pushes_and_replay(tmp_path):
 
 
 def test_metrics_export_admission_and_eviction_counts():
-    from shardps.server import ServerConfig
+    from shardps.server.rpc import ServerConfig
     from tests.test_metrics import scrape, value
 
     server = ShardServer(ShardConfig(0, 1), ServerConfig(metrics_port=0)).start()

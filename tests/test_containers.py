@@ -304,7 +304,7 @@ def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(
         # certificate; a reader's token reads the same rows and may not push; plaintext and token-less
         # clients are refused.
         secrets = pathlib.Path(tempfile.mkdtemp(prefix="shardps-secrets-"))
-        subprocess.run([sys.executable, "-m", "shardps.server.certs", str(secrets), "--tokens", "--world-readable",
+        subprocess.run([sys.executable, "-m", "shardps.server.ops.certs", str(secrets), "--tokens", "--world-readable",
                         "--hosts", ",".join([*shards, "shardps", "localhost", "127.0.0.1"])],
                        check=True, capture_output=True, timeout=60)
         try:

@@ -16,10 +16,10 @@ import time
 import pytest
 
 from shardps import probe
-from shardps.server import ServerConfig
-from shardps.server.cli import parse_args
-from shardps.server.launcher import check_health
-from shardps.server.shard import ShardConfig
+from shardps.server.ops.cli import parse_args
+from shardps.server.ops.launcher import check_health
+from shardps.server.rpc import ServerConfig
+from shardps.server.shard.facade import ShardConfig
 
 yaml = pytest.importorskip("yaml")
 

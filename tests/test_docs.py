@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-from shardps.server.cli import SERVE_FLAGS, env_name
+from shardps.server.ops.cli import SERVE_FLAGS, env_name
 
 README = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -17,9 +17,9 @@ from shardps_client import SGD, Adagrad, Adam, Client
 from shardps.core import codec
 from shardps.core.routing import shard_of_ids
 from shardps.core.specs import Initializer
-from shardps.server import ServerConfig, ShardServer
-from shardps.server.reshard import reshard
-from shardps.server.shard import Shard, ShardConfig, ShardMapMismatch
+from shardps.server.ops.reshard import reshard
+from shardps.server.rpc import ServerConfig, ShardServer
+from shardps.server.shard.facade import Shard, ShardConfig, ShardMapMismatch
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.conftest import running_cluster

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardps.server.launcher import LocalCluster
+from shardps.server.ops.launcher import LocalCluster
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "clients" / "examples"

@@ -8,7 +8,7 @@ serve``. The good client's steps are counted in windows with and without the bad
 windows alone; `make fairness` runs more), and the median ratio must stay at or above 0.8. The bad
 processes start, and are ready, before the first window.
 
-Before the fair shares of shardps.server.fair, the same runs gave 0.52 (malformed), 0.56 (refused pulls)
+Before the fair shares of shardps.server.rpc.fair, the same runs gave 0.52 (malformed), 0.56 (refused pulls)
 and 0 (waiting heartbeats: every handler thread held, the good client could not connect).
 """
 
@@ -26,7 +26,7 @@ import pytest
 from shardps_client import SGD, Client
 
 from shardps.core.tokens import bearer
-from shardps.server.fair import FairScheduler, release
+from shardps.server.rpc.fair import FairScheduler, release
 from shardps.v1 import shardps_pb2 as pb
 from tests import misbehaving
 from tests.procs import start_shard

@@ -29,7 +29,7 @@ from shardps.v1 import shardps_pb2 as pb
 from tests import fuzzing
 from tests.procs import start_shard
 
-certs = pytest.importorskip("shardps.server.certs")
+certs = pytest.importorskip("shardps.server.ops.certs")
 
 EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50"))
 SEED = int(os.environ.get("SHARDPS_FUZZ_SEED", "0"))

@@ -15,7 +15,7 @@ import pytest
 from shardps_client import SGD, Client
 
 from shardps.core import codec
-from shardps.server import wal
+from shardps.server.durability import wal
 from shardps.v1 import shardps_pb2 as pb
 from tests.procs import ShardProcess, start_shard
 
@@ -137,7 +137,7 @@ def test_unreplayable_record_stops_the_start_loudly_and_truncate_recovers(tmp_pa
 
 
 def _replayed(data: pathlib.Path):
-    from shardps.server.shard import Shard, ShardConfig
+    from shardps.server.shard.facade import Shard, ShardConfig
 
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))
     try:
@@ -147,7 +147,7 @@ def _replayed(data: pathlib.Path):
 
 
 def test_torn_tail_of_a_segment_does_not_hide_the_segments_after_it(tmp_path):
-    from shardps.server.shard import Shard, ShardConfig
+    from shardps.server.shard.facade import Shard, ShardConfig
 
     data = tmp_path / "data"
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))
@@ -166,7 +166,7 @@ def test_torn_tail_of_a_segment_does_not_hide_the_segments_after_it(tmp_path):
 
 
 def test_damaged_record_inside_the_log_is_not_taken_for_a_torn_tail(tmp_path):
-    from shardps.server.shard import LogReplayError, Shard, ShardConfig
+    from shardps.server.shard.facade import LogReplayError, Shard, ShardConfig
 
     data = tmp_path / "data"
     s = Shard(ShardConfig(0, 1, data_dir=str(data), durability="log"))

@@ -5,8 +5,8 @@ import pytest
 
 from shardps.core.optim import Adam
 from shardps.core.specs import Initializer, TableSpec
-from shardps.server.index import DirectIndex, HashIndex
-from shardps.server.table import Table
+from shardps.server.storage.index import DirectIndex, HashIndex
+from shardps.server.storage.table import Table
 
 IMPLS = {
     "hash": lambda: HashIndex(capacity=16),

@@ -22,8 +22,8 @@ from shardps.core.ids import coalesce
 from shardps.core.optim import SGD, Adagrad, Adam
 from shardps.core.routing import shard_of_ids, split_by_shard
 from shardps.core.specs import Eviction, Initializer, TableSpec
-from shardps.server.index import HashIndex
-from shardps.server.table import Table
+from shardps.server.storage.index import HashIndex
+from shardps.server.storage.table import Table
 
 
 @contextlib.contextmanager
@@ -199,6 +199,6 @@ def test_the_environment_picks_the_implementation() -> None:
 
 def test_command_line_tools_do_not_import_numba() -> None:
     """The health probe and the other command-line tools start without paying for numba's import."""
-    out = _python("import sys, shardps.server.cli, shardps.core.routing, shardps.core.specs; "
+    out = _python("import sys, shardps.server.ops.cli, shardps.core.routing, shardps.core.specs; "
                   "print('numba' in sys.modules)")
     assert out.stdout.strip() == "False", out.stderr

@@ -13,8 +13,8 @@ import torch
 from shardps_client import SGD, Adagrad, Client, SyncPolicy
 
 from shardps.core.specs import Initializer
-from shardps.server import ServerConfig, ShardServer
-from shardps.server.shard import ShardConfig
+from shardps.server.rpc import ServerConfig, ShardServer
+from shardps.server.shard.facade import ShardConfig
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.procs import start_shard

@@ -77,7 +77,7 @@ def test_server_package_never_imports_torch():
     import sys
 
     code = (
-        "import sys, shardps.server, shardps.server.cli, shardps.server.launcher, shardps.server.reshard, shardps.server.stats, shardps.core.wire; "
+        "import sys, shardps.server, shardps.server.ops.cli, shardps.server.ops.launcher, shardps.server.ops.reshard, shardps.server.ops.report, shardps.core.wire; "
         "assert 'torch' not in sys.modules, 'the server imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

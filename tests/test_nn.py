@@ -26,7 +26,7 @@ from shardps_client import (
 from torch import nn
 
 from shardps.core.specs import Initializer
-from shardps.server.launcher import LocalCluster
+from shardps.server.ops.launcher import LocalCluster
 from tests.conftest import running_cluster
 
 ROWS, DIM = 40, 6

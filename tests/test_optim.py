@@ -8,7 +8,7 @@ import torch
 
 from shardps.core.optim import SGD, Adagrad, Adam, optimizer_from_dict, optimizer_to_dict
 from shardps.core.specs import Initializer, Staleness, TableSpec
-from shardps.server.table import Table
+from shardps.server.storage.table import Table
 
 CASES = [
     (SGD(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),

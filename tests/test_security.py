@@ -21,7 +21,7 @@ from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.procs import start_shard
 
-certs = pytest.importorskip("shardps.server.certs")
+certs = pytest.importorskip("shardps.server.ops.certs")
 pytest.importorskip("cryptography")
 
 TOKENS = {"reader": "r" * 20 + "-reader-token", "trainer": "t" * 20 + "-trainer-token", "admin": "a" * 20 + "-admin"}
@@ -123,7 +123,7 @@ def test_cluster_command_with_mutual_tls_needs_no_setup(tmp_path):
 # ---- tokens and roles -------------------------------------------------------------------------
 
 OK, UNAUTH, DENIED = grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
-# Written out by hand, not derived from shardps.server.auth: (no or wrong token, reader, trainer, admin).
+# Written out by hand, not derived from shardps.server.rpc.auth: (no or wrong token, reader, trainer, admin).
 EXPECTED = {
     "Pull":                 (UNAUTH, OK, OK, OK),
     "PullDense":            (UNAUTH, OK, OK, OK),

@@ -24,9 +24,9 @@ from shardps_client.errors import ExportGapError, InvalidArgumentError, ReadOnly
 
 from shardps.core.exports import compact, generations, load_tables, read_manifest
 from shardps.core.routing import shard_of_ids
-from shardps.server import ServerConfig, ShardServer
-from shardps.server.shard import ShardConfig
-from shardps.server.stats import collect
+from shardps.server.ops.report import collect
+from shardps.server.rpc import ServerConfig, ShardServer
+from shardps.server.shard.facade import ShardConfig
 from tests.conftest import running_cluster
 from tests.procs import start_shard
 

@@ -134,8 +134,8 @@ def test_worker_that_leaves_does_not_hang_the_others():
 
 
 def test_silent_worker_counts_as_gone(tmp_path):
-    from shardps.server import ServerConfig, ShardServer
-    from shardps.server.shard import ShardConfig
+    from shardps.server.rpc import ServerConfig, ShardServer
+    from shardps.server.shard.facade import ShardConfig
 
     with ShardServer(ShardConfig(0, 1, worker_timeout_s=1.0), ServerConfig()).start() as server:
         with Client([server.address]) as c:

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Callable, Iterator, Optional
 
-from shardps.server.launcher import LocalCluster
+from shardps.server.ops.launcher import LocalCluster
 
 
 def add_cluster_args(p: argparse.ArgumentParser, workers: int = 2) -> None:

@@ -51,7 +51,7 @@ from shardps_client import (  # noqa: E402
 )
 
 from shardps.core.specs import Initializer  # noqa: E402
-from shardps.server.launcher import free_port  # noqa: E402
+from shardps.server.ops.launcher import free_port  # noqa: E402
 
 NUM_SPARSE, NUM_DENSE = 8, 13
 

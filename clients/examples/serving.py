@@ -30,7 +30,7 @@ from dlrm import DLRM, NUM_SPARSE, auc, batches, click_log, table_name  # noqa: 
 from shardps_client import Adagrad, Adam, Client, RemoteEmbedding, ShardedOptimizer  # noqa: E402
 
 from shardps.core.specs import Initializer  # noqa: E402
-from shardps.server.launcher import LocalCluster  # noqa: E402
+from shardps.server.ops.launcher import LocalCluster  # noqa: E402
 
 PREFIX = "dlrm.serving."
 

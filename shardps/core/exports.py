@@ -24,7 +24,7 @@ the trainer.
 ``Exporter`` writes generations from a running cluster through any ``call(shard,
 method, request)`` (the client's transport, or the ``shardps export`` command's own
 channels); ``compact`` folds a chain into one base; ``Chain``/``load_tables`` read it
-back (the serving shard, ``shardps.server.serving``).
+back (the serving shard, ``shardps.server.exports.serving``).
 """
 
 from __future__ import annotations

@@ -19,10 +19,9 @@ import numpy as np
 from shardps.core.errors import InvalidArgument, ResourceExhausted, SyncStepFailed
 from shardps.core.ids import coalesce
 from shardps.core.specs import SyncPolicy
-from shardps.server import fair
-from shardps.server.aggregate import combine, stack
-from shardps.server.metrics import NO_METRICS, NullMetrics
-from shardps.server.table import Table
+from shardps.server.shard.aggregate import combine, stack
+from shardps.server.shard.metrics import NO_METRICS, NullMetrics
+from shardps.server.storage.table import Table
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +218,9 @@ class SyncCoordinator:
     """The synchronous steps of one shard's tables; applies each complete step through ``apply``."""
 
     def __init__(self, shard_index: int, membership: Membership, apply: ApplyStep,
-                 metrics: NullMetrics = NO_METRICS) -> None:
+                 metrics: NullMetrics = NO_METRICS, before_wait: Callable[[], None] = lambda: None) -> None:
         self.metrics = metrics
+        self.before_wait = before_wait  # called before a part waits for the step: the scheduler's hook
         self.shard_index = shard_index
         self.membership = membership
         self._apply = apply
@@ -249,7 +249,7 @@ class SyncCoordinator:
             if part.rank not in buf.complete_ranks():
                 return StepOutcome(recorded_only=True)
             waiting_since = time.perf_counter()
-            fair.leave_slot()  # the other workers' parts of the step need a turn
+            self.before_wait()  # the other workers' parts of the step need a turn
             while not buf.done:
                 self._try_finish(t, st, part.step, buf)
                 if not buf.done:

@@ -25,7 +25,7 @@ import numpy as np
 
 from shardps.core.errors import ShardError
 from shardps.core.exports import CorruptExport, generations, load_shard_file, read_manifest, spec_from_entry
-from shardps.server.table import Table
+from shardps.server.storage.table import Table
 from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ Three implementations, chosen by ``--durability``:
 
 - ``none``: no files. Nothing survives a restart.
 - ``checkpoint``: checkpoints only; a crash loses what came after the last one.
-- ``log``: every change is fsynced to the write-ahead log (``shardps.server.wal``)
+- ``log``: every change is fsynced to the write-ahead log (``shardps.server.durability.wal``)
   before it is acknowledged; a crash loses nothing acknowledged.
 
 Further implementations (replication to a follower, a delta export) fit the same
@@ -37,7 +37,7 @@ from shardps.core.specs import (
     table_spec_from_pb,
     table_spec_to_pb,
 )
-from shardps.server import fair, wal
+from shardps.server.durability import wal
 from shardps.v1 import shardps_pb2 as pb
 
 MODES = ("none", "checkpoint", "log")
@@ -275,10 +275,12 @@ class LogDurability(CheckpointDurability):
     mode = "log"
     wants_records = True
 
-    def __init__(self, data_dir: pathlib.Path, on_flush: Optional[Callable[[float, int], None]] = None) -> None:
+    def __init__(self, data_dir: pathlib.Path, on_flush: Optional[Callable[[float, int], None]] = None,
+                 before_wait: Callable[[], None] = lambda: None) -> None:
         super().__init__(data_dir)
         self._wal: Optional[wal.WriteAheadLog] = None
         self._on_flush = on_flush
+        self._before_wait = before_wait  # the caller's scheduler lets the next call in while this one waits
 
     def open(self) -> None:
         """Start appending (after restore has read the old records): a new segment after the last."""
@@ -292,7 +294,7 @@ class LogDurability(CheckpointDurability):
 
     def wait(self, ticket: int) -> None:
         if ticket and self._wal is not None:
-            fair.leave_slot()  # the flush is shared by every push waiting for it: let the next one in
+            self._before_wait()  # the flush is shared by every push waiting for it: let the next one in
             self._wal.wait(ticket)
 
     def cut(self) -> int:
@@ -305,10 +307,11 @@ class LogDurability(CheckpointDurability):
 
 
 def make(mode: str, data_dir: Optional[pathlib.Path], on_flush: Optional[Callable[[float, int], None]] = None,
-         ) -> Union[NoDurability, CheckpointDurability, LogDurability]:
-    """The durability of ``mode`` (a shard without a data dir has none); ``on_flush`` hears of each log fsync."""
+         before_wait: Callable[[], None] = lambda: None) -> Union[NoDurability, CheckpointDurability, LogDurability]:
+    """The durability of ``mode`` (a shard without a data dir has none); ``on_flush`` hears of each log fsync,
+    ``before_wait`` is called before a caller waits for one."""
     if mode not in MODES:
         raise ValueError(f"durability must be one of {MODES}, got {mode!r}")
     if data_dir is None or mode == "none":
         return NoDurability()
-    return LogDurability(data_dir, on_flush) if mode == "log" else CheckpointDurability(data_dir)
+    return LogDurability(data_dir, on_flush, before_wait) if mode == "log" else CheckpointDurability(data_dir)

@@ -33,8 +33,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from shardps.server.shard.metrics import NullMetrics
+
 if TYPE_CHECKING:
-    from shardps.server.shard import Shard
+    from shardps.server.shard.facade import Shard
 
 # Handler latencies: 50 us to 10 s.
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -43,34 +45,6 @@ GROUP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CHECKPOINT_BUCKETS = (1e-3, 1e-2, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-class NullMetrics:
-    """What a shard reports, doing nothing: the shard without ``--metrics-port``."""
-
-    enabled = False
-
-    def call(self, method: str, seconds: float, request_bytes: int, response_bytes: int) -> None:
-        pass
-
-    def error(self, method: str, code: str) -> None:
-        pass
-
-    def pulled(self, table: str, rows: int, row_bytes: int) -> None:
-        pass
-
-    def pushed(self, table: str, rows: int, row_bytes: int, staleness: int) -> None:
-        pass
-
-    def wal_flush(self, seconds: float, records: int) -> None:
-        pass
-
-    def checkpoint(self, seconds: float, pause: float) -> None:
-        pass
-
-    def sync_step(self, waited: float, missing: int) -> None:
-        pass
-
-
-NO_METRICS = NullMetrics()
 
 
 class Metrics(NullMetrics):

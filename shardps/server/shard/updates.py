@@ -13,18 +13,17 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
 from shardps.core.errors import StaleUpdate, SyncStepFailed, Unavailable
 from shardps.core.ids import coalesce
-from shardps.server import fair
-from shardps.server.bounded import CAUSE_CAPACITY, CAUSE_TTL
-from shardps.server.durability import Durability, Record, record_evict, with_staleness
-from shardps.server.gate import CheckpointGate
-from shardps.server.metrics import NO_METRICS, NullMetrics
-from shardps.server.table import Table, now_ticks
+from shardps.server.durability.gate import CheckpointGate
+from shardps.server.durability.modes import Durability, Record, record_evict, with_staleness
+from shardps.server.shard.metrics import NO_METRICS, NullMetrics
+from shardps.server.storage.bounded import CAUSE_CAPACITY, CAUSE_TTL
+from shardps.server.storage.table import Table, now_ticks
 
 
 class SeenPushes:
@@ -137,9 +136,10 @@ class UpdatePath:
     """Version, exactly-once records and counters, and ``apply``: the only code that changes rows."""
 
     def __init__(self, shard_index: int, durability: Durability, gate: CheckpointGate, gate_wait_s: float,
-                 metrics: NullMetrics = NO_METRICS) -> None:
+                 metrics: NullMetrics = NO_METRICS, before_wait: Callable[[], None] = lambda: None) -> None:
         self.shard_index = shard_index
         self.metrics = metrics
+        self.before_wait = before_wait  # called before a push waits (a checkpoint's hold): the scheduler's hook
         self.durability = durability
         self.gate = gate
         self.gate_wait_s = gate_wait_s
@@ -229,7 +229,7 @@ class UpdatePath:
                     t.lock.release()
                 return
             t.lock.release()
-            fair.leave_slot()
+            self.before_wait()
             if not self.gate.wait(self.gate_wait_s):
                 raise Unavailable(f"shard {self.shard_index}: {what} held back by a checkpoint for too long")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from shardps.probe import check as check_health
-from shardps.server.certs import DevCerts, make_dev_certs
+from shardps.server.ops.certs import DevCerts, make_dev_certs
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class LocalCluster:
         serve_args: extra ``shardps serve`` flags for every shard (e.g. durability).
         log_dir: where shard logs go (default: a temporary directory).
         tls: None (plaintext), "tls" or "mtls" (mutual TLS): throwaway certificates are made in
-            ``<data_dir or log_dir>/tls`` (``shardps.server.certs``) and the cluster file carries their paths.
+            ``<data_dir or log_dir>/tls`` (``shardps.server.ops.certs``) and the cluster file carries their paths.
     """
 
     num_shards: int

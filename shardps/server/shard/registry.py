@@ -7,8 +7,9 @@ from typing import Any, Optional, Union
 
 from shardps.core.errors import InvalidArgument, NotFound, clip
 from shardps.core.specs import DenseSpec, TableSpec
-from shardps.server.limits import Limits, MemoryBudget
-from shardps.server.table import Table
+from shardps.server.shard.limits import Limits
+from shardps.server.storage.budget import MemoryBudget
+from shardps.server.storage.table import Table
 
 
 class TableRegistry:

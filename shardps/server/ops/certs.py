@@ -135,10 +135,10 @@ def write_tokens(directory: str, readable: bool = False) -> dict[str, str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m shardps.server.certs DIR``: throwaway TLS files (and with --tokens, a tokens file)."""
+    """``python -m shardps.server.ops.certs DIR``: throwaway TLS files (and with --tokens, a tokens file)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m shardps.server.certs", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m shardps.server.ops.certs", description=main.__doc__)
     p.add_argument("directory")
     p.add_argument("--hosts", default="127.0.0.1,localhost,::1",
                    help="comma-separated names and addresses the shards' certificate is valid for")

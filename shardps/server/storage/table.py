@@ -26,9 +26,16 @@ from shardps.core.ids import coalesce
 from shardps.core.memory import grown, zeros
 from shardps.core.optim import RowOptimizer
 from shardps.core.specs import DenseSpec, Initializer, TableSpec
-from shardps.server.bounded import CAUSE_CAPACITY, CAUSE_TTL, CountMinSketch, PushHistory, RemovalLog, choose_victims
-from shardps.server.index import DirectIndex, HashIndex
-from shardps.server.limits import MemoryBudget, optional_budget
+from shardps.server.storage.bounded import (
+    CAUSE_CAPACITY,
+    CAUSE_TTL,
+    CountMinSketch,
+    PushHistory,
+    RemovalLog,
+    choose_victims,
+)
+from shardps.server.storage.budget import MemoryBudget, optional_budget
+from shardps.server.storage.index import DirectIndex, HashIndex
 
 # Ownership test: ids -> boolean mask of the ids this shard owns.
 OwnsFn = Callable[[np.ndarray], np.ndarray]

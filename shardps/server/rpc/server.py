@@ -21,12 +21,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.core import kernels
 from shardps.core.memory import release_free_memory, tune_malloc
-from shardps.server.auth import TLSFiles, Tokens
-from shardps.server.fair import FairConfig
-from shardps.server.metrics import NO_METRICS, Metrics, NullMetrics
-from shardps.server.servicer import ShardServicer, add_to_server
-from shardps.server.serving import Follower
-from shardps.server.shard import Shard, ShardConfig
+from shardps.server.exports.serving import Follower
+from shardps.server.rpc import fair
+from shardps.server.rpc.auth import TLSFiles, Tokens
+from shardps.server.rpc.fair import FairConfig
+from shardps.server.rpc.metrics import Metrics
+from shardps.server.rpc.servicer import ShardServicer, add_to_server
+from shardps.server.shard.facade import Shard, ShardConfig
+from shardps.server.shard.metrics import NO_METRICS, NullMetrics
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ class ShardServer:
         # The shard refuses, before reading a row, any reply larger than gRPC would send.
         shard_config = replace(shard_config, limits=replace(shard_config.limits, max_message_bytes=limit))
         self.metrics: NullMetrics = Metrics() if server_config.metrics_port is not None else NO_METRICS
-        self.shard = Shard(shard_config, self.metrics)
+        self.shard = Shard(shard_config, self.metrics, before_wait=fair.leave_slot)
         self.config = server_config
         self.follower: Optional[Follower] = None
         if shard_config.serve_from is not None:  # loaded before the port opens: a serving shard never serves nothing

@@ -14,11 +14,11 @@ import sys
 from typing import Callable, Mapping, Optional, Sequence
 
 from shardps.probe import add_tls_args
-from shardps.server.auth import TLSFiles, Tokens
-from shardps.server.fair import FairConfig
-from shardps.server.grpc_server import ServerConfig, serve
-from shardps.server.limits import Limits
-from shardps.server.shard import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
+from shardps.server.rpc.auth import TLSFiles, Tokens
+from shardps.server.rpc.fair import FairConfig
+from shardps.server.rpc.server import ServerConfig, serve
+from shardps.server.shard.facade import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
+from shardps.server.shard.limits import Limits
 
 _LIMITS = Limits()
 _FAIR = FairConfig()
@@ -205,7 +205,7 @@ def run_health(args: argparse.Namespace) -> int:
 def run_stats(args: argparse.Namespace) -> int:
     import json
 
-    from shardps.server.stats import collect, render
+    from shardps.server.ops.report import collect, render
 
     try:
         addresses = _addresses(args)
@@ -221,7 +221,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from shardps.server.launcher import LocalCluster
+    from shardps.server.ops.launcher import LocalCluster
 
     serve_args = ["--durability", args.durability, "--checkpoint-interval", str(args.checkpoint_interval)]
     if args.tokens_file:
@@ -267,8 +267,8 @@ def run_reshard(args: argparse.Namespace) -> int:
     import json
     import pathlib
 
-    from shardps.server.reshard import reshard
-    from shardps.server.shard import ShardMapMismatch
+    from shardps.server.ops.reshard import reshard
+    from shardps.server.shard.facade import ShardMapMismatch
 
     try:
         summary = reshard(pathlib.Path(args.src), pathlib.Path(args.dst), args.shards)
@@ -286,7 +286,7 @@ def run_export(args: argparse.Namespace) -> int:
 
     from shardps.core.errors import ShardError
     from shardps.core.exports import CorruptExport, Exporter, compact, generations
-    from shardps.server.stats import caller
+    from shardps.server.ops.report import caller
 
     addresses = _addresses(args)
     exporter = Exporter(caller(addresses, args.timeout, {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}),
@@ -389,8 +389,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         raise SystemExit(f"shardps serve: {e}") from None
     from shardps.core.exports import CorruptExport
-    from shardps.server.serving import ServeMismatch
-    from shardps.server.shard import LogReplayError, ShardMapMismatch
+    from shardps.server.exports.serving import ServeMismatch
+    from shardps.server.shard.facade import LogReplayError, ShardMapMismatch
 
     try:
         return serve(shard_config, server_config, ready_file=args.ready_file)

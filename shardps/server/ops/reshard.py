@@ -20,8 +20,8 @@ import numpy as np
 from shardps.core.ids import unique_ids
 from shardps.core.routing import dense_rows_owned, shard_of_ids
 from shardps.core.specs import DenseSpec
-from shardps.server import checkpoint as ckpt
-from shardps.server.shard import Shard, ShardConfig
+from shardps.server.durability import checkpoints as ckpt
+from shardps.server.shard.facade import Shard, ShardConfig
 
 log = logging.getLogger(__name__)
 

@@ -25,19 +25,19 @@ from shardps.core.errors import (
 )
 from shardps.core.specs import DenseSpec, dense_spec_from_pb, dense_spec_to_pb, table_spec_from_pb, table_spec_to_pb
 from shardps.core.wire import Buffer, parse
-from shardps.server import fair
-from shardps.server.auth import ALLOWED, Grant, Tokens
-from shardps.server.fair import Callers, FairConfig, FairScheduler
-from shardps.server.shard import Shard, ShardInfo, TableInfo
-from shardps.server.sync import SyncPart
-from shardps.server.updates import Counters, PushResult
+from shardps.server.rpc import fair
+from shardps.server.rpc.auth import ALLOWED, Grant, Tokens
+from shardps.server.rpc.fair import Callers, FairConfig, FairScheduler
+from shardps.server.shard.facade import Shard, ShardInfo, TableInfo
+from shardps.server.shard.sync import SyncPart
+from shardps.server.shard.updates import Counters, PushResult
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-# The data path: these calls take turns in fair order (shardps.server.fair); the others are cheap or wait.
+# The data path: these calls take turns in fair order (shardps.server.rpc.fair); the others are cheap or wait.
 GATED = frozenset({"Pull", "Push", "PullDense", "PushDense", "PullBatch", "PushBatch"})
 # Refusals that a well-behaved client rarely gets: a caller getting many has them slowed down.
 PENALIZED = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
@@ -201,7 +201,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def _slow_refusal(self, connection: str, code: grpc.StatusCode, nbytes: int = 0) -> None:
         """A refusal a well-behaved client rarely gets waits a little when its connection gets many
-        (shardps.server.fair): a flood of malformed or unauthenticated calls then costs the shard little."""
+        (shardps.server.rpc.fair): a flood of malformed or unauthenticated calls then costs the shard little."""
         if code in PENALIZED:
             delay = self.callers.failed(connection, nbytes)
             if delay:

@@ -43,17 +43,17 @@ from shardps.core.errors import (
 )
 from shardps.core.routing import dense_rows_owned, shard_of_ids
 from shardps.core.specs import DenseSpec, TableSpec
-from shardps.server import checkpoint as ckpt
-from shardps.server import durability as dur
-from shardps.server import wal as wal_mod
-from shardps.server.bounded import RemovalLog
-from shardps.server.gate import CheckpointGate
-from shardps.server.limits import Limits
-from shardps.server.metrics import NO_METRICS, NullMetrics
-from shardps.server.registry import TableRegistry
-from shardps.server.sync import Membership, SyncCoordinator, SyncPart, check_sync
-from shardps.server.table import Table
-from shardps.server.updates import Counters, PushResult, UpdatePath
+from shardps.server.durability import checkpoints as ckpt
+from shardps.server.durability import modes as dur
+from shardps.server.durability import wal as wal_mod
+from shardps.server.durability.gate import CheckpointGate
+from shardps.server.shard.limits import Limits
+from shardps.server.shard.metrics import NO_METRICS, NullMetrics
+from shardps.server.shard.registry import TableRegistry
+from shardps.server.shard.sync import Membership, SyncCoordinator, SyncPart, check_sync
+from shardps.server.shard.updates import Counters, PushResult, UpdatePath
+from shardps.server.storage.bounded import RemovalLog
+from shardps.server.storage.table import Table
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class ShardConfig:
             how to recover) or "truncate" (that record and every later one are
             moved aside to a ``.corrupt`` file, logged as lost, and the shard starts).
         serve_from: an export directory: the shard serves it read-only and follows its deltas
-            (``shardps.server.serving``); pushes and table changes are refused.
+            (``shardps.server.exports.serving``); pushes and table changes are refused.
     """
 
     shard_index: int = 0
@@ -152,7 +152,7 @@ class ShardInfo:
     durability: str
     last_checkpoint: str
     export_floor: int = -1  # deltas may follow a cut at this version or later (-1: no export followed yet)
-    serving: Optional[Any] = None  # a serving shard's ServingState (shardps.server.serving)
+    serving: Optional[Any] = None  # a serving shard's ServingState (shardps.server.exports.serving)
 
 
 @dataclass
@@ -184,7 +184,10 @@ class _Checkpoints:
 class Shard:
     """Tables and dense tensors owned by one shard, with its version counter."""
 
-    def __init__(self, config: ShardConfig, metrics: NullMetrics = NO_METRICS) -> None:
+    def __init__(self, config: ShardConfig, metrics: NullMetrics = NO_METRICS,
+                 before_wait: Callable[[], None] = lambda: None) -> None:
+        """``before_wait`` is called on a request's thread before it waits (a log flush, a synchronous step, a
+        checkpoint's hold): the gRPC face passes its fair scheduler's ``leave_slot`` so the next call runs."""
         self.config = config
         self.limits = config.limits
         self.index = config.shard_index
@@ -194,11 +197,13 @@ class Shard:
         # Lock order: registry.lock -> Table.lock -> the update path's version lock -> durability.
         self.registry = TableRegistry(self.index, config.limits)
         self.metrics = metrics
-        self.durability = dur.make(config.durability, self.data_dir, metrics.wal_flush if metrics.enabled else None)
+        self.durability = dur.make(config.durability, self.data_dir, metrics.wal_flush if metrics.enabled else None,
+                                   before_wait)
         self.gate = CheckpointGate(f"shard {self.index}")
-        self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5, metrics)
+        self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5, metrics,
+                                  before_wait)
         self.sync = SyncCoordinator(self.index, Membership(config.worker_timeout_s, config.limits.max_workers),
-                                    self._apply_step, metrics)
+                                    self._apply_step, metrics, before_wait)
         self.membership = self.sync.membership
         self._ckpt_lock = threading.Lock()
         self._ckpts = _Checkpoints()
