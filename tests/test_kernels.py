@@ -17,8 +17,9 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from shardps.core import compiled, kernels
+from shardps.core import kernels
 from shardps.core.ids import coalesce
+from shardps.core.kernels import loops
 from shardps.core.optim import SGD, Adagrad, Adam
 from shardps.core.routing import shard_of_ids, split_by_shard
 from shardps.core.specs import Eviction, Initializer, TableSpec
@@ -29,7 +30,7 @@ from shardps.server.storage.table import Table
 @contextlib.contextmanager
 def _kernels(on: bool) -> Iterator[None]:
     saved = kernels.jit
-    kernels.jit = (lambda: compiled) if on else (lambda: None)  # type: ignore[assignment]
+    kernels.jit = (lambda: loops) if on else (lambda: None)  # type: ignore[assignment]
     try:
         yield
     finally:

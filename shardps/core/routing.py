@@ -9,12 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from shardps.core import kernels
+from shardps.core.kernels.constants import SPLITMIX_GOLDEN, SPLITMIX_M1, SPLITMIX_M2
 
 # splitmix64 finaliser constants (Steele, Lea & Flood, 2014); the kernels and the initializer's reference
 # mix with them too.
-SPLITMIX_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-SPLITMIX_M1 = np.uint64(0xBF58476D1CE4E5B9)
-SPLITMIX_M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)

@@ -10,10 +10,10 @@ import math
 import numba
 import numpy as np
 
-from shardps.core.kernels import ZIG_ATTEMPTS, ZIGGURAT_R
-from shardps.core.routing import SPLITMIX_GOLDEN as _GOLDEN
-from shardps.core.routing import SPLITMIX_M1 as _M1
-from shardps.core.routing import SPLITMIX_M2 as _M2
+from shardps.core.kernels.constants import SPLITMIX_GOLDEN as _GOLDEN
+from shardps.core.kernels.constants import SPLITMIX_M1 as _M1
+from shardps.core.kernels.constants import SPLITMIX_M2 as _M2
+from shardps.core.kernels.constants import ZIG_ATTEMPTS, ZIGGURAT_R
 
 
 def _njit(fn):  # type: ignore[no-untyped-def]

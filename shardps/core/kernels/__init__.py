@@ -1,9 +1,10 @@
 """Compiled per-row kernels: the hot loops of shards and clients, compiled with numba.
 
-Every kernel (in ``shardps.core.compiled``) has a plain-numpy reference, the
+Every kernel (in ``shardps.core.kernels.loops``) has a plain-numpy reference, the
 readable definition, next to the code that calls it: ``routing.shard_of_ids``
 and ``split_by_shard``, ``HashIndex.lookup`` and ``insert``,
 ``Initializer.rows``, each optimizer's ``step``, ``ids.coalesce``.
+Constants both sides share are in ``constants``.
 ``tests/test_kernels.py`` checks that each pair agrees bit for bit. Callers
 ask ``kernels.jit()`` for the compiled module, which is None when the
 references serve.
@@ -16,7 +17,7 @@ references serve.
 - Kernels release the GIL (``nogil``), so a shard's other gRPC threads decode
   and encode while one applies a push.
 - Machine code is cached on disk (numba's ``cache=True``): in ``__pycache__``
-  next to ``compiled.py``, or under ``NUMBA_CACHE_DIR`` / the user's cache
+  next to ``loops.py``, or under ``NUMBA_CACHE_DIR`` / the user's cache
   directory where that is read-only. ``python -m shardps.core.kernels``
   compiles them all ahead of time (the Docker images do it at build time):
   about 6 s with an empty cache, 0.5 s to load them from it.
@@ -28,7 +29,6 @@ references serve.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import threading
 from types import ModuleType
@@ -49,16 +49,16 @@ _lock = threading.Lock()
 
 
 def jit() -> Optional[ModuleType]:
-    """The compiled kernels (``shardps.core.compiled``), imported on first call; None when disabled."""
+    """The compiled kernels (``shardps.core.kernels.loops``), imported on first call; None when disabled."""
     global _module
     if not ENABLED:
         return None
     if _module is None:
         with _lock:
             if _module is None:
-                from shardps.core import compiled
+                from shardps.core.kernels import loops
 
-                _module = compiled
+                _module = loops
     return _module
 
 
@@ -71,43 +71,7 @@ def describe() -> str:
     return "numpy (SHARDPS_KERNELS=numpy)" if HAVE_NUMBA else "numpy (numba not installed)"
 
 
-# ---- the normal initializer's ziggurat (shared by the reference and the kernel) ------
-
-ZIGGURAT_R = 3.6541528853610088  # where the base layer's tail starts
-ZIG_ATTEMPTS = 1 << 20  # draws per value before giving up (the chance of getting there is nil)
-
-
-def ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The 256-layer ziggurat for the standard normal (Marsaglia and Tsang, 2000), for 52-bit magnitudes.
-
-    ``k[i]``: magnitudes below it are inside layer i's rectangle (accepted at
-    once); ``w[i]``: magnitude -> x; ``f[i]``: the density at layer i's edge.
-    Built once per process, in float64, for the reference and the kernel alike.
-    """
-    k = np.zeros(256, dtype=np.uint64)
-    w = np.zeros(256, dtype=np.float64)
-    f = np.zeros(256, dtype=np.float64)
-    m = 2.0**52
-    dn = tn = ZIGGURAT_R
-    vn = 0.00492867323399
-    q = vn / math.exp(-0.5 * dn * dn)
-    k[0] = np.uint64((dn / q) * m)
-    k[1] = 0
-    w[0] = q / m
-    w[255] = dn / m
-    f[0] = 1.0
-    f[255] = math.exp(-0.5 * dn * dn)
-    for i in range(254, 0, -1):
-        dn = math.sqrt(-2.0 * math.log(vn / dn + math.exp(-0.5 * dn * dn)))
-        k[i + 1] = np.uint64((dn / tn) * m)
-        tn = dn
-        f[i] = math.exp(-0.5 * dn * dn)
-        w[i] = dn / m
-    return k, w, f
-
-
-ZIG_K, ZIG_W, ZIG_F = ziggurat_tables()
-
+from shardps.core.kernels.constants import ZIG_ATTEMPTS, ZIG_F, ZIG_K, ZIG_W, ZIGGURAT_R  # noqa: E402, F401 (re-exported)
 
 # ---- ahead-of-time compilation -------------------------------------------------------
 
@@ -138,11 +102,3 @@ def warm_up() -> None:
     k.adam_apply(rows, rows.copy(), rows.copy(), ids, np.ones(4, np.float32), np.ones(4, np.float32), g, False,
                  0.0, f32, f32, f32, f32)
     k.sum_runs(g, ids, np.array([0, 2], np.int64))
-
-
-if __name__ == "__main__":
-    import time
-
-    t0 = time.perf_counter()
-    warm_up()
-    print(f"shardps kernels: {describe()}, ready in {time.perf_counter() - t0:.1f} s")
