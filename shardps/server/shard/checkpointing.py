@@ -1,0 +1,162 @@
+"""Consistent cuts of one shard: holding pushes back (phase 1 of a cluster-wide checkpoint or export),
+copying every table at one version, and writing checkpoints to the data dir.
+
+Lock order: ``Checkpointer.lock`` -> registry.lock -> Table.lock -> the update path's version lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import threading
+import time
+import uuid
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from shardps.core.errors import InvalidArgument, Unavailable
+from shardps.server.durability import checkpoints
+from shardps.server.durability.gate import CheckpointGate
+from shardps.server.durability.modes import Durability
+from shardps.server.shard.metrics import NullMetrics
+from shardps.server.shard.registry import TableRegistry
+from shardps.server.shard.updates import UpdatePath
+from shardps.server.storage.table import Table
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointFiles:
+    """Which checkpoint files this shard wrote, and the durability cut the previous one covers."""
+
+    seqno: int = 0
+    last: str = ""
+    previous_cut: int = 0
+
+
+class Checkpointer:
+    """Holds, snapshots and checkpoints of one shard (``Shard`` delegates its checkpoint calls here)."""
+
+    def __init__(self, shard_index: int, num_shards: int, data_dir: Optional[pathlib.Path], registry: TableRegistry,
+                 updates: UpdatePath, durability: Durability, gate: CheckpointGate, hold_s: float, keep: int,
+                 metrics: NullMetrics, check_writable: Callable[[str], None]) -> None:
+        self.index = shard_index
+        self.num_shards = num_shards
+        self.data_dir = data_dir
+        self.registry = registry
+        self.updates = updates
+        self.durability = durability
+        self.gate = gate
+        self.hold_s = hold_s
+        self.keep = keep
+        self.metrics = metrics
+        self.check_writable = check_writable
+        self.lock = threading.Lock()  # one cut at a time (checkpoints, exports)
+        self.files = CheckpointFiles()
+
+    # ---- holding pushes back ---------------------------------------------------------
+
+    def hold_pushes(self, hold_s: Optional[float] = None) -> None:
+        """Hold new pushes back and let running ones finish: phase 1 of a cluster-wide cut (checkpoint or
+        export), ended by phase 2, an abort, or after ``hold_s`` (at most the configured hold)."""
+        self.check_writable("a checkpoint or export")
+        hold = self.hold_s if not hold_s else min(hold_s, self.hold_s)
+        with self.lock:
+            self.gate.close()
+            for t in self.registry.tables():  # pushes that passed the gate before it closed finish first
+                with t.lock:
+                    pass
+            self.gate.hold(hold)
+
+    def abort(self) -> None:
+        with self.lock:
+            self.gate.open()
+
+    @contextmanager
+    def phase_two(self, what: str, prepared: bool) -> Iterator[None]:
+        """The copy of a cut (held by the caller's ``lock``): with ``prepared``, refused when phase 1 expired,
+        and pushes resume once the copy is made, whatever happens."""
+        if prepared and self.gate.is_open:
+            raise Unavailable(f"shard {self.index}: {what} was not prepared or its hold expired")
+        try:
+            yield
+        finally:
+            if prepared:
+                self.gate.open()
+
+    # ---- consistent copies -----------------------------------------------------------
+
+    @contextmanager
+    def all_locked(self) -> Iterator[tuple[list[tuple[str, Table]], float]]:
+        """Every (name, table) by name, with the registry lock and every table's lock held (one version), and
+        when the table locks began to be taken (``time.perf_counter``: from then on pushes wait)."""
+        with ExitStack() as stack:
+            stack.enter_context(self.registry.lock)
+            tables = self.registry.sorted_items()
+            t0 = time.perf_counter()
+            for _, t in tables:
+                stack.enter_context(t.lock)
+            yield tables, t0
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
+        """Copy every table at one consistent version: (checkpoint header, arrays, seconds pushes waited)."""
+        with self.all_locked() as (tables, t0):
+            meta: dict[str, Any] = {
+                "shard_index": self.index, "num_shards": self.num_shards, "version": self.updates.version,
+                "seen": self.updates.seen.to_json(), "tables": [], "wal_segment": self.durability.cut(),
+            }
+            arrays: dict[str, np.ndarray] = {}
+            for i, (_, t) in enumerate(tables):
+                meta["tables"].append(checkpoints.spec_entry(t.spec))
+                for k, v in t.snapshot().items():
+                    arrays[f"t{i}.{k}"] = v
+            pause = time.perf_counter() - t0
+        return meta, arrays, pause
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def require_data_dir(self) -> pathlib.Path:
+        self.check_writable("a checkpoint")
+        if self.data_dir is None or self.durability.mode == "none":
+            raise InvalidArgument(f"shard {self.index} has no data dir: start it with --data-dir to checkpoint")
+        return self.data_dir
+
+    def checkpoint(self, checkpoint_id: str = "", prepared: bool = False) -> tuple[str, int, int, float]:
+        """Write a consistent snapshot to the data dir: (id, version, bytes, pause seconds).
+
+        With ``prepared`` this is phase 2 of a cluster-wide checkpoint: pushes
+        have been held since ``hold_pushes`` and resume once the state
+        is copied in memory, before the file is written.
+        """
+        data_dir = self.require_data_dir()
+        checkpoint_id = checkpoint_id or uuid.uuid4().hex[:12]
+        if not all(c.isalnum() or c in "-_" for c in checkpoint_id) or len(checkpoint_id) > 64:
+            raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}: use up to 64 of [A-Za-z0-9_-]")
+        started = time.perf_counter()
+        with self.lock:
+            with self.phase_two(f"checkpoint {checkpoint_id}", prepared):
+                meta, arrays, pause = self.snapshot()
+            meta["checkpoint_id"] = checkpoint_id
+            self.files.seqno += 1
+            meta["seqno"] = self.files.seqno
+            size = checkpoints.write(data_dir / checkpoints.file_name(self.files.seqno, checkpoint_id), meta, arrays)
+            checkpoints.prune(data_dir, self.keep)
+            # Records are kept back to the previous checkpoint, the fallback if this one breaks.
+            self.durability.checkpointed(self.files.previous_cut)
+            self.files.previous_cut = meta["wal_segment"]
+            self.files.last = checkpoint_id
+        self.metrics.checkpoint(time.perf_counter() - started, pause)
+        log.info("shard %d: checkpoint %s at version %d (%d bytes, pause %.3fs)",
+                 self.index, checkpoint_id, meta["version"], size, pause)
+        return checkpoint_id, meta["version"], size, pause
+
+    def restored(self, meta: dict[str, Any]) -> int:
+        """A checkpoint was loaded on start: continue its numbering; returns the log segment replay starts at."""
+        self.files.seqno = int(meta["seqno"])
+        self.files.last = meta["checkpoint_id"]
+        self.files.previous_cut = int(meta.get("wal_segment", 0))
+        return self.files.previous_cut

@@ -1,0 +1,167 @@
+"""A shard's start from its data dir: load the newest valid checkpoint, then replay the log records
+written after it through the same paths as live requests (the update path included), so replay
+cannot drift from what was acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from shardps.core.errors import NotFound
+from shardps.core.specs import DenseSpec, TableSpec
+from shardps.server.durability import checkpoints, wal
+from shardps.server.durability import modes as durability
+from shardps.server.durability.modes import Durability
+from shardps.server.shard.checkpointing import Checkpointer
+from shardps.server.shard.registry import TableRegistry
+from shardps.server.shard.updates import UpdatePath
+from shardps.server.storage.table import Table
+
+log = logging.getLogger(__name__)
+
+
+class ShardMapMismatch(Exception):
+    """A checkpoint on disk was written by a shard with another (index, count)."""
+
+
+class LogReplayError(Exception):
+    """A write-ahead log record that holds an acknowledged update cannot be replayed."""
+
+
+class Replayable(Protocol):
+    """What replay needs of a shard: the calls live requests make."""
+
+    registry: TableRegistry
+    updates: UpdatePath
+
+    def create_table(self, spec: TableSpec, may_create: bool = True) -> bool: ...
+
+    def register_dense(self, spec: DenseSpec, row_start: int, values: Optional[np.ndarray],
+                       may_create: bool = True) -> tuple[bool, bool]: ...
+
+    def drop(self, name: str) -> bool: ...
+
+    def validate_push_dense(self, name: str, row_start: int, grads: np.ndarray,
+                            sync: Any = None) -> tuple[Table, np.ndarray]: ...
+
+
+class Recovery:
+    """Restores one shard (index of num_shards) from ``data_dir``; ``wal_recovery`` says what an
+    unreplayable record does ("fail" or "truncate")."""
+
+    def __init__(self, shard: Replayable, shard_index: int, num_shards: int, data_dir: pathlib.Path,
+                 durability: Durability, checkpointer: Checkpointer, wal_recovery: str) -> None:
+        self.shard = shard
+        self.index = shard_index
+        self.num_shards = num_shards
+        self.data_dir = data_dir
+        self.durability = durability
+        self.checkpointer = checkpointer
+        self.wal_recovery = wal_recovery
+
+    def restore(self) -> None:
+        """Load the newest valid checkpoint, then replay the records written after it."""
+        first_segment = 0
+        for loaded in checkpoints.load_newest(self.data_dir):
+            meta = loaded.meta
+            if (meta["shard_index"], meta["num_shards"]) != (self.index, self.num_shards):
+                raise ShardMapMismatch(
+                    f"checkpoint {loaded.path} belongs to shard {meta['shard_index']} of {meta['num_shards']}, "
+                    f"but this shard is {self.index} of {self.num_shards}; reshard it with "
+                    f"`shardps reshard` or point --data-dir elsewhere"
+                )
+            self.load_state(meta, loaded.arrays)
+            first_segment = self.checkpointer.restored(meta)
+            log.info("shard %d: restored checkpoint %s (version %d, %d tables)",
+                     self.index, loaded.path.name, self.shard.updates.version, len(self.shard.registry))
+            break
+        replayed = 0
+        try:
+            for record in self.durability.records(first_segment):
+                try:
+                    self.replay(durability.read_record(record.kind, record.payload))
+                except Exception as e:  # noqa: BLE001 - any record that cannot be replayed stops the start loudly
+                    self._unreplayable(record, e)
+                    break
+                replayed += 1
+        except wal.CorruptLog as e:
+            self._unreplayable(e.record, e)
+        if replayed:
+            log.info("shard %d: replayed %d write-ahead log records (version %d)", self.index, replayed,
+                     self.shard.updates.version)
+
+    def _unreplayable(self, record: wal.Record, error: Exception) -> None:
+        """A record that cannot be replayed: stop the start (the default), or with ``wal_recovery="truncate"``
+        move it and every later record aside, saying how many acknowledged records are lost."""
+        where = (f"write-ahead log {record.path} record {record.number} at byte {record.offset} "
+                 f"({wal.KIND_NAMES.get(record.kind, 'damaged')})")
+        if self.wal_recovery != "truncate":
+            raise LogReplayError(
+                f"shard {self.index}: {where} cannot be replayed: {error}. It and the records after it hold "
+                f"acknowledged updates, so the shard does not start. To start anyway, without that record and "
+                f"every later one (they are kept in a .corrupt file), restart with --wal-recovery truncate"
+            ) from error
+        aside, lost = wal.truncate_at(self.data_dir, record)
+        log.error("shard %d: %s cannot be replayed (%s); --wal-recovery truncate: %d records from there on "
+                  "(acknowledged updates) moved to %s and NOT applied", self.index, where, error, lost, aside)
+
+    def replay(self, change: durability.Change) -> None:
+        """Re-apply one stored change during restore, through the same paths as live requests."""
+        shard, updates = self.shard, self.shard.updates
+        if isinstance(change, durability.CreateTable):
+            shard.create_table(change.spec)
+        elif isinstance(change, durability.RegisterDense):
+            shard.register_dense(change.spec, change.row_start, change.values)
+        elif isinstance(change, durability.Drop):
+            shard.drop(change.name)
+        elif isinstance(change, durability.Assign):
+            found = self._table(change.name, "assigns to")
+            found.check_ids(change.ids)
+            updates.assign(found, change.ids, change.values, replaying=True)
+        elif isinstance(change, durability.Evict):
+            updates.evict(self._table(change.name, "evicts from"), change.ids, change.cause)
+        else:
+            d = change.push
+            assert d.grads is not None
+            if change.dense:
+                t, ids = shard.validate_push_dense(d.name, d.row_start, d.grads)
+            else:  # rows of a table, or of a dense tensor (a synchronous step's update)
+                assert d.ids is not None
+                t, ids = self._table(d.name, "for"), d.ids
+                if ids.size:
+                    t.check_ids(ids)
+                t.check_grads(ids, d.grads)
+            if d.client_id:  # remembered, not counted: the snapshot may already hold it
+                updates.seen.begin(d.client_id, d.seq)
+            updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row,
+                          replayed_ticks=change.ticks)
+
+    def _table(self, name: str, what: str) -> Table:
+        found = self.shard.registry.find(name)
+        if found is None:
+            raise NotFound(f"log record {what} unknown table {name!r}")
+        return found
+
+    def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""
+        shard, registry = self.shard, self.shard.registry
+        with registry.lock:
+            registry.clear()
+            for i, entry in enumerate(meta["tables"]):
+                spec = checkpoints.spec_of(entry)
+                if isinstance(spec, DenseSpec):
+                    shard.register_dense(spec, 0, None)
+                else:
+                    shard.create_table(spec)
+                prefix = f"t{i}."
+                t = registry.find(spec.name)
+                assert t is not None
+                t.load({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+            shard.updates.version = int(meta["version"])
+            shard.updates.seen.load_json(meta.get("seen", {}))
+            for t in registry.tables():
+                t.restart_history(shard.updates.version)
