@@ -1,9 +1,9 @@
 """Row storage of one table (or dense tensor) on one shard.
 
-A ``Table`` owns rows, per-row optimizer state, per-row step counts and per-row
-metadata (version and time of the last push, pushes) in growable numpy arrays,
-plus an id -> slot index (which also holds each slot's id). Slots stay dense:
-an evicted row's slot takes the last row, with everything that belongs to it.
+A ``Table`` keeps its rows, per-row optimizer state, step counts and metadata in a
+``RowStore`` (``storage.rows``: slot-dense arrays, the id index, the memory budget) and
+gives them a table's meaning: reads that create rows from the initializer, the optimizer
+step, admission, TTL and capacity eviction, per-row staleness and export copies.
 A bounded table (admission or eviction in its spec) adds an admission sketch and
 eviction; a table with per-row staleness remembers its recent pushes. It knows nothing of gRPC or versions: the shard validates ownership and
 staleness, the table validates shapes and values, gathers and applies the
@@ -16,14 +16,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from shardps.core import kernels
-from shardps.core.errors import InvalidArgument, OutOfRange, ResourceExhausted, WrongShard
+from shardps.core.errors import InvalidArgument, OutOfRange, WrongShard
 from shardps.core.ids import coalesce
-from shardps.core.memory import grown, zeros
 from shardps.core.optim import RowOptimizer
 from shardps.core.specs import DenseSpec, Initializer, TableSpec
 from shardps.server.storage.bounded import (
@@ -35,7 +33,7 @@ from shardps.server.storage.bounded import (
     choose_victims,
 )
 from shardps.server.storage.budget import MemoryBudget, optional_budget
-from shardps.server.storage.index import DirectIndex, HashIndex
+from shardps.server.storage.rows import RowStore
 
 # Ownership test: ids -> boolean mask of the ids this shard owns.
 OwnsFn = Callable[[np.ndarray], np.ndarray]
@@ -67,6 +65,10 @@ class BoundedCounts:
     evicted_capacity: int = 0
 
 
+def _stored(name: str) -> Any:
+    return property(lambda self: getattr(self.store, name), doc=f"``RowStore.{name}`` (read-only here)")
+
+
 class Table:
     """Rows and optimizer state of one table on one shard.
 
@@ -80,9 +82,16 @@ class Table:
         max_rows: rows this table may hold on this shard.
     """
 
-    INITIAL_ROWS = 1 << 20  # what a declared size may reserve before any row arrives
-    INDEX_BYTES_PER_ROW = 24  # the slot's id (8) and its share of the probe table (up to 16)
-    META_BYTES_PER_ROW = 16  # last push's version (8) and time (4), pushes (4)
+    # The slot-dense arrays and the index, read through to the store (which replaces arrays as it grows).
+    rows = _stored("rows")
+    steps = _stored("steps")
+    state = _stored("state")
+    last_version = _stored("last_version")
+    last_time = _stored("last_time")
+    touches = _stored("touches")
+    index = _stored("index")
+    n = _stored("n")
+    ids = _stored("ids")
 
     def __init__(self, spec: Union[TableSpec, DenseSpec], owns: OwnsFn, expected_rows: int = 1024,
                  budget: Optional[MemoryBudget] = None, max_rows: int = 2**31 - 1) -> None:
@@ -96,61 +105,29 @@ class Table:
         self.initializer: Optional[Initializer] = None if isinstance(spec, DenseSpec) else spec.initializer
         self.budget = optional_budget(budget)
         self.max_rows = max_rows
-        self.charged = 0  # bytes of the budget this table holds
-        self._direct = self.num_embeddings is not None and self._direct_index_pays(max(16, int(expected_rows)))
-        cap = max(16, min(int(expected_rows), self.INITIAL_ROWS))
-        self._charge(self._index_bytes(cap), "creating the index")
-        self.index = self._new_index(cap)
-        self.n = 0
-        self.rows = zeros((cap, self.dim), np.float32)
-        self.steps = zeros(cap, np.int32)
-        self.state = {name: zeros((cap, self.dim), np.float32) for name in self.optimizer.state_names()}
-        # Per-row metadata: shard version and time (now_ticks) of the last push, and pushes.
-        self.last_version = zeros(cap, np.int64)
-        self.last_time = zeros(cap, np.uint32)
-        self.touches = zeros(cap, np.int32)
+        opt = self.optimizer
+        self.store = RowStore(spec.name, self.dim, {k: opt.initial_state(k) for k in opt.state_names()},
+                              self.num_embeddings, expected_rows, self.budget, max_rows)
         tspec = spec if isinstance(spec, TableSpec) else None
         self.bounded = tspec is not None and tspec.bounded
         self.admission = tspec.admission if tspec is not None else None
         self.eviction = tspec.eviction if tspec is not None else None
         self.sketch: Optional[CountMinSketch] = None
         if self.admission is not None:
-            self._charge(self.admission.sketch_bytes, "creating the admission sketch")
+            self.store.charge(self.admission.sketch_bytes, "creating the admission sketch")
             self.sketch = CountMinSketch(self.admission)
         self.history: Optional[PushHistory] = PushHistory() if spec.staleness.per_row else None
         self.counts = BoundedCounts()
         self._sweep_at = 0  # the slot the next sweep starts from
-        self._high = 0  # slots ever used (past it the arrays are still zeros)
         self.created_version = 0  # a delta since an earlier cut copies the whole table (shard.py sets it)
         self.removals: Optional[RemovalLog] = None  # evicted ids, while an export follows (tombstones)
         self.read_only = False  # a serving shard's table: reads never create rows
 
     # ---- validation (no lock needed) -------------------------------------------------
 
-    def _new_index(self, cap: int) -> Union[HashIndex, DirectIndex]:
-        if self._direct:
-            assert self.num_embeddings is not None
-            return DirectIndex(self.num_embeddings, cap)
-        return HashIndex(cap)
-
-    def _index_bytes(self, cap: int) -> int:
-        """Bytes an empty index of ``cap`` rows writes when made (its probe table or flat map)."""
-        return 4 * self.num_embeddings if self._direct else 4 * HashIndex.table_size(cap)  # type: ignore[operator]
-
-    def _charge(self, nbytes: int, doing: str) -> None:
-        self.budget.charge(nbytes, f"{self.spec.name}: {doing}")
-        self.charged += nbytes
-
     def release(self) -> None:
         """Give the table's bytes back to the budget (the table was dropped or replaced)."""
-        self.budget.release(self.charged)
-        self.charged = 0
-
-    def _direct_index_pays(self, cap: int) -> bool:
-        """A flat map costs 4 bytes per id of the whole table; use it when that is cheap."""
-        assert self.num_embeddings is not None
-        row_bytes = self.dim * 4 * (1 + len(self.optimizer.state_names()))
-        return self.num_embeddings < 2**31 and self.num_embeddings * 4 <= 0.05 * cap * row_bytes
+        self.store.release()
 
     def check_ids(self, ids: np.ndarray) -> None:
         """Raise unless ``ids`` is a non-empty 1-D int64 array of in-range ids this shard owns."""
@@ -181,50 +158,9 @@ class Table:
 
     # ---- storage ---------------------------------------------------------------------
 
-    def _reserve(self, extra: int) -> None:
-        need = self.n + extra
-        cap = self.rows.shape[0]
-        if need <= cap:
-            return
-        new_cap = max(need, cap + cap // 2)
-        self.rows = grown(self.rows, new_cap)
-        self.steps = grown(self.steps, new_cap)
-        self.state = {k: grown(v, new_cap) for k, v in self.state.items()}
-        self.last_version = grown(self.last_version, new_cap)
-        self.last_time = grown(self.last_time, new_cap)
-        self.touches = grown(self.touches, new_cap)
-
-    def _per_row(self) -> list[np.ndarray]:
-        """Every array indexed by slot, besides the index."""
-        return [self.rows, self.steps, self.last_version, self.last_time, self.touches, *self.state.values()]
-
-    @property
-    def ids(self) -> np.ndarray:
-        """Id of each materialised row, in slot order (a view)."""
-        return self.index.ids
-
     def _append(self, new_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Materialise rows for absent, unique ids; returns their slots."""
-        k = new_ids.shape[0]
-        if self.n + k > self.max_rows:
-            raise ResourceExhausted(f"{self.spec.name}: {self.n + k:,} rows would be over the shard's limit of "
-                                    f"{self.max_rows:,} rows per table (--max-table-rows)")
-        self._charge(k * (self.row_bytes + self.INDEX_BYTES_PER_ROW), f"adding {k:,} rows")
-        self._reserve(k)
-        slots = np.arange(self.n, self.n + k, dtype=np.int64)
-        self.rows[self.n : self.n + k] = values
-        used = min(self.n + k, self._high)  # slots below the high-water mark held evicted rows: clear them
-        if used > self.n:
-            for arr in (self.steps, self.last_version, self.last_time, self.touches, *self.state.values()):
-                arr[self.n : used] = 0
-        for name, arr in self.state.items():
-            init = self.optimizer.initial_state(name)
-            if init != 0.0:
-                arr[self.n : self.n + k] = init
-        self.index.insert(new_ids, slots)
-        self.n += k
-        self._high = max(self._high, self.n)
-        return slots
+        return self.store.append(new_ids, values)
 
     def _slots(self, ids: np.ndarray, create: bool, stamp: int = 0) -> np.ndarray:
         """Slots of ``ids``, materialising absent ones from the initializer if ``create`` (``stamp``: their
@@ -397,24 +333,7 @@ class Table:
             return
         if self.removals is not None:
             self.removals.add(version, ids)
-        moves = self.index.remove(ids, check)
-        k_ = kernels.jit()
-        if moves.size and k_ is not None:
-            for arr in self._per_row():  # the moves one after the other, compiled
-                k_.apply_moves(arr.reshape(arr.shape[0], -1), moves)
-        elif moves.size:
-            # Compose the moves (a row may move twice): destination slot -> slot it came from.
-            came_from: dict[int, int] = {}
-            for frm, to in moves.tolist():
-                came_from[to] = came_from.pop(frm, frm)
-            left = self.n - k
-            pairs = np.array([(t, f) for t, f in came_from.items() if t < left], dtype=np.int64).reshape(-1, 2)
-            for arr in self._per_row():
-                arr[pairs[:, 0]] = arr[pairs[:, 1]]
-        self.n -= k
-        freed = min(self.charged, k * (self.row_bytes + self.INDEX_BYTES_PER_ROW))
-        self.budget.release(freed)
-        self.charged -= freed
+        self.store.remove(ids, check)
         if cause == CAUSE_TTL:
             self.counts.evicted_ttl += k
         elif cause == CAUSE_CAPACITY:
@@ -455,7 +374,7 @@ class Table:
     @property
     def row_bytes(self) -> int:
         """Bytes per materialised row: value, optimizer state, step and metadata (the index holds the id)."""
-        return self.dim * 4 * (1 + len(self.state)) + 4 + self.META_BYTES_PER_ROW
+        return self.store.row_bytes
 
     def nbytes(self) -> int:
         return self.n * self.row_bytes + self.index.nbytes + (self.sketch.nbytes if self.sketch is not None else 0)
@@ -465,12 +384,7 @@ class Table:
 
         Keys: ``ids``, ``rows``, ``steps``, ``state.*`` and ``meta.*`` hold one entry per row;
         ``table.*`` (the admission sketch) belong to the table as a whole."""
-        n = self.n
-        out = {"ids": self.ids[:n].copy(), "rows": self.rows[:n].copy(), "steps": self.steps[:n].copy(),
-               "meta.last_version": self.last_version[:n].copy(), "meta.last_time": self.last_time[:n].copy(),
-               "meta.touches": self.touches[:n].copy()}
-        for k, v in self.state.items():
-            out["state." + k] = v[:n].copy()
+        out = self.store.snapshot()
         if self.sketch is not None:
             out.update({"table." + k: v for k, v in self.sketch.state().items()})
         return out
@@ -479,25 +393,14 @@ class Table:
         """Replace the contents with a snapshot (rows of ids this shard owns; a snapshot written before
         per-row metadata existed loads with zeros there)."""
         with self.lock:
-            ids = arrays["ids"]
-            self.release()
-            self.n = 0
-            self._high = 0
-            cap = max(16, ids.shape[0])
-            self._charge(self._index_bytes(cap), "creating the index")
+            self.store.load(arrays, self._load_sketch(arrays))
+
+    def _load_sketch(self, arrays: dict[str, np.ndarray]) -> Callable[[], None]:
+        def load() -> None:
             if self.sketch is not None:
-                self._charge(self.sketch.nbytes, "creating the admission sketch")
+                self.store.charge(self.sketch.nbytes, "creating the admission sketch")
                 self.sketch.load({k[len("table."):]: v for k, v in arrays.items() if k.startswith("table.")})
-            self.index = self._new_index(cap)
-            self._reserve(ids.shape[0])
-            slots = self._append(ids, arrays["rows"])
-            self.steps[slots] = arrays["steps"]
-            for name, arr in (("last_version", self.last_version), ("last_time", self.last_time),
-                              ("touches", self.touches)):
-                if "meta." + name in arrays:
-                    arr[slots] = arrays["meta." + name]
-            for k in self.state:
-                self.state[k][slots] = arrays["state." + k]
+        return load
 
     def export_copy(self, version: int, since: Optional[int], optimizer_state: bool) -> dict[str, np.ndarray]:
         """Copies for an export at shard version ``version``. Caller holds ``lock``.

@@ -1,0 +1,122 @@
+"""The data path's handlers: pulls, pushes and their batches, for unary calls and stream frames alike.
+A batch validates every entry before it applies any, so a refused batch changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from shardps.core import codec, wire
+from shardps.core.errors import ResourceExhausted, StaleUpdate, SyncStepFailed
+from shardps.core.wire import Buffer, parse
+from shardps.server.rpc import convert
+from shardps.server.shard.facade import Shard
+from shardps.server.shard.updates import PushResult
+from shardps.v1 import shardps_pb2 as pb
+
+
+class DataPath:
+    """Pull and push handlers of one shard; ``frames`` serves a stream frame of each data-path method."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        # How a stream frame of each method is served: (view, field) -> the reply framed as that field.
+        self.frames: dict[str, Callable[[memoryview, int], bytes]] = {
+            "Push": lambda view, field: wire.frame(field, self.push(view, dense=False).SerializeToString()),
+            "PushDense": lambda view, field: wire.frame(field, self.push(view, dense=True).SerializeToString()),
+            "PushBatch": lambda view, field: wire.frame(field, self.push_batch(view)),
+            "Pull": lambda view, field: self.pull(parse(pb.PullRequest, view), frame=field),
+            "PullDense": lambda view, field: self.pull_dense(parse(pb.PullDenseRequest, view), frame=field),
+            "PullBatch": lambda view, field: self.pull_batch(parse(pb.PullBatchRequest, view), frame=field),
+        }
+
+    def check_map(self, shard_map: Any) -> None:
+        if shard_map is not None:
+            self.shard.check_shard_map(shard_map.shard_index, shard_map.num_shards)
+
+    # ---- pulls -------------------------------------------------------------------------
+
+    def pull(self, request: pb.PullRequest, frame: int = 0) -> bytes:
+        self.check_map(request.shard_map)
+        dtype = convert.wire_dtype(request.wire_dtype)
+        rows, version = self.shard.pull(request.table, convert.ids(request.ids), codec.NP_DTYPES[dtype].itemsize)
+        return wire.encode_pull_response(rows, dtype, version, frame)
+
+    def pull_dense(self, request: pb.PullDenseRequest, frame: int = 0) -> bytes:
+        return self._read_dense(self._validated_pull_dense(request), frame)
+
+    def _validated_pull_dense(self, request: pb.PullDenseRequest) -> tuple[Any, Any, int]:
+        """Check a dense pull without reading it: (table, row ids, wire dtype)."""
+        self.check_map(request.shard_map)
+        dtype = convert.wire_dtype(request.wire_dtype)
+        t, ids = self.shard.validate_pull_dense(request.name, request.row_start, request.row_end)
+        self.shard.check_reply(t, ids.shape[0], codec.NP_DTYPES[dtype].itemsize)
+        return t, ids, dtype
+
+    def _read_dense(self, pull: tuple[Any, Any, int], frame: int = 0) -> bytes:
+        t, ids, dtype = pull
+        rows, version = self.shard.read_rows(t, ids)
+        return wire.encode_pull_response(rows, dtype, version, frame)
+
+    def pull_batch(self, request: pb.PullBatchRequest, frame: int = 0) -> bytes:
+        replies: list[bytes] = []
+        dense: list[bytes] = []
+        total = 0
+        limit = self.shard.limits.max_message_bytes
+        for out, read, reqs in ((replies, self.pull, request.pulls), (dense, self.pull_dense, request.dense)):
+            for req in reqs:
+                out.append(read(req))
+                total += len(out[-1])
+                if total > limit:
+                    raise ResourceExhausted(f"a PullBatch reply over {limit:,} bytes (--max-message-mb); "
+                                            "split the batch")
+        return wire.encode_repeated(
+            [(pb.PullBatchResponse.PULLS_FIELD_NUMBER, replies), (pb.PullBatchResponse.DENSE_FIELD_NUMBER, dense)], frame)
+
+    # ---- pushes ------------------------------------------------------------------------
+
+    def push(self, request: Buffer, dense: bool) -> pb.PushResponse:
+        """A serialized PushRequest (or PushDenseRequest), applied; ``request`` becomes the WAL record."""
+        t, ids, d = self._validated_push(request, dense)
+        return convert.push_response(self._apply(t, ids, d, request))
+
+    def _validated_push(self, request: Buffer, dense: bool) -> tuple[Any, Any, Any]:
+        """Decode and check a push without applying it: (table, row ids, decoded push)."""
+        d = wire.decode_push(request, dense=dense)
+        self.check_map(d.shard_map)
+        assert d.grads is not None
+        if dense:
+            t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads, convert.sync_part(d.sync))
+        else:
+            assert d.ids is not None
+            t, ids = self.shard.validate_push(d.name, d.ids, d.grads, convert.sync_part(d.sync)), d.ids
+        return t, ids, d
+
+    def _apply(self, t: Any, ids: Any, d: Any, raw: Buffer) -> PushResult:
+        return self.shard.apply_push(t, ids, d.grads, d.pulled_version, d.client_id, d.seq,
+                                     convert.sync_part(d.sync), raw=raw)
+
+    def push_batch(self, request: Buffer) -> bytes:
+        """Apply a PushBatch's pushes in order, then read its dense pulls: a serialized PushBatchResponse."""
+        pushes, dense_pushes, pull_dense = (pb.PushBatchRequest.PUSHES_FIELD_NUMBER,
+                                            pb.PushBatchRequest.DENSE_FIELD_NUMBER,
+                                            pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER)
+        groups = wire.decode_repeated(request, (pushes, dense_pushes, pull_dense))
+        entries = []
+        for field, dense in ((pushes, False), (dense_pushes, True)):  # validate everything before applying anything
+            for view in groups.get(field, []):
+                entries.append((dense, *self._validated_push(view, dense), view))
+        pulls = [self._validated_pull_dense(parse(pb.PullDenseRequest, view)) for view in groups.get(pull_dense, [])]
+        out = pb.PushBatchResponse()
+        first_error: Any = None
+        for dense, t, ids, d, view in entries:
+            try:
+                r = self._apply(t, ids, d, view)
+            except (StaleUpdate, SyncStepFailed) as e:  # this entry alone is refused, as a push of its own would be
+                first_error = first_error or e
+                continue
+            (out.dense if dense else out.pushes).append(convert.push_response(r))
+        if first_error is not None:
+            raise first_error
+        # Repeated fields concatenate: the pulled values follow the outcomes as field 3.
+        return out.SerializeToString() + wire.encode_repeated(
+            [(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, [self._read_dense(p) for p in pulls])])

@@ -1,0 +1,185 @@
+"""The slot-dense arrays of one table on one shard: rows, per-row optimizer state, step counts and
+metadata (version and time of the last push, pushes), the id -> slot index, and what they cost against
+the shard's memory budget. Slots stay dense: a removed row's slot takes the last row, with everything that
+belongs to it. Knows nothing of optimizers' math, policies or versions; the caller holds the table's lock.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from shardps.core import kernels
+from shardps.core.errors import ResourceExhausted
+from shardps.core.memory import grown, zeros
+from shardps.server.storage.budget import MemoryBudget
+from shardps.server.storage.index import DirectIndex, HashIndex
+
+INITIAL_ROWS = 1 << 20  # what a declared size may reserve before any row arrives
+INDEX_BYTES_PER_ROW = 24  # the slot's id (8) and its share of the probe table (up to 16)
+META_BYTES_PER_ROW = 16  # last push's version (8) and time (4), pushes (4)
+
+
+class RowStore:
+    """Arrays indexed by slot for ``name`` (rows of ``dim``, one state array per name of ``state_init``,
+    which gives each one's initial value), with a hash index, or a flat one when ``num_embeddings`` is
+    small enough for it to cost under 5% of the expected payload."""
+
+    def __init__(self, name: str, dim: int, state_init: dict[str, float], num_embeddings: Optional[int],
+                 expected_rows: int, budget: MemoryBudget, max_rows: int) -> None:
+        self.name = name
+        self.dim = dim
+        self.state_init = state_init
+        self.num_embeddings = num_embeddings
+        self.budget = budget
+        self.max_rows = max_rows
+        self.charged = 0  # bytes of the budget these arrays hold
+        self._direct = num_embeddings is not None and self._direct_index_pays(max(16, int(expected_rows)))
+        cap = max(16, min(int(expected_rows), INITIAL_ROWS))
+        self.charge(self._index_bytes(cap), "creating the index")
+        self.index = self._new_index(cap)
+        self.n = 0
+        self.rows = zeros((cap, dim), np.float32)
+        self.steps = zeros(cap, np.int32)
+        self.state = {k: zeros((cap, dim), np.float32) for k in state_init}
+        # Per-row metadata: shard version and time (now_ticks) of the last push, and pushes.
+        self.last_version = zeros(cap, np.int64)
+        self.last_time = zeros(cap, np.uint32)
+        self.touches = zeros(cap, np.int32)
+        self._high = 0  # slots ever used (past it the arrays are still zeros)
+
+    # ---- the index and the budget ------------------------------------------------------
+
+    def _new_index(self, cap: int) -> Union[HashIndex, DirectIndex]:
+        if self._direct:
+            assert self.num_embeddings is not None
+            return DirectIndex(self.num_embeddings, cap)
+        return HashIndex(cap)
+
+    def _index_bytes(self, cap: int) -> int:
+        """Bytes an empty index of ``cap`` rows writes when made (its probe table or flat map)."""
+        return 4 * self.num_embeddings if self._direct else 4 * HashIndex.table_size(cap)  # type: ignore[operator]
+
+    def _direct_index_pays(self, cap: int) -> bool:
+        """A flat map costs 4 bytes per id of the whole table; use it when that is cheap."""
+        assert self.num_embeddings is not None
+        row_bytes = self.dim * 4 * (1 + len(self.state_init))
+        return self.num_embeddings < 2**31 and self.num_embeddings * 4 <= 0.05 * cap * row_bytes
+
+    def charge(self, nbytes: int, doing: str) -> None:
+        self.budget.charge(nbytes, f"{self.name}: {doing}")
+        self.charged += nbytes
+
+    def release(self) -> None:
+        """Give every byte back to the budget (the table was dropped or replaced)."""
+        self.budget.release(self.charged)
+        self.charged = 0
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per materialised row: value, optimizer state, step and metadata (the index holds the id)."""
+        return self.dim * 4 * (1 + len(self.state)) + 4 + META_BYTES_PER_ROW
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Id of each materialised row, in slot order (a view)."""
+        return self.index.ids
+
+    # ---- rows in and out ---------------------------------------------------------------
+
+    def reserve(self, extra: int) -> None:
+        need = self.n + extra
+        cap = self.rows.shape[0]
+        if need <= cap:
+            return
+        new_cap = max(need, cap + cap // 2)
+        self.rows = grown(self.rows, new_cap)
+        self.steps = grown(self.steps, new_cap)
+        self.state = {k: grown(v, new_cap) for k, v in self.state.items()}
+        self.last_version = grown(self.last_version, new_cap)
+        self.last_time = grown(self.last_time, new_cap)
+        self.touches = grown(self.touches, new_cap)
+
+    def per_row(self) -> list[np.ndarray]:
+        """Every array indexed by slot, besides the index."""
+        return [self.rows, self.steps, self.last_version, self.last_time, self.touches, *self.state.values()]
+
+    def append(self, new_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Materialise rows for absent, unique ids; returns their slots."""
+        k = new_ids.shape[0]
+        if self.n + k > self.max_rows:
+            raise ResourceExhausted(f"{self.name}: {self.n + k:,} rows would be over the shard's limit of "
+                                    f"{self.max_rows:,} rows per table (--max-table-rows)")
+        self.charge(k * (self.row_bytes + INDEX_BYTES_PER_ROW), f"adding {k:,} rows")
+        self.reserve(k)
+        slots = np.arange(self.n, self.n + k, dtype=np.int64)
+        self.rows[self.n : self.n + k] = values
+        used = min(self.n + k, self._high)  # slots below the high-water mark held removed rows: clear them
+        if used > self.n:
+            for arr in (self.steps, self.last_version, self.last_time, self.touches, *self.state.values()):
+                arr[self.n : used] = 0
+        for name, arr in self.state.items():
+            init = self.state_init[name]
+            if init != 0.0:
+                arr[self.n : self.n + k] = init
+        self.index.insert(new_ids, slots)
+        self.n += k
+        self._high = max(self._high, self.n)
+        return slots
+
+    def remove(self, ids: np.ndarray, check: bool = True) -> None:
+        """Remove the rows of present, unique ``ids`` with their state and metadata, keeping slots dense.
+        ``check=False``: the ids are the table's own victims (present and unique by construction)."""
+        k = int(ids.shape[0])
+        moves = self.index.remove(ids, check)
+        k_ = kernels.jit()
+        if moves.size and k_ is not None:
+            for arr in self.per_row():  # the moves one after the other, compiled
+                k_.apply_moves(arr.reshape(arr.shape[0], -1), moves)
+        elif moves.size:
+            # Compose the moves (a row may move twice): destination slot -> slot it came from.
+            came_from: dict[int, int] = {}
+            for frm, to in moves.tolist():
+                came_from[to] = came_from.pop(frm, frm)
+            left = self.n - k
+            pairs = np.array([(t, f) for t, f in came_from.items() if t < left], dtype=np.int64).reshape(-1, 2)
+            for arr in self.per_row():
+                arr[pairs[:, 0]] = arr[pairs[:, 1]]
+        self.n -= k
+        freed = min(self.charged, k * (self.row_bytes + INDEX_BYTES_PER_ROW))
+        self.budget.release(freed)
+        self.charged -= freed
+
+    # ---- copies ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of the live part of every array: ``ids``, ``rows``, ``steps``, ``state.*``, ``meta.*``."""
+        n = self.n
+        out = {"ids": self.ids[:n].copy(), "rows": self.rows[:n].copy(), "steps": self.steps[:n].copy(),
+               "meta.last_version": self.last_version[:n].copy(), "meta.last_time": self.last_time[:n].copy(),
+               "meta.touches": self.touches[:n].copy()}
+        for k, v in self.state.items():
+            out["state." + k] = v[:n].copy()
+        return out
+
+    def load(self, arrays: dict[str, np.ndarray], before_index: Callable[[], None] = lambda: None) -> None:
+        """Replace the contents with a snapshot's (``before_index`` charges what else the table holds, after the
+        old bytes are released; a snapshot written before per-row metadata existed loads with zeros there)."""
+        ids = arrays["ids"]
+        self.release()
+        self.n = 0
+        self._high = 0
+        cap = max(16, ids.shape[0])
+        self.charge(self._index_bytes(cap), "creating the index")
+        before_index()
+        self.index = self._new_index(cap)
+        self.reserve(ids.shape[0])
+        slots = self.append(ids, arrays["rows"])
+        self.steps[slots] = arrays["steps"]
+        for name, arr in (("last_version", self.last_version), ("last_time", self.last_time),
+                          ("touches", self.touches)):
+            if "meta." + name in arrays:
+                arr[slots] = arrays["meta." + name]
+        for k in self.state:
+            self.state[k][slots] = arrays["state." + k]
