@@ -20,17 +20,17 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
-from shardps.core.errors import InvalidArgument, OutOfRange, WrongShard
+from shardps.core.errors import InvalidArgument
 from shardps.core.ids import coalesce
 from shardps.core.optim import RowOptimizer
 from shardps.core.specs import DenseSpec, Initializer, TableSpec
+from shardps.server.storage import checks, expiry
 from shardps.server.storage.bounded import (
     CAUSE_CAPACITY,
     CAUSE_TTL,
     CountMinSketch,
     PushHistory,
     RemovalLog,
-    choose_victims,
 )
 from shardps.server.storage.budget import MemoryBudget, optional_budget
 from shardps.server.storage.rows import RowStore
@@ -131,30 +131,11 @@ class Table:
 
     def check_ids(self, ids: np.ndarray) -> None:
         """Raise unless ``ids`` is a non-empty 1-D int64 array of in-range ids this shard owns."""
-        what = "rows" if self.is_dense else "ids"
-        if ids.ndim != 1:
-            raise InvalidArgument(f"{self.spec.name}: {what} must be 1-D, got shape {list(ids.shape)}")
-        if ids.shape[0] == 0:
-            raise InvalidArgument(f"{self.spec.name}: request has no {what}")
-        if self.num_embeddings is not None:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.num_embeddings:
-                bad = lo if lo < 0 else hi
-                raise OutOfRange(
-                    f"{self.spec.name}: id {bad} out of range [0, {self.num_embeddings})"
-                )
-        owned = self._owns(ids)
-        if not owned.all():
-            bad = int(ids[np.argmin(owned)])
-            raise WrongShard(f"{self.spec.name}: id {bad} is not owned by this shard")
+        checks.ids(self.spec.name, "rows" if self.is_dense else "ids", self.num_embeddings, self._owns, ids)
 
     def check_grads(self, ids: np.ndarray, grads: np.ndarray) -> None:
-        if grads.shape != (ids.shape[0], self.dim):
-            raise InvalidArgument(
-                f"{self.spec.name}: grads must have shape [{ids.shape[0]}, {self.dim}] (ids x dim), got {list(grads.shape)}"
-            )
-        if not self.spec.allow_nonfinite and not np.isfinite(grads).all():
-            raise InvalidArgument(f"{self.spec.name}: gradient contains NaN or Inf; push rejected")
+        """Raise unless ``grads`` has one row of ``dim`` per id and, unless the spec allows them, no NaN or Inf."""
+        checks.grads(self.spec.name, self.dim, self.spec.allow_nonfinite, ids, grads)
 
     # ---- storage ---------------------------------------------------------------------
 
@@ -207,15 +188,7 @@ class Table:
 
     def _expired(self, slots: np.ndarray, version: int, now: int) -> np.ndarray:
         """Which rows of ``slots`` have not been pushed for longer than the eviction's TTLs."""
-        e = self.eviction
-        out = np.zeros(slots.shape[0], dtype=bool)
-        if e is None:
-            return out
-        if e.ttl_steps is not None:
-            out |= self.last_version[slots] < version - e.ttl_steps
-        if e.ttl_seconds is not None:
-            out |= self.last_time[slots].astype(np.int64) < now - int(round(e.ttl_seconds * 10))
-        return out
+        return expiry.expired(self.store, self.eviction, slots, version, now)
 
     def apply(self, ids: np.ndarray, grads: np.ndarray, lr_scale: float = 1.0, row_scales: Optional[np.ndarray] = None,
               version: int = 0, stamp: int = 0, evict: bool = True, now: Optional[int] = None) -> Applied:
@@ -282,13 +255,7 @@ class Table:
     def _evict_over_capacity(self, stamp: int) -> np.ndarray:
         """Evict the rows over the eviction's ``max_rows`` (none of the push of ``stamp`` unless it alone is
         larger); their ids, for the log."""
-        e = self.eviction
-        if e is None or e.max_rows is None or self.n <= e.max_rows:
-            return np.zeros(0, np.int64)
-        n = self.n
-        victims = choose_victims(e, n, n - e.max_rows, self.ids, self.last_version[:n], self.touches[:n],
-                                 stamp, salt=stamp)
-        gone = self.ids[victims].copy()
+        gone = expiry.capacity_victims(self.store, self.eviction, stamp)
         self.remove(gone, CAUSE_CAPACITY, check=False, version=stamp)
         return gone
 
@@ -312,17 +279,8 @@ class Table:
 
     def row_staleness(self, ids: np.ndarray, pulled: int, version: int) -> np.ndarray:
         """Per-row staleness of a push of the sorted unique ``ids`` pulled at ``pulled`` (shard now at
-        ``version``): the pushes since ``pulled`` that updated each row, or the shard's staleness for
-        rows updated since then when the history no longer covers it. Caller holds ``lock``."""
-        out = np.zeros(ids.shape[0], np.int64)
-        slots = self.index.lookup(ids)
-        present = np.flatnonzero(slots >= 0)
-        touched = present[self.last_version[slots[present]] > pulled]
-        if touched.size:
-            assert self.history is not None
-            since = self.history.since(pulled, ids[touched])
-            out[touched] = since if since is not None else max(0, version - pulled)
-        return out
+        ``version``); see ``expiry.row_staleness``. Caller holds ``lock``."""
+        return expiry.row_staleness(self.store, self.history, ids, pulled, version)
 
     def remove(self, ids: np.ndarray, cause: int, check: bool = True, version: int = 0) -> None:
         """Evict the rows of present, unique ``ids`` with their state and metadata. Caller holds ``lock``.
@@ -403,27 +361,9 @@ class Table:
         return load
 
     def export_copy(self, version: int, since: Optional[int], optimizer_state: bool) -> dict[str, np.ndarray]:
-        """Copies for an export at shard version ``version``. Caller holds ``lock``.
-
-        ``since`` None: every live row (a base). Otherwise the rows changed after version ``since`` and,
-        as ``tombstones``, the ids removed since then or expired now (they read as their initial value).
-        Expired rows are left out either way; ``steps`` and ``state.*`` only with ``optimizer_state``."""
-        n = self.n
-        keep = np.ones(n, dtype=bool) if since is None else self.last_version[:n] > since
-        expired = self._expired(np.arange(n, dtype=np.int64), version, now_ticks()) if self.expires else None
-        if expired is not None:
-            keep &= ~expired
-        take: Union[slice, np.ndarray] = slice(0, n) if keep.all() else np.flatnonzero(keep)  # a slice: a memcpy
-        out = {"ids": self.ids[take].copy(), "values": self.rows[take].copy()}
-        if optimizer_state:
-            out["steps"] = self.steps[take].astype(np.int64)
-            out.update({"state." + k: v[take].copy() for k, v in self.state.items()})
-        if since is not None:
-            gone = [self.removals.since(since)] if self.removals is not None else []
-            if expired is not None:
-                gone.append(self.ids[:n][expired])
-            out["tombstones"] = np.unique(np.concatenate(gone)) if gone else np.zeros(0, np.int64)
-        return out
+        """Copies for an export at shard version ``version``; see ``expiry.export_arrays``. Caller holds ``lock``."""
+        expired = self._expired(np.arange(self.n, dtype=np.int64), version, now_ticks()) if self.expires else None
+        return expiry.export_arrays(self.store, expired, self.removals, since, optimizer_state)
 
     def restart_history(self, version: int) -> None:
         """Forget the push history: pulls before ``version`` (the version restored) count as forgotten."""
