@@ -101,14 +101,14 @@ def test_prefetched_cached_steps_need_no_pull_of_their_own_and_lose_no_update(cl
     start = client2.pull("c", torch.arange(40))
     client2.flush()  # (the pull above made a generation; start clean)
     waited = []
-    real = client2._pull_unique_many
+    real = client2._pulls._pull_unique_many
 
     def counting(items, wire_code):  # type: ignore[no-untyped-def]
         if threading.current_thread() is threading.main_thread():
             waited.append(sum(u.shape[0] for _, u in items))
         return real(items, wire_code)
 
-    client2._pull_unique_many = counting  # type: ignore[method-assign]
+    client2._pulls._pull_unique_many = counting  # type: ignore[method-assign]
     total = torch.zeros(40, DIM)
     for ids, g in zip(Prefetcher(batches, client2, lambda b: {"c": b}, depth=1), grads):
         client2.pull("c", ids)

@@ -1,7 +1,10 @@
 """Exceptions raised by the client; each names the shard address involved.
 
 Which exception a shard's status becomes is decided here, from the status table
-(``shardps.core.status``); the transport hands over the status's parts.
+(``shardps.core.status``): ``error_of`` takes a status's parts (code, details,
+kind). This module knows nothing of the transport or of grpc; the transport
+reads those parts off a ``grpc.RpcError`` or a StreamError
+(``shardps_client.transport.from_rpc_error`` / ``from_status``).
 """
 
 from __future__ import annotations
@@ -99,10 +102,3 @@ def error_of(code: Any, details: str, address: str, what: str, kind: str = "") -
     cls = _BY_KIND.get(kind) or _BY_CODE.get(code.name, ShardpsError)
     return cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)
 
-
-def __getattr__(name: str):  # noqa: ANN202 - the converters that moved to the transport, still found here
-    if name in ("from_rpc_error", "from_status"):
-        from shardps_client import transport
-
-        return getattr(transport, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
