@@ -108,8 +108,11 @@ def test_log_replay_rebuilds_optimizer_state_and_dense_tensors(tmp_path):
         assert c.shard_info()[0].version == 8
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
-    config = ShardConfig(0, 1, data_dir=str(tmp_path))
+@pytest.mark.parametrize("durability,version", [("checkpoint", 1), ("log", 2)])
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog, durability, version):
+    """With checkpoints only, the previous checkpoint is what is left; with the log (the default), the records
+    since the previous checkpoint are kept too and replayed on top of it: nothing is lost."""
+    config = ShardConfig(0, 1, data_dir=str(tmp_path), durability=durability)
     with ShardServer(config).start() as server, Client([server.address]) as c:
         _counter_table(c)
         c.push("cnt", torch.arange(64), torch.ones(64, 4))
@@ -124,10 +127,10 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog):
     data[len(data) // 2] ^= 0xFF  # flip one bit in the middle
     newest.write_bytes(bytes(data))
     shard = Shard(config)
-    assert shard.last_checkpoint == "first" and shard.version == 1
+    assert shard.last_checkpoint == "first" and shard.version == version
     assert "checksum mismatch" in caplog.text
     rows, _ = shard.pull("cnt", np.arange(64))
-    assert (rows == -1.0).all()
+    assert (rows == -float(version)).all()
     # A truncated newest file is detected the same way.
     newest.write_bytes(newest.read_bytes()[:100])
     assert Shard(config).last_checkpoint == "first"

@@ -8,12 +8,17 @@ lock). ``open`` starts storing once restore is done. Checkpoints ask for the poi
 table locked) and report the file they wrote (``checkpointed``). Restore reads
 back the records after a cut (``records``).
 
-Three implementations, chosen by ``--durability``:
+Three implementations, chosen by ``--durability`` (a shard without a data dir has ``none``):
 
 - ``none``: no files. Nothing survives a restart.
-- ``checkpoint``: checkpoints only; a crash loses what came after the last one.
-- ``log``: every change is fsynced to the write-ahead log (``shardps.server.durability.wal``)
-  before it is acknowledged; a crash loses nothing acknowledged.
+- ``checkpoint``: checkpoints, plus a log of schema changes only (tables and dense tensors
+  created, dropped, registered: fsynced before the reply); a crash loses the row updates since
+  the last checkpoint, never a table.
+- ``log`` (the default with a data dir): every change goes to the write-ahead log
+  (``shardps.server.durability.wal``) before it is acknowledged, fsynced by its policy
+  (``--fsync``: ``always``, ``interval``, ``none``); a process crash loses nothing acknowledged,
+  a machine crash at most the last fsync interval (nothing under ``always``). Schema changes
+  are fsynced before the reply under every policy.
 
 Further implementations (replication to a follower, a delta export) fit the same
 seam: they see every change, in order, and the cuts of checkpoints.
@@ -41,6 +46,8 @@ from shardps.server.durability import wal
 from shardps.v1 import shardps_pb2 as pb
 
 MODES = ("none", "checkpoint", "log")
+# What ``checkpoint`` logs (and fsyncs before the reply): the tables and dense tensors themselves.
+SCHEMA_KINDS = frozenset({wal.CREATE_TABLE, wal.REGISTER_DENSE, wal.DROP})
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _PER_ROW = 1 << 63  # flag in a push record's staleness word: per-row staleness follows
@@ -197,7 +204,8 @@ class Durability(Protocol):
     """Where a shard's changes go between checkpoints (see the module docstring)."""
 
     mode: str
-    wants_records: bool  # False: callers may skip building records
+    wants_records: bool  # False: callers may skip building records of row changes
+    wants_schema: bool  # False: callers may skip building records of schema changes
 
     def open(self) -> None:
         """Start storing (after restore has read the old records back)."""
@@ -205,8 +213,11 @@ class Durability(Protocol):
     def append(self, record: Record) -> int:
         """Store a record, in application order (callers hold the lock that orders it); a ticket to wait on."""
 
-    def wait(self, ticket: int) -> None:
-        """Return once the record of ``ticket`` survives a crash."""
+    def wait(self, ticket: int, durable: bool = False) -> None:
+        """Return once the record of ``ticket`` is acknowledged by the policy (with ``durable``: fsynced)."""
+
+    def log_bytes(self) -> int:
+        """Bytes of log written since the last cut (what a restart would replay)."""
 
     def cut(self) -> int:
         """The position a snapshot taken now covers (callers hold every table lock)."""
@@ -226,6 +237,7 @@ class NoDurability:
 
     mode = "none"
     wants_records = False
+    wants_schema = False
 
     def open(self) -> None:
         return None
@@ -233,8 +245,11 @@ class NoDurability:
     def append(self, record: Record) -> int:
         return 0
 
-    def wait(self, ticket: int) -> None:
+    def wait(self, ticket: int, durable: bool = False) -> None:
         return None
+
+    def log_bytes(self) -> int:
+        return 0
 
     def cut(self) -> int:
         return 0
@@ -250,15 +265,56 @@ class NoDurability:
 
 
 class CheckpointDurability(NoDurability):
-    """``checkpoint``: checkpoints only. Log segments left by an earlier ``log`` run are still replayed
-    and removed once a checkpoint covers them."""
+    """``checkpoint``: checkpoints, and a log of schema changes (each fsynced before the reply). Log segments
+    are replayed on start and removed once a checkpoint covers them."""
 
     mode = "checkpoint"
+    wants_schema = True
+    schema_only = True  # row changes (pushes, evictions, assignments) wait for the next checkpoint
 
-    def __init__(self, data_dir: pathlib.Path) -> None:
+    def __init__(self, data_dir: pathlib.Path, on_flush: Optional[Callable[[float, int], None]] = None,
+                 before_wait: Callable[[], None] = lambda: None, fsync: str = "always",
+                 fsync_interval_s: float = 1.0) -> None:
         self.data_dir = data_dir
+        self._wal: Optional[wal.WriteAheadLog] = None
+        self._on_flush = on_flush
+        self._before_wait = before_wait  # the caller's scheduler lets the next call in while this one waits
+        self.fsync = fsync
+        self.fsync_interval_s = fsync_interval_s
+
+    def open(self) -> None:
+        """Start appending (after restore has read the old records): a new segment after the last."""
+        existing = wal.segments(self.data_dir)
+        self._wal = wal.WriteAheadLog(self.data_dir, (existing[-1] + 1) if existing else 1, self._on_flush,
+                                      self.fsync, self.fsync_interval_s)
+
+    def append(self, record: Record) -> int:
+        if self._wal is None or not record[0] or (self.schema_only and record[0] not in SCHEMA_KINDS):
+            return 0
+        return self._wal.append(*record)
+
+    def wait(self, ticket: int, durable: bool = False) -> None:
+        if ticket and self._wal is not None:
+            if durable or self.fsync == "always":
+                self._before_wait()  # the fsync is shared by every call waiting for it: let the next one in
+            self._wal.wait(ticket, durable)
+
+    def log_bytes(self) -> int:
+        return self._wal.segment_bytes if self._wal is not None else 0
+
+    @property
+    def fsyncs(self) -> int:
+        """fsyncs of the log since it was opened."""
+        return self._wal.fsyncs if self._wal is not None else 0
+
+    @property
+    def logged(self) -> int:
+        """Records appended to the log since it was opened."""
+        return self._wal.records if self._wal is not None else 0
 
     def cut(self) -> int:
+        if self._wal is not None:
+            return self._wal.rotate()
         existing = wal.segments(self.data_dir)
         return existing[-1] + 1 if existing else 0
 
@@ -268,50 +324,32 @@ class CheckpointDurability(NoDurability):
     def records(self, after_cut: int) -> Iterator[wal.Record]:
         return wal.replay(self.data_dir, after_cut)
 
-
-class LogDurability(CheckpointDurability):
-    """``log``: every change fsynced to the write-ahead log before it is acknowledged (group commit)."""
-
-    mode = "log"
-    wants_records = True
-
-    def __init__(self, data_dir: pathlib.Path, on_flush: Optional[Callable[[float, int], None]] = None,
-                 before_wait: Callable[[], None] = lambda: None) -> None:
-        super().__init__(data_dir)
-        self._wal: Optional[wal.WriteAheadLog] = None
-        self._on_flush = on_flush
-        self._before_wait = before_wait  # the caller's scheduler lets the next call in while this one waits
-
-    def open(self) -> None:
-        """Start appending (after restore has read the old records): a new segment after the last."""
-        existing = wal.segments(self.data_dir)
-        self._wal = wal.WriteAheadLog(self.data_dir, (existing[-1] + 1) if existing else 1, self._on_flush)
-
-    def append(self, record: Record) -> int:
-        if self._wal is None or not record[0]:
-            return 0
-        return self._wal.append(*record)
-
-    def wait(self, ticket: int) -> None:
-        if ticket and self._wal is not None:
-            self._before_wait()  # the flush is shared by every push waiting for it: let the next one in
-            self._wal.wait(ticket)
-
-    def cut(self) -> int:
-        return self._wal.rotate() if self._wal is not None else super().cut()
-
     def close(self) -> None:
         if self._wal is not None:
             self._wal.close()
             self._wal = None
 
 
+class LogDurability(CheckpointDurability):
+    """``log``: every change written to the write-ahead log before it is acknowledged, fsynced by its policy."""
+
+    mode = "log"
+    wants_records = True
+    schema_only = False
+
+
 def make(mode: str, data_dir: Optional[pathlib.Path], on_flush: Optional[Callable[[float, int], None]] = None,
-         before_wait: Callable[[], None] = lambda: None) -> Union[NoDurability, CheckpointDurability, LogDurability]:
+         before_wait: Callable[[], None] = lambda: None, fsync: str = "interval",
+         fsync_interval_s: float = 1.0) -> Union[NoDurability, CheckpointDurability, LogDurability]:
     """The durability of ``mode`` (a shard without a data dir has none); ``on_flush`` hears of each log fsync,
-    ``before_wait`` is called before a caller waits for one."""
+    ``before_wait`` is called before a caller waits for one; ``fsync`` is the log's policy (``checkpoint``'s
+    schema log fsyncs every record)."""
     if mode not in MODES:
         raise ValueError(f"durability must be one of {MODES}, got {mode!r}")
+    if fsync not in wal.FSYNC_POLICIES:
+        raise ValueError(f"fsync must be one of {wal.FSYNC_POLICIES}, got {fsync!r}")
     if data_dir is None or mode == "none":
         return NoDurability()
-    return LogDurability(data_dir, on_flush, before_wait) if mode == "log" else CheckpointDurability(data_dir)
+    if mode == "log":
+        return LogDurability(data_dir, on_flush, before_wait, fsync, fsync_interval_s)
+    return CheckpointDurability(data_dir, on_flush, before_wait)

@@ -1,10 +1,17 @@
-"""Append-only write-ahead log with group commit (durability level ``log``).
+"""Append-only write-ahead log with group commit and an fsync policy.
 
 Every mutation (table creation, dense registration, push, drop) is appended
 as one record while the shard holds the table's lock, so the log order is the
-order of application. The pushing thread then waits until a flusher thread has
-written and fsynced the record: concurrent pushes share one fsync (group
-commit). A push is acknowledged only after its record is on disk.
+order of application. When the caller is acknowledged depends on the policy
+(``FSYNC_POLICIES``, as Redis's ``appendfsync``):
+
+- ``always``: the pushing thread waits until a flusher thread has written and
+  fsynced the record; concurrent pushes share one fsync (group commit).
+- ``interval``: the record is written into the file (the operating system holds
+  it: a kill -9 of the process loses nothing) before the call returns; a syncer
+  thread fsyncs every ``fsync_interval_s``, so a machine crash loses at most that.
+- ``none``: written as under ``interval``; fsynced only when a caller asks
+  (``wait(..., durable=True)``: schema changes always do), on rotation and on close.
 
 Files are segments ``wal-<n>.log``. A checkpoint rotates to a new segment while
 all tables are locked, records that segment in its metadata, and replay starts
@@ -143,45 +150,144 @@ def _count_records(data: bytes) -> int:
     return max(n, 1) if data else 0
 
 
-class WriteAheadLog:
-    """The open log of one shard: append under a table lock, then ``wait`` for durability."""
+FSYNC_POLICIES = ("always", "interval", "none")
 
-    def __init__(self, data_dir: pathlib.Path, segment: int,
-                 on_flush: Optional[Callable[[float, int], None]] = None) -> None:
+
+class WriteAheadLog:
+    """The open log of one shard: append under a table lock, then ``wait`` for the policy's acknowledgement.
+
+    Args:
+        data_dir: where the segments are.
+        segment: the number of the segment to append to.
+        on_flush: hears of each fsync: (seconds it took, records it made durable); the metrics.
+        fsync: ``always``, ``interval`` or ``none`` (see the module's docstring).
+        fsync_interval_s: under ``interval``, the longest time a written record waits for its fsync.
+    """
+
+    def __init__(self, data_dir: pathlib.Path, segment: int, on_flush: Optional[Callable[[float, int], None]] = None,
+                 fsync: str = "always", fsync_interval_s: float = 1.0) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        if fsync == "interval" and not fsync_interval_s > 0:
+            raise ValueError(f"fsync interval must be > 0 seconds, got {fsync_interval_s}")
         self.data_dir = data_dir
-        self._on_flush = on_flush  # (seconds of write + fsync, records made durable): the metrics
+        self._on_flush = on_flush
+        self.policy = fsync
+        self.interval_s = fsync_interval_s
         self.segment = segment
         self._file: BinaryIO = open(segment_path(data_dir, segment), "ab")
         self._cond = threading.Condition()
         self._buffer: list[bytes] = []
         self._appended = 0  # tickets handed out
-        self._durable = 0  # tickets on disk
-        self._writing = False
+        self._written = 0  # tickets in the file (a process crash keeps them)
+        self._durable = 0  # tickets fsynced (a machine crash keeps them)
+        self._sync_wanted = 0  # a caller waits for an fsync up to this ticket
+        self._writing = False  # the flusher writes (``always``)
+        self._syncing = False  # the syncer fsyncs (``interval``, ``none``): the file stays open meanwhile
         self._closed = False
         self._error: Optional[BaseException] = None
         self.fsyncs = 0
-        self._flusher = threading.Thread(target=self._flush_loop, name="wal-flusher", daemon=True)
+        self.segment_bytes = 0  # bytes appended to this segment (since the last rotation: the last checkpoint)
+        loop = self._flush_loop if fsync == "always" else self._sync_loop
+        self._flusher = threading.Thread(target=loop, name="wal-flusher", daemon=True)
         self._flusher.start()
 
+    @property
+    def records(self) -> int:
+        """Records appended since the log was opened."""
+        return self._appended
+
     def append(self, kind: int, payload: bytes) -> int:
-        """Queue a record; returns the ticket to ``wait`` on."""
+        """Append a record (queued for the flusher under ``always``, written into the file otherwise);
+        returns the ticket to ``wait`` on."""
         header = _HEADER.pack(len(payload), zlib.crc32(payload, kind), kind)
         with self._cond:
             if self._closed:
                 raise RuntimeError("write-ahead log is closed")
-            self._buffer.append(header)
-            self._buffer.append(payload)
+            if self._error is not None:
+                raise OSError(f"write-ahead log failed: {self._error}")
+            if self.policy == "always":
+                self._buffer.append(header)
+                self._buffer.append(payload)
+            else:
+                self._write_now(header, payload)
             self._appended += 1
+            self.segment_bytes += len(header) + len(payload)
+            if self.policy != "always":
+                self._written = self._appended
             self._cond.notify_all()
             return self._appended
 
-    def wait(self, ticket: int) -> None:
-        """Block until the record of ``ticket`` is fsynced."""
+    def _write_now(self, header: bytes, payload: bytes) -> None:
+        """Write one record into the file (the caller holds ``_cond``). A failed write is cut off again, so the
+        log never holds a torn record followed by others; the log then refuses further appends."""
+        f = self._file
+        start = f.tell()
+        try:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+        except BaseException as e:
+            log.exception("write-ahead log write failed")
+            self._error = e
+            try:
+                f.truncate(start)
+            except OSError:
+                log.exception("write-ahead log: could not cut off a failed write")
+            self._cond.notify_all()
+            raise OSError(f"write-ahead log write failed: {e}") from e
+
+    def wait(self, ticket: int, durable: bool = False) -> None:
+        """Block until the record of ``ticket`` is acknowledged by the policy: fsynced under ``always`` or with
+        ``durable``, in the file otherwise."""
         with self._cond:
-            while self._durable < ticket and self._error is None:
-                self._cond.wait()
-            if self._durable < ticket:
+            if durable or self.policy == "always":
+                if self.policy != "always" and self._durable < ticket:
+                    self._sync_wanted = max(self._sync_wanted, ticket)
+                    self._cond.notify_all()
+                while self._durable < ticket and self._error is None:
+                    self._cond.wait()
+                if self._durable < ticket:
+                    raise OSError(f"write-ahead log failed: {self._error}")
+            elif self._written < ticket:
                 raise OSError(f"write-ahead log failed: {self._error}")
+
+    def _sync_loop(self) -> None:
+        """``interval`` and ``none``: fsync what was written, every interval or when a caller asks."""
+        while True:
+            with self._cond:
+                deadline = time.monotonic() + self.interval_s if self.policy == "interval" else None
+                while not self._closed and self._sync_wanted <= self._durable:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._cond.wait(left)
+                upto, closed = self._written, self._closed
+                syncing = self._syncing = upto > self._durable
+            if syncing:
+                self._fsync(upto)
+            if closed:
+                return
+
+    def _fsync(self, upto: int) -> None:
+        """fsync the file and count tickets up to ``upto`` durable (outside ``_cond``: appends go on)."""
+        try:
+            t0 = time.perf_counter()
+            os.fsync(self._file.fileno())
+            if self._on_flush is not None:
+                self._on_flush(time.perf_counter() - t0, upto - self._durable)
+        except BaseException as e:  # noqa: BLE001 - waiting callers must learn of it
+            log.exception("write-ahead log fsync failed")
+            with self._cond:
+                self._error = e
+                self._syncing = False
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self.fsyncs += 1
+            self._durable = max(self._durable, upto)
+            self._syncing = False
+            self._cond.notify_all()
 
     def _flush_loop(self) -> None:
         while True:
@@ -214,16 +320,24 @@ class WriteAheadLog:
                 self._cond.notify_all()
 
     def rotate(self) -> int:
-        """Start a new segment (callers hold every table lock, so nothing is appended meanwhile)."""
+        """Start a new segment (callers hold every table lock, so nothing is appended meanwhile); what the old
+        one holds is fsynced first."""
         with self._cond:
-            while (self._buffer or self._writing) and self._error is None:
+            while (self._buffer or self._writing or self._syncing) and self._error is None:
                 self._cond.wait()
+            if self.policy != "always" and self._written > self._durable and self._error is None:
+                os.fsync(self._file.fileno())
+                self.fsyncs += 1
+                self._durable = self._written
+                self._cond.notify_all()
             self._file.close()
             self.segment += 1
+            self.segment_bytes = 0
             self._file = open(segment_path(self.data_dir, self.segment), "ab")
             return self.segment
 
     def close(self) -> None:
+        """Flush and fsync what is left, and close (a clean stop loses nothing, under any policy)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()

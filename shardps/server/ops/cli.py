@@ -17,7 +17,7 @@ from shardps.probe import add_tls_args
 from shardps.server.rpc.auth import TLSFiles, Tokens
 from shardps.server.rpc.fair import FairConfig
 from shardps.server.rpc.server import ServerConfig, serve
-from shardps.server.shard.facade import DURABILITY_LEVELS, WAL_RECOVERY, ShardConfig
+from shardps.server.shard.facade import DURABILITY_LEVELS, FSYNC_POLICIES, WAL_RECOVERY, ShardConfig
 from shardps.server.shard.limits import Limits
 
 _LIMITS = Limits()
@@ -29,9 +29,19 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("port", int, 0, "port to bind; 0 picks a free port (printed on start)"),
     ("shard-index", int, None, "this shard's index in [0, num-shards) (required)"),
     ("num-shards", int, None, "number of shards in the cluster (required)"),
-    ("data-dir", str, None, "directory for checkpoints; restored on start (default: memory only)"),
-    ("durability", str, "checkpoint", f"one of {', '.join(DURABILITY_LEVELS)}"),
-    ("checkpoint-interval", float, 0.0, "seconds between periodic checkpoints (0: only on request and SIGTERM)"),
+    ("data-dir", str, None, "directory for the log and checkpoints; restored on start (default: memory only, "
+                            "nothing survives a restart)"),
+    ("durability", str, "log", f"one of {', '.join(DURABILITY_LEVELS)}: log (every change logged before it is "
+                               "acknowledged), checkpoint (row updates since the last checkpoint are lost in a crash; "
+                               "tables are logged all the same) or none; applies with --data-dir"),
+    ("fsync", str, "interval", f"one of {', '.join(FSYNC_POLICIES)}: when the log is fsynced. interval: every "
+                               "--fsync-interval seconds (a machine crash loses at most that; a process crash "
+                               "nothing); always: before each acknowledgement; none: left to the OS"),
+    ("fsync-interval", float, 1.0, "seconds between log fsyncs under --fsync interval"),
+    ("checkpoint-interval", float, 0.0, "seconds between periodic checkpoints (0: by log size, on request and "
+                                        "on SIGTERM)"),
+    ("checkpoint-log-mb", int, 256, "checkpoint once this many MiB of log were written since the last "
+                                    "checkpoint, bounding the replay on restart (0: never by size)"),
     ("worker-timeout", float, 10.0, "seconds of silence after which a training worker counts as gone"),
     ("workers", int, 8, "gRPC handler threads"),
     ("max-streams", int, 64, "call streams open at once (one per client); each holds a handler thread"),
@@ -113,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--data-dir", default=None, help="cluster data dir; shard i uses DATA_DIR/shard-i")
     p.add_argument("--cluster-file", default="shardps-cluster.json", help="where to write the cluster file")
-    p.add_argument("--durability", default="checkpoint", choices=DURABILITY_LEVELS)
+    p.add_argument("--durability", default="log", choices=DURABILITY_LEVELS, help="see shardps serve")
+    p.add_argument("--fsync", default="interval", choices=FSYNC_POLICIES, help="see shardps serve")
     p.add_argument("--checkpoint-interval", type=float, default=0.0, help="seconds between periodic checkpoints")
     p.add_argument("--no-restart", action="store_true", help="exit when a shard dies instead of restarting it")
     p.add_argument("--tls", nargs="?", const="tls", choices=("tls", "mtls"),
@@ -223,7 +234,8 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     from shardps.server.ops.launcher import LocalCluster
 
-    serve_args = ["--durability", args.durability, "--checkpoint-interval", str(args.checkpoint_interval)]
+    serve_args = ["--durability", args.durability, "--fsync", args.fsync,
+                  "--checkpoint-interval", str(args.checkpoint_interval)]
     if args.tokens_file:
         serve_args += ["--tokens-file", args.tokens_file]
     cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
@@ -366,7 +378,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         shard_config = ShardConfig(
             shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
-            durability=args.durability, worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
+            durability=args.durability, fsync=args.fsync, fsync_interval_s=args.fsync_interval,
+            worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
             serve_from=args.serve_from,
             limits=Limits(
                 max_memory_mb=args.max_memory_mb, max_tables=args.max_tables, max_table_rows=args.max_table_rows,
@@ -377,7 +390,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb,
-            checkpoint_interval_s=args.checkpoint_interval, grace_s=args.grace, metrics_port=args.metrics_port,
+            checkpoint_interval_s=args.checkpoint_interval, checkpoint_log_mb=args.checkpoint_log_mb,
+            grace_s=args.grace, metrics_port=args.metrics_port,
             delta_poll_s=args.delta_poll,
             tls=_tls(args), tokens=Tokens.load(args.tokens_file) if args.tokens_file else None,
             fairness=FairConfig(slots=args.fair_slots, calls_per_connection=args.max_calls_per_connection,

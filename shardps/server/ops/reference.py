@@ -158,7 +158,7 @@ def _serve_section() -> list[str]:
 
 
 def _command_section(name: str, sub: argparse.ArgumentParser, help_: str) -> list[str]:
-    out = [f"## `shardps {name}`", "", f"`{_usage(sub)}`", ""]
+    out = [f"## `shardps {name}`", "", f"`{_usage(name, sub)}`", ""]
     if help_:
         out += [_text(help_[0].upper() + help_[1:]) + ".", ""]
     out += ["| option | environment variable | value | default | meaning |", "| --- | --- | --- | --- | --- |"]
@@ -204,9 +204,20 @@ def _command_help(parser: argparse.ArgumentParser, name: str) -> str:
     return ""
 
 
-def _usage(sub: argparse.ArgumentParser) -> str:
-    usage = " ".join(sub.format_usage().split())
-    return usage.removeprefix("usage: ")
+def _usage(name: str, sub: argparse.ArgumentParser) -> str:
+    """``shardps NAME --required VALUE [options] POSITIONAL``, written here rather than argparse's usage line,
+    whose layout changes between Python versions."""
+    words = [f"shardps {name}"]
+    for action in sub._actions:
+        if action.option_strings and action.required:
+            words.append(f"{action.option_strings[0]} {(action.metavar or action.dest).upper()}")
+    words.append("[options]")
+    for action in sub._actions:
+        if not action.option_strings:
+            word = str(action.metavar or action.dest).upper()
+            words.append({"*": f"[{word} ...]", "+": f"{word} [{word} ...]", "?": f"[{word}]"}.get(
+                str(action.nargs), word))
+    return " ".join(words)
 
 
 def _option(action: argparse.Action) -> str:

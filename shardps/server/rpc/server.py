@@ -12,6 +12,7 @@ import logging
 import pathlib
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -53,7 +54,9 @@ class ServerConfig:
             it holds a thread of its own while open); more are refused and those
             clients make unary calls.
         max_message_mb: largest request or reply in MiB (gRPC's default is 4).
-        checkpoint_interval_s: seconds between periodic checkpoints (0: none).
+        checkpoint_interval_s: seconds between periodic checkpoints (0: none by time).
+        checkpoint_log_mb: checkpoint once this many MiB of log were written since the last checkpoint, so a
+            restart replays at most about that much (0: none by size).
         grace_s: seconds in-flight calls get to finish on shutdown.
         metrics_port: serve Prometheus metrics at http://host:metrics_port/metrics (0: a free
             port; None: no metrics, and no cost for them).
@@ -69,6 +72,7 @@ class ServerConfig:
     max_streams: int = 64
     max_message_mb: int = 4
     checkpoint_interval_s: float = 0.0
+    checkpoint_log_mb: int = 256
     grace_s: float = 5.0
     metrics_port: Optional[int] = None
     tls: Optional[TLSFiles] = None
@@ -151,22 +155,49 @@ class ShardServer:
             log.info("shard %d: metrics on http://%s:%d/metrics", self.shard.index, self.config.host, self.metrics_port)
         for name in ("", SERVICE_NAME):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if self.config.checkpoint_interval_s > 0 and self.shard.data_dir is not None:
+        automatic = self.config.checkpoint_interval_s > 0 or self.config.checkpoint_log_mb > 0
+        if automatic and self.shard.data_dir is not None and self.shard.durability.mode != "none":
             self._ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="checkpointer", daemon=True)
             self._ckpt_thread.start()
         self._trim_thread.start()
         self._sweep_thread.start()
         if self.follower is not None:
             self._follow_thread.start()
-        log.info("shard %d of %d serving on %s", self.shard.index, self.shard.num_shards, self.address)
+        log.info("shard %d of %d serving on %s; %s", self.shard.index, self.shard.num_shards, self.address,
+                 self._keeps())
         return self
 
+    def _keeps(self) -> str:
+        """What survives a crash, for the start-up line."""
+        shard, d = self.shard, self.shard.durability
+        if shard.read_only:
+            return f"serving the export {shard.config.serve_from} read-only"
+        if shard.data_dir is None or d.mode == "none":
+            return "no data dir: nothing is kept, a restart starts empty (--data-dir to keep tables and rows)"
+        if d.mode == "checkpoint":
+            return (f"durability checkpoint in {shard.data_dir}: tables are logged, row updates since the last "
+                    "checkpoint are lost in a crash")
+        policy = shard.config.fsync
+        machine = {"always": "nothing", "none": "what the OS had not written",
+                   "interval": f"at most the last {shard.config.fsync_interval_s:g} s"}[policy]
+        return (f"durability log in {shard.data_dir} (fsync {policy}): a process crash loses nothing acknowledged, "
+                f"a machine crash {machine}")
+
     def _checkpoint_loop(self) -> None:
-        while not self._stop.wait(self.config.checkpoint_interval_s):
+        """Automatic checkpoints: every ``checkpoint_interval_s``, and whenever the log since the last checkpoint
+        reaches ``checkpoint_log_mb`` (what bounds a restart's replay)."""
+        every, log_bytes = self.config.checkpoint_interval_s, self.config.checkpoint_log_mb << 20
+        last = time.monotonic()
+        while not self._stop.wait(min(every, 1.0) if every > 0 else 1.0):
+            due_time = every > 0 and time.monotonic() - last >= every
+            due_size = log_bytes > 0 and self.shard.durability.log_bytes() >= log_bytes
+            if not (due_time or due_size):
+                continue
             try:
                 self.shard.checkpoint()
             except Exception:
-                log.exception("periodic checkpoint failed")
+                log.exception("automatic checkpoint failed")
+            last = time.monotonic()
 
     def _sweep_loop(self) -> None:
         """Reclaim the memory of expired rows (TTL eviction), a slice of each table per second; the rows

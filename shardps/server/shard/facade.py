@@ -30,6 +30,7 @@ from shardps.core.errors import AlreadyExists, InvalidArgument, NotFound, OutOfR
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.durability import modes as durability
 from shardps.server.durability.gate import CheckpointGate
+from shardps.server.durability.wal import FSYNC_POLICIES
 from shardps.server.shard.checkpointing import Checkpointer
 from shardps.server.shard.export_sessions import ExportedCopy, ExportSessions
 from shardps.server.shard.limits import Limits
@@ -46,6 +47,7 @@ __all__ = ["Shard", "ShardConfig", "ShardInfo", "TableInfo", "ExportedCopy", "Lo
 log = logging.getLogger(__name__)
 
 DURABILITY_LEVELS = durability.MODES
+
 WAL_RECOVERY = ("fail", "truncate")
 MAX_DENSE_CHUNKS = 1 << 16
 
@@ -58,10 +60,15 @@ class ShardConfig:
         shard_index: this shard's index in [0, num_shards).
         num_shards: number of shards in the cluster.
         data_dir: directory for checkpoints and the write-ahead log (None: in memory only).
-        durability: "checkpoint" (a crash loses the updates since the last
-            checkpoint), "log" (every acknowledged push is fsynced to a
-            write-ahead log first; a crash loses nothing acknowledged) or
-            "none" (no files).
+        durability: "log" (the default: every acknowledged change is in the write-ahead log first, fsynced
+            by ``fsync``; a process crash loses nothing acknowledged), "checkpoint" (a crash loses the row
+            updates since the last checkpoint; tables and dense tensors are logged all the same) or "none"
+            (no files). Without a data dir nothing is kept, whatever this says.
+        fsync: the log's fsync policy: "interval" (the default: written before the acknowledgement,
+            fsynced every ``fsync_interval_s``; a machine crash loses at most that), "always" (fsynced
+            before the acknowledgement, group commit) or "none" (left to the operating system).
+            Schema changes are fsynced before the reply under every policy.
+        fsync_interval_s: seconds between the log's fsyncs under "interval".
         keep_checkpoints: checkpoints kept on disk (the newest and previous ones).
         checkpoint_hold_s: longest time a prepared two-phase checkpoint holds
             pushes back before the shard gives up on it and resumes.
@@ -79,7 +86,9 @@ class ShardConfig:
     shard_index: int = 0
     num_shards: int = 1
     data_dir: Optional[str] = None
-    durability: str = "checkpoint"
+    durability: str = "log"
+    fsync: str = "interval"
+    fsync_interval_s: float = 1.0
     keep_checkpoints: int = 2
     checkpoint_hold_s: float = 30.0
     worker_timeout_s: float = 10.0
@@ -94,6 +103,10 @@ class ShardConfig:
             raise ValueError(f"shard index {self.shard_index} is not in [0, {self.num_shards})")
         if self.durability not in DURABILITY_LEVELS:
             raise ValueError(f"durability must be one of {DURABILITY_LEVELS}, got {self.durability!r}")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}")
+        if not self.fsync_interval_s > 0:
+            raise ValueError(f"fsync_interval_s must be > 0, got {self.fsync_interval_s}")
         if self.wal_recovery not in WAL_RECOVERY:
             raise ValueError(f"wal_recovery must be one of {WAL_RECOVERY}, got {self.wal_recovery!r}")
         if self.keep_checkpoints < 2:
@@ -154,7 +167,8 @@ class Shard:
         self.registry = TableRegistry(self.index, config.limits)
         self.metrics = metrics
         self.durability = durability.make(config.durability, self.data_dir,
-                                          metrics.wal_flush if metrics.enabled else None, before_wait)
+                                          metrics.wal_flush if metrics.enabled else None, before_wait,
+                                          config.fsync, config.fsync_interval_s)
         self.gate = CheckpointGate(f"shard {self.index}")
         self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5, metrics,
                                   before_wait)
@@ -220,10 +234,10 @@ class Shard:
         return self.check.push_dense(name, row_start, grads, sync)
 
     def _record(self, make: Callable[..., durability.Record], *args: Any) -> int:
-        """Append the change ``make(*args)`` to the durability (callers hold the lock that orders it); a ticket
-        to wait on. The record is built only when the durability keeps records (a dense tensor's values are
-        encoded for the log alone)."""
-        return self.durability.append(make(*args)) if self.durability.wants_records else 0
+        """Append the schema change ``make(*args)`` to the durability (callers hold the lock that orders it); a
+        ticket to wait on with ``durable=True``. The record is built only when the durability keeps schema
+        changes (a dense tensor's values are encoded for the log alone)."""
+        return self.durability.append(make(*args)) if self.durability.wants_schema else 0
 
     # ---- tables ----------------------------------------------------------------------
 
@@ -244,7 +258,7 @@ class Shard:
             self._created(self.registry.new(spec, *self.ownership(spec)))
             ticket = self._record(durability.record_create_table, spec)
         log.info("shard %d: created table %s", self.index, spec.name)
-        self.durability.wait(ticket)
+        self.durability.wait(ticket, durable=True)
         return True
 
     def _created(self, t: Table) -> None:
@@ -261,7 +275,7 @@ class Shard:
         if t is not None:
             with t.lock:
                 t.release()
-        self.durability.wait(ticket)
+        self.durability.wait(ticket, durable=True)
         return t is not None
 
     def describe(self, name: str) -> TableInfo:
@@ -361,7 +375,7 @@ class Shard:
                 self._created(t)
         if values is None or values.size == 0 or self.read_only:  # a serving shard's tensors hold the export's values
             if created:
-                self.durability.wait(self._record(durability.record_register_dense, spec))
+                self.durability.wait(self._record(durability.record_register_dense, spec), durable=True)
             return created, False
         if values.ndim != 2 or values.shape[1] != t.dim:
             raise InvalidArgument(f"{spec.name}: values must have shape [rows, {t.dim}], got {list(values.shape)}")
@@ -372,7 +386,7 @@ class Shard:
         with self.registry.lock:  # log order = application order for first-writer-wins
             initialized = t.assign(ids, values, stamp=self.version + 1)
             ticket = self._record(durability.record_register_dense, spec, row_start, values) if initialized or created else 0
-        self.durability.wait(ticket)
+        self.durability.wait(ticket, durable=True)
         return created, initialized
 
     def pull_dense(self, name: str, row_start: int, row_end: int) -> tuple[np.ndarray, int]:
