@@ -17,7 +17,8 @@ import torch
 from shardps.core import codec
 from shardps.core.errors import ExportGap as _ServerExportGap
 from shardps.core.errors import InvalidArgument as _ServerInvalidArgument
-from shardps.core.exports import Exporter, ExportResult
+from shardps.core.exporter import Exporter
+from shardps.core.exports import ExportResult
 from shardps.core.optim import SGD, Optimizer
 from shardps.core.routing import name_hash
 from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy, TableSpec, table_spec_to_pb

@@ -21,10 +21,9 @@ disk means a complete generation. Base + deltas 1..n reproduce every row the
 cluster held at delta n's cut; absent ids read as their initializer's value, as on
 the trainer.
 
-``Exporter`` writes generations from a running cluster through any ``call(shard,
-method, request)`` (the client's transport, or the ``shardps export`` command's own
-channels); ``compact`` folds a chain into one base; ``Chain``/``load_tables`` read it
-back (the serving shard, ``shardps.server.exports.serving``).
+``shardps.core.exporter.Exporter`` writes generations from a running cluster; ``compact``
+folds a chain into one base; ``Chain``/``load_tables`` read it back (the serving shard,
+``shardps.server.exports.serving``).
 """
 
 from __future__ import annotations
@@ -38,18 +37,14 @@ import re
 import shutil
 import struct
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
-from shardps.core import codec
-from shardps.core.errors import ExportGap
 from shardps.core.files import fsync_dir
 from shardps.core.routing import dense_rows_owned, shard_of_ids
-from shardps.core.specs import DenseSpec, TableSpec, dense_spec_from_pb, spec_from_b64, spec_to_b64, table_spec_from_pb
-from shardps.v1 import shardps_pb2 as pb
+from shardps.core.specs import DenseSpec, TableSpec, spec_from_b64, spec_to_b64
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +56,6 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 _CHUNK = 16 << 20
 
 Spec = Union[TableSpec, DenseSpec]
-Caller = Callable[[int, str, Any], Any]  # (shard, method, request message) -> reply message
 
 
 class CorruptExport(Exception):
@@ -184,7 +178,7 @@ def generations(out: pathlib.Path) -> list[tuple[int, str, pathlib.Path]]:
     return sorted(found)
 
 
-def _file_name(k: int, name: str) -> str:
+def file_name(k: int, name: str) -> str:
     return f"{k:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:80]}.safetensors"
 
 
@@ -295,203 +289,6 @@ def load_tables(root: pathlib.Path, upto: Optional[int] = None, shards: Optional
     return manifest, state
 
 
-# ---- writing from a cluster ----------------------------------------------------------------------
-
-
-class Exporter:
-    """Writes bases and deltas of a running cluster into an export directory.
-
-    Args:
-        call: ``call(shard, method, request)`` -> reply, for ``shardps.v1.Shard`` methods.
-        num_shards: shards in the cluster (shard i is call's shard i).
-        hold_s: longest time shards hold pushes back for a cut (the copy itself takes milliseconds).
-    """
-
-    def __init__(self, call: Caller, num_shards: int, hold_s: float = 30.0) -> None:
-        self.call = call
-        self.num_shards = num_shards
-        self.hold_s = hold_s
-
-    # -- the cut --
-
-    def _cut(self, tables: list[str], optimizer_state: bool, since: Optional[list[int]]
-             ) -> tuple[str, list[pb.ExportResponse], float]:
-        """PREPARE every shard, then BEGIN on each: (export id, BEGIN replies, seconds pushes were held)."""
-        eid = uuid.uuid4().hex[:16]
-        shards = range(self.num_shards)
-        started = time.perf_counter()
-        try:
-            for s in shards:
-                self.call(s, "Export", pb.ExportRequest(phase=pb.ExportRequest.PREPARE, export_id=eid, hold_s=self.hold_s))
-            begun = []
-            for s in shards:
-                begun.append(self.call(s, "Export", pb.ExportRequest(
-                    phase=pb.ExportRequest.BEGIN, export_id=eid, tables=tables, optimizer_state=optimizer_state,
-                    delta=since is not None, since_version=since[s] if since is not None else 0)))
-        except BaseException:
-            for s in shards:
-                for phase in (pb.ExportRequest.ABORT, pb.ExportRequest.END):
-                    try:
-                        self.call(s, "Export", pb.ExportRequest(phase=phase, export_id=eid))
-                    except Exception as e:  # noqa: BLE001 - best effort; the hold ends by itself
-                        log.warning("export %s: releasing shard %d failed: %s", eid, s, e)
-            raise
-        return eid, begun, time.perf_counter() - started
-
-    def _pages(self, shard: int, eid: str, name: str, total: int, tombstones: bool = False
-               ) -> Iterator[tuple[int, pb.ExportResponse, np.ndarray]]:
-        """(offset, reply, its ids) of each page of one table's copy on one shard (or of its tombstones)."""
-        at = 0
-        while at < total:
-            r = self.call(shard, "Export", pb.ExportRequest(phase=pb.ExportRequest.READ, export_id=eid, table=name,
-                                                           offset=at, read_tombstones=tombstones))
-            ids = codec.decode(r.ids, "ids")
-            if ids.shape[0] == 0:
-                what = "tombstones" if tombstones else "rows"
-                raise RuntimeError(f"shard {shard}: export {eid} of {name!r} {what} ended at {at} of {total}")
-            yield at, r, ids
-            at += ids.shape[0]
-
-    def _read(self, shard: int, eid: str, name: str, rows: int, tombstones: int, dim: int,
-              optimizer_state: bool) -> dict[str, np.ndarray]:
-        """Every page of one table's copy on one shard, into arrays (``tombstones`` -1: none asked)."""
-        out: dict[str, np.ndarray] = {"ids": np.empty(rows, np.int64), "values": np.empty((rows, dim), np.float32)}
-        for at, r, ids in self._pages(shard, eid, name, rows):
-            k = ids.shape[0]
-            out["ids"][at:at + k] = ids
-            out["values"][at:at + k] = codec.decode(r.values, "values")
-            if optimizer_state:
-                if "steps" not in out:
-                    out["steps"] = np.empty(rows, np.int64)
-                    for sname in r.state:
-                        out["state." + sname] = np.empty((rows, dim), np.float32)
-                out["steps"][at:at + k] = codec.decode(r.steps, "steps")
-                for sname, t in r.state.items():
-                    out["state." + sname][at:at + k] = codec.decode(t, sname)
-        if optimizer_state and "steps" not in out:
-            out["steps"] = np.zeros(0, np.int64)
-        if tombstones >= 0:
-            out["tombstones"] = np.empty(tombstones, np.int64)
-            for at, _, ids in self._pages(shard, eid, name, tombstones, tombstones=True):
-                out["tombstones"][at:at + ids.shape[0]] = ids
-        return out
-
-    def _write(self, out: pathlib.Path, kind: str, seq: int, previous: Optional[int], tables: list[str],
-               optimizer_state: bool, since: Optional[list[int]], known: Optional[set[str]]) -> ExportResult:
-        t0 = time.perf_counter()
-        eid, begun, pause = self._cut(tables, optimizer_state, since)
-        gen = generation_name(kind, seq)
-        result = ExportResult(kind, seq, versions=[int(b.version) for b in begun], pause_s=pause)
-        entries: dict[str, dict[str, Any]] = {}
-        try:
-            for s, reply in enumerate(begun):
-                sdir = out / shard_dir(gen, s, self.num_shards)
-                sdir.mkdir(parents=True, exist_ok=True)
-                for k, t in enumerate(reply.tables):
-                    dense = t.HasField("dense")
-                    spec: Spec = dense_spec_from_pb(t.dense) if dense else table_spec_from_pb(t.spec)
-                    dim = spec.cols if isinstance(spec, DenseSpec) else spec.dim
-                    full = since is None or t.full
-                    if not full and known is not None and spec.name not in known:
-                        raise RuntimeError(f"shard {s} copied only changes of {spec.name!r}, which the export lacks")
-                    arrays = self._read(s, eid, spec.name, int(t.rows), -1 if full else int(t.tombstones), dim,
-                                        optimizer_state)
-                    e = entries.setdefault(spec.name, {"name": spec.name, "kind": "dense" if dense else "table",
-                                                       "dim": dim, "spec": spec_to_b64(spec), "full": full,
-                                                       "shards": [None] * self.num_shards})
-                    e["full"] = e["full"] and full
-                    rel = f"{shard_dir(gen, s, self.num_shards)}/{_file_name(k, spec.name)}"
-                    meta = {"format": FORMAT, "table": spec.name, "kind": kind, "seq": seq, "shard": s,
-                            "num_shards": self.num_shards, "version": int(reply.version)}
-                    size, digest = write_safetensors(out / rel, arrays, meta)
-                    n_tomb = int(arrays["tombstones"].shape[0]) if "tombstones" in arrays else 0
-                    e["shards"][s] = {"file": rel, "rows": int(t.rows), "tombstones": n_tomb, "bytes": size,
-                                      "sha256": digest, "full": full}
-                    result.rows += int(t.rows)
-                    result.tombstones += n_tomb
-                    result.bytes += size
-                fsync_dir(sdir)
-        finally:
-            for s in range(self.num_shards):
-                try:
-                    self.call(s, "Export", pb.ExportRequest(phase=pb.ExportRequest.END, export_id=eid))
-                except Exception as e:  # noqa: BLE001 - the shard frees it by itself later
-                    log.warning("export %s: ending on shard %d failed: %s", eid, s, e)
-        for name, e in entries.items():  # a table a shard did not report (created between two BEGINs): refuse
-            if any(part is None for part in e["shards"]):
-                raise RuntimeError(f"table {name!r} was not in every shard's copy (created during the export?); retry")
-        body = {"format": FORMAT, "kind": kind, "seq": seq, "previous": previous, "created": time.time(),
-                "num_shards": self.num_shards, "optimizer_state": optimizer_state, "selection": tables,
-                "versions": result.versions, "since": since, "tables": list(entries.values()),
-                "dropped": sorted((known or set()) - set(entries)) if kind == "delta" else [],
-                "rows": result.rows, "tombstones": result.tombstones, "bytes": result.bytes}
-        if kind == "delta" and not result.rows and not result.tombstones and not body["dropped"] \
-                and not any(e["full"] for e in entries.values()):
-            shutil.rmtree(out / gen, ignore_errors=True)  # nothing changed: no generation
-            return ExportResult("none", previous or 0, versions=result.versions, pause_s=pause,
-                                seconds=time.perf_counter() - t0)
-        result.path = write_manifest(out, body)
-        result.seconds = time.perf_counter() - t0
-        log.info("export %s: %s %d, %d rows, %d tombstones, %d bytes in %.2fs", out, kind, seq, result.rows,
-                 result.tombstones, result.bytes, result.seconds)
-        return result
-
-    # -- public --
-
-    def base(self, out: Union[str, pathlib.Path], tables: Optional[list[str]] = None,
-             optimizer_state: bool = False) -> ExportResult:
-        """Write a base of every table (or of ``tables``) at one cluster-wide cut, numbered after what
-        ``out`` holds (deltas then follow it)."""
-        out = pathlib.Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        gens = generations(out)
-        seq = gens[-1][0] + 1 if gens else 0
-        return self._write(out, "base", seq, None, list(tables or []), optimizer_state, None, None)
-
-    def delta(self, out: Union[str, pathlib.Path], fallback_base: bool = False) -> ExportResult:
-        """Write the next delta of ``out``: rows changed since its last cut, tombstones, dropped tables. If the
-        cluster cannot give one (a shard restarted, the shard map changed, tombstones overflowed): a new
-        base with ``fallback_base``, else ExportGap. Nothing changed: nothing is written (kind "none")."""
-        out = pathlib.Path(out)
-        gens = generations(out)
-        if not gens:
-            if fallback_base:
-                return self.base(out)
-            raise ExportGap(f"{out}: no base to follow; export a base first")
-        last = read_manifest(gens[-1][2])
-        selection, optimizer_state = last.get("selection", []), last.get("optimizer_state", False)
-        try:
-            if last["num_shards"] != self.num_shards:
-                raise ExportGap(f"{out} was written by {last['num_shards']} shards, the cluster has {self.num_shards}")
-            if len(last["versions"]) != self.num_shards:  # a resharded compaction: no cut of this cluster
-                raise ExportGap(f"{out}'s last generation was resharded offline: it follows no cut of this cluster")
-            known = self._known_tables(out)
-            return self._write(out, "delta", gens[-1][0] + 1, gens[-1][0], selection, optimizer_state,
-                               [int(v) for v in last["versions"]], known)
-        except Exception as e:
-            if not fallback_base or not _is_gap(e):
-                raise
-            log.warning("export %s: no delta possible (%s): writing a new base", out, e)
-            return self._write(out, "base", gens[-1][0] + 1, None, selection, optimizer_state, None, None)
-
-    @staticmethod
-    def _known_tables(out: pathlib.Path) -> set[str]:
-        """Tables the chain holds after its last generation."""
-        base = Chain(out).newest_base()
-        assert base is not None
-        names = {e["name"] for e in read_manifest(base[1])["tables"]}
-        for _, _kind, path in Chain(out).after(base[0]):
-            m = read_manifest(path)
-            names |= {e["name"] for e in m["tables"]}
-            names -= set(m.get("dropped", []))
-        return names
-
-
-def _is_gap(e: BaseException) -> bool:
-    """An ExportGap, raised here or by a shard (the client library maps it to its own class)."""
-    return isinstance(e, ExportGap) or getattr(e, "kind", "") == "export_gap" or type(e).__name__ == "ExportGapError"
-
-
 # ---- compaction ------------------------------------------------------------------------------------
 
 
@@ -543,7 +340,7 @@ def compact(src: Union[str, pathlib.Path], dst: Optional[Union[str, pathlib.Path
             sel = sel[np.argsort(ids[sel], kind="stable")]
             sdir = out / shard_dir(gen, s, m)
             sdir.mkdir(parents=True, exist_ok=True)
-            rel = f"{shard_dir(gen, s, m)}/{_file_name(k, name)}"
+            rel = f"{shard_dir(gen, s, m)}/{file_name(k, name)}"
             arrays = {"ids": ids[sel], "values": values[sel], **{key: v[sel] for key, v in extra.items()}}
             size, digest = write_safetensors(out / rel, arrays, {"format": FORMAT, "table": name, "kind": "base",
                                                                   "seq": seq, "shard": s, "num_shards": m})

@@ -297,7 +297,8 @@ def run_export(args: argparse.Namespace) -> int:
     import time
 
     from shardps.core.errors import ShardError
-    from shardps.core.exports import CorruptExport, Exporter, compact, generations
+    from shardps.core.exporter import Exporter
+    from shardps.core.exports import CorruptExport, compact, generations
     from shardps.server.ops.report import caller
 
     addresses = _addresses(args)
