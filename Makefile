@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 
 # The main job: a local 2-shard cluster and 2 trainer processes on the DLRM example.
 demo: $(STAMP)
-	$(BIN)/python clients/examples/dlrm.py $(ARGS)
+	$(BIN)/python -m clients.examples.dlrm $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -33,7 +33,7 @@ FUZZ_SEED ?= 1
 fuzz: $(STAMP)
 	SHARDPS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SHARDPS_FUZZ_SEED=$(FUZZ_SEED) $(BIN)/python -m pytest -q \
 		tests/test_fuzz.py tests/test_wire_differential.py tests/test_fuzz_regressions.py tests/test_fuzz_auth.py
-	$(BIN)/python -m tests.fuzzing --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
+	$(BIN)/python -m tests.fuzz --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
 
 # The fairness test at length: FAIR_PAIRS windows beside each bad client, of FAIR_WINDOW_S (CI: 2 of 1.2 s).
 FAIR_PAIRS ?= 6
@@ -50,13 +50,13 @@ lint: $(STAMP)
 REPEAT ?= 1
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q '.[bench]'
-	$(BIN)/python benchmarks/bench_throughput.py --repeat $(REPEAT)
-	$(BIN)/python benchmarks/bench_parts.py
-	$(BIN)/python benchmarks/bench_durability.py
-	$(BIN)/python benchmarks/bench_e2e.py --repeat $(REPEAT)
-	$(BIN)/python benchmarks/bench_transport.py --repeat $(REPEAT)
-	$(BIN)/python benchmarks/bench_bounded.py --repeat $(REPEAT)
-	$(BIN)/python benchmarks/bench_serving.py
+	$(BIN)/python -m benchmarks.bench_throughput --repeat $(REPEAT)
+	$(BIN)/python -m benchmarks.bench_parts
+	$(BIN)/python -m benchmarks.bench_durability
+	$(BIN)/python -m benchmarks.bench_e2e --repeat $(REPEAT)
+	$(BIN)/python -m benchmarks.bench_transport --repeat $(REPEAT)
+	$(BIN)/python -m benchmarks.bench_bounded --repeat $(REPEAT)
+	$(BIN)/python -m benchmarks.bench_serving
 
 # Images built offline: a base from Debian's mirror (where python:3.11-slim cannot be pulled) and a
 # wheelhouse; then docker build/compose with --build-arg PIP_SOURCE=wheelhouse (README, "Deploy").
@@ -78,3 +78,9 @@ codegen: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# docs/configuration.md, generated from the command line (shardps/server/ops/cli.py) and the list of
+# environment variables in shardps/server/ops/reference.py; tests/test_docs.py fails when it is stale.
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python -m shardps.server.ops.reference --write docs/configuration.md

@@ -12,14 +12,13 @@
    pull then push, 2 shards) on an unbounded table against admission, capacity eviction and TTL
    (sized to evict on every push) and per-row staleness, interleaved runs, as ratios. Plus the longest TTL sweep slice on a 1M-row table.
 
-    python benchmarks/bench_bounded.py [--quick]
+    python -m benchmarks.bench_bounded [--quick]
 Writes benchmarks/results/bounded.json and bounded.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import time
@@ -27,17 +26,13 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from shardps_client import SGD, Adagrad, Admission, Client, Eviction, Staleness
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardps_client import SGD, Adagrad, Admission, Client, Eviction, Staleness  # noqa: E402
-
-from benchmarks.common import RESULTS, Progress, median_and_range, rss_bytes, table, unique_batches, write_outputs  # noqa: E402
-from shardps.core.specs import Initializer, TableSpec  # noqa: E402
-from shardps.server.ops.launcher import LocalCluster  # noqa: E402
-from shardps.server.storage.table import Table  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "clients", "examples"))
-from dlrm import auc  # noqa: E402  (the DLRM example's AUC, ties averaged)
+from benchmarks.common import RESULTS, Progress, median_and_range, rss_bytes, table, unique_batches, write_outputs
+from clients.examples.dlrm import auc  # the DLRM example's AUC, ties averaged
+from shardps.core.specs import Initializer, TableSpec
+from shardps.server.ops.launcher import LocalCluster
+from shardps.server.storage.table import Table
 
 SPACE = 10**9
 DIM = 64

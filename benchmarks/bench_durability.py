@@ -6,14 +6,13 @@
 - Checkpoint pause: a two-phase checkpoint of 2 shards holding a fully touched table;
   pushes are held only while the state is copied in memory (pause), not while it is written.
 
-    python benchmarks/bench_durability.py [--quick]
+    python -m benchmarks.bench_durability [--quick]
 Writes benchmarks/results/durability.json and durability.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import sys
 import tempfile
@@ -21,14 +20,12 @@ import threading
 import time
 
 import torch
+from shardps_client import SGD, Client
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shardps_client import SGD, Client  # noqa: E402
-
-from benchmarks.common import RESULTS, Progress, plot, table, unique_batches, write_outputs  # noqa: E402
-from shardps.core.specs import Initializer  # noqa: E402
-from shardps.server.ops.launcher import LocalCluster  # noqa: E402
-from shardps.v1 import shardps_pb2 as pb  # noqa: E402
+from benchmarks.common import RESULTS, Progress, plot, table, unique_batches, write_outputs
+from shardps.core.specs import Initializer
+from shardps.server.ops.launcher import LocalCluster
+from shardps.v1 import shardps_pb2 as pb
 
 DIM = 64
 

@@ -8,7 +8,7 @@ and with prefetch, lag 1 and the trainer's row cache for k = 2 and 8 steps
 (--cache-steps), and the local torch.optim baseline, and reports samples/s and
 test AUC side by side with ratios.
 
-    python benchmarks/bench_e2e.py [--train 200000] [--repeat 3] [--quick]
+    python -m benchmarks.bench_e2e [--train 200000] [--repeat 3] [--quick]
 Writes benchmarks/results/e2e.json and e2e.png.
 """
 
@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import RESULTS, Progress, median_and_range, plot, table, write_outputs  # noqa: E402
+from benchmarks.common import RESULTS, Progress, median_and_range, plot, table, write_outputs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DLRM = ROOT / "clients" / "examples" / "dlrm.py"
+DLRM = "clients.examples.dlrm"  # run as python -m from ROOT
 
 
 # Variants of the shardps runs: (label, extra dlrm.py arguments); --cache-steps adds cached ones.
@@ -42,7 +40,7 @@ def cached(k: int) -> tuple[str, list[str]]:
 def run(args: argparse.Namespace, workers: int, extra: list[str], local: bool) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = pathlib.Path(d) / "r.json"
-        cmd = [sys.executable, str(DLRM), "--workers", str(workers), "--train", str(args.train), "--test", str(args.test),
+        cmd = [sys.executable, "-m", DLRM, "--workers", str(workers), "--train", str(args.train), "--test", str(args.test),
                "--rows", str(args.rows), "--batch-size", str(args.batch_size), "--shards", str(args.shards),
                "--json", str(out)] + extra + ([] if local else ["--no-local"])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)

@@ -8,14 +8,13 @@
 - shard memory: RSS growth of a real shard process after 10M rows of 64 float32 are touched
   (right after loading, at rest, and per row), against rows x dim x 4 plus optimizer state.
 
-    python benchmarks/bench_parts.py [--quick]
+    python -m benchmarks.bench_parts [--quick]
 Writes benchmarks/results/parts.json and parts.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Callable
@@ -23,12 +22,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import RESULTS, Progress, plot, rss_bytes, table, write_outputs  # noqa: E402
-from shardps.core.optim import SGD, Adagrad, Adam  # noqa: E402
-from shardps.core.specs import Initializer, TableSpec  # noqa: E402
-from shardps.server.storage.index import DirectIndex, HashIndex  # noqa: E402
-from shardps.server.storage.table import Table  # noqa: E402
+from benchmarks.common import RESULTS, Progress, plot, rss_bytes, table, write_outputs
+from shardps.core.optim import SGD, Adagrad, Adam
+from shardps.core.specs import Initializer, TableSpec
+from shardps.server.storage.index import DirectIndex, HashIndex
+from shardps.server.storage.table import Table
 
 
 def rate(fn: Callable[[], object], items: int, budget: float) -> float:

@@ -13,8 +13,8 @@ applying a 1M-row delta while it answers pulls; each beside what a user would ot
 
 One shard trains and one serves (the per-shard figures; shards work in parallel).
 
-    python benchmarks/bench_serving.py            # 1M rows x 64
-    python benchmarks/bench_serving.py --quick    # a smoke run
+    python -m benchmarks.bench_serving            # 1M rows x 64
+    python -m benchmarks.bench_serving --quick    # a smoke run
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from shardps_client import SGD, Client, Initializer
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from shardps_client import SGD, Client, Initializer  # noqa: E402
-
-from benchmarks.common import RESULTS, Progress, percentile_ms, table, write_outputs  # noqa: E402
-from shardps.core.exports import compact  # noqa: E402
-from shardps.server.ops.launcher import LocalCluster  # noqa: E402
+from benchmarks.common import RESULTS, Progress, percentile_ms, table, write_outputs
+from shardps.core.exports import compact
+from shardps.server.ops.launcher import LocalCluster
 
 
 def fill(c: Client, rows: int, dim: int) -> None:

@@ -12,9 +12,9 @@ read_your_writes=False); ``shardps_defaults`` is the loop a new user writes
 parameter server, a Ray actor parameter server (if Ray is installed), and the
 same gather/scatter in one process (no transport).
 
-    python benchmarks/bench_throughput.py                 # full grid (a few minutes on 2 cores)
-    python benchmarks/bench_throughput.py --quick         # smoke run
-    python benchmarks/bench_throughput.py --quick --budget 3 --shards 2 --repeat 5   # the headline, 5 runs
+    python -m benchmarks.bench_throughput                 # full grid (a few minutes on 2 cores)
+    python -m benchmarks.bench_throughput --quick         # smoke run
+    python -m benchmarks.bench_throughput --quick --budget 3 --shards 2 --repeat 5   # the headline, 5 runs
 Writes benchmarks/results/throughput.json and throughput.png.
 """
 
@@ -32,9 +32,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import baselines  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+from benchmarks import baselines
+from benchmarks.common import (
     RESULTS,
     Progress,
     cpu_seconds,
@@ -45,7 +44,7 @@ from benchmarks.common import (  # noqa: E402
     unique_batches,
     write_outputs,
 )
-from shardps.server.ops.launcher import free_port  # noqa: E402
+from shardps.server.ops.launcher import free_port
 
 DIM = 64
 

@@ -20,7 +20,7 @@ transport, with the CPU both sides spend per round trip.
 
 Needs pyarrow (``pip install pyarrow``), which shardps does not depend on.
 
-    python benchmarks/bench_transport.py [--budget 3] [--repeat 3] [--shards 2] [--quick]
+    python -m benchmarks.bench_transport [--budget 3] [--repeat 3] [--shards 2] [--quick]
 Writes benchmarks/results/transport.json and transport.png.
 """
 
@@ -39,9 +39,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_throughput import DIM, measure  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+from benchmarks.bench_throughput import DIM, measure
+from benchmarks.common import (
     RESULTS,
     Progress,
     cpu_seconds,

@@ -139,7 +139,7 @@ spec:
           image: {IMAGE_TRAINER}
           imagePullPolicy: IfNotPresent
           # The client retries a shard that is not up yet (or restarting) for 30 s per call.
-          args: ["clients/examples/dlrm.py", "--addresses", "{addresses}", "--workers", "2"]
+          args: ["-m", "clients.examples.dlrm", "--addresses", "{addresses}", "--workers", "2"]
           resources:
             requests: {{cpu: "2", memory: 4Gi}}
             limits: {{memory: 8Gi}}
@@ -211,7 +211,7 @@ def make_tls(shards: int, namespace: str = "default") -> str:
 """ + SHARD_MOUNTS, 1)
     text = text.replace("securityContext: {runAsUser: 10002, runAsNonRoot: true}",
                         "securityContext: {runAsUser: 10002, runAsGroup: 10002, fsGroup: 10002, runAsNonRoot: true}")
-    trainer_args = text.index('          args: ["clients/examples/dlrm.py"')
+    trainer_args = text.index('          args: ["-m", "clients.examples.dlrm"')
     line_end = text.index("\n", trainer_args) + 1
     # The trainer's env and mounts follow its args; its pod's volumes end the file (the Job comes last).
     return text[:line_end] + TRAINER_CONTAINER + text[line_end:].rstrip("\n") + "\n" + TRAINER_VOLUMES

@@ -10,24 +10,21 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-pytest.importorskip("matplotlib")
 
 
-@pytest.mark.parametrize("script,name,extra", [
-    ("bench_throughput.py", "throughput", ["--backends", "shardps", "shardps_defaults", "torch_rpc", "--shards", "1",
+@pytest.mark.parametrize("module,name,extra", [
+    ("bench_throughput", "throughput", ["--backends", "shardps", "shardps_defaults", "torch_rpc", "--shards", "1",
                                            "--repeat", "2"]),
-    ("bench_parts.py", "parts", []),
-    ("bench_durability.py", "durability", []),
+    ("bench_parts", "parts", []),
+    ("bench_durability", "durability", []),
     # One worker count, no DDP variant (tests/test_examples.py runs DDP): the suite's time.
-    ("bench_e2e.py", "e2e", ["--cache-steps", "4", "--workers", "2", "--skip-ddp"]),
-    ("bench_transport.py", "transport", []),
-    ("bench_bounded.py", "bounded", []),
-    ("bench_serving.py", "serving", []),
+    ("bench_e2e", "e2e", ["--cache-steps", "4", "--workers", "2", "--skip-ddp"]),
+    ("bench_transport", "transport", []),
+    ("bench_bounded", "bounded", []),
+    ("bench_serving", "serving", []),
 ])
-def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, extra):
-    if name == "transport":
-        pytest.importorskip("pyarrow.flight")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(tmp_path), *extra],
+def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, extra):
+    out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path), *extra],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "FAILED" not in out.stderr, out.stderr[-3000:]
@@ -69,7 +66,7 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, script, name, e
 
 
 def test_unknown_backend_is_refused_by_name(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--quick", "--out",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_throughput", "--quick", "--out",
                           str(tmp_path), "--backends", "shardps", "rpc"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2

@@ -13,15 +13,15 @@ import subprocess
 import sys
 import time
 
+import kubernetes_validate as kv
 import pytest
+import yaml
 
 from shardps import probe
 from shardps.server.ops.cli import parse_args
 from shardps.server.ops.launcher import check_health
 from shardps.server.rpc import ServerConfig
 from shardps.server.shard.facade import ShardConfig
-
-yaml = pytest.importorskip("yaml")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -146,7 +146,7 @@ def test_every_service_command_parses_with_the_real_cli(compose):
         assert probe.build_parser().parse_args(svc["healthcheck"]["test"][2:]).addresses == ["127.0.0.1:7000"]
     trainer = compose["services"]["trainer"]
     cmd = [_interpolate(a) for a in trainer["command"]]
-    assert cmd[0] == "clients/examples/dlrm.py"
+    assert cmd[:2] == ["-m", "clients.examples.dlrm"]
     assert cmd[cmd.index("--train") + 1] == "400000" and cmd[cmd.index("--rows") + 1] == "1000000"
     addresses = cmd[cmd.index("--addresses") + 1].split(",")
     assert addresses == [f"shard-{i}:7000" for i in range(len(_shards(compose)))]
@@ -256,7 +256,6 @@ def _docker_script(name: str):
 def test_kubernetes_manifests_are_valid_against_the_schemas():
     """Offline, against the API schemas of the oldest version the manifests need (1.28: the pod-index
     label) and the newest kubernetes-validate knows, in strict mode (unknown fields are errors)."""
-    kv = pytest.importorskip("kubernetes_validate")
     make_k8s = _docker_script("make_k8s")
     assert make_k8s.make(4) == (DOCKER / "k8s" / "shardps.yaml").read_text()
     for shards in (1, 4, 16):
@@ -311,13 +310,10 @@ def test_kubernetes_statefulset_runs_one_shard_per_ordinal_with_probes_volume_an
     assert pod["terminationGracePeriodSeconds"] >= args.grace + 60
     # The trainer Job: its command through the example's own parser, one address per ordinal.
     (t,) = job["spec"]["template"]["spec"]["containers"]
-    sys.path.insert(0, str(ROOT / "clients" / "examples"))
-    try:
-        import dlrm
-    finally:
-        sys.path.pop(0)
-    assert t["args"][0] == "clients/examples/dlrm.py"
-    targs = dlrm.build_parser().parse_args(t["args"][1:])
+    from clients.examples import dlrm
+
+    assert t["args"][:2] == ["-m", "clients.examples.dlrm"]
+    targs = dlrm.build_parser().parse_args(t["args"][2:])
     assert targs.addresses.split(",") == [f"shardps-{i}.shardps.default.svc:7000" for i in range(n)]
 
 
@@ -325,7 +321,6 @@ def test_kubernetes_tls_manifests_are_valid_and_wire_every_file_the_shard_and_tr
     """The --tls variant: valid against the schemas; the shard's TLS and token flags (from its env,
     through the real CLI) name files its Secret mounts hold; the probes run shardps-health with the
     client certificate; the trainer's client finds TLS and its token from its env."""
-    kv = pytest.importorskip("kubernetes_validate")
     make_k8s = _docker_script("make_k8s")
     assert make_k8s.make_tls(4) == (DOCKER / "k8s" / "shardps-tls.yaml").read_text()
     docs = list(yaml.safe_load_all(make_k8s.make_tls(4, namespace="training")))

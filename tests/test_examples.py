@@ -12,7 +12,7 @@ import pytest
 from shardps.server.ops.launcher import LocalCluster
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "clients" / "examples"
+EXAMPLES = "clients.examples"  # run as python -m from ROOT
 
 
 def _run(args: list[str], timeout: int = 240) -> str:
@@ -23,15 +23,14 @@ def _run(args: list[str], timeout: int = 240) -> str:
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_digits_convnet_reaches_95_percent_with_two_workers(mode):
-    pytest.importorskip("sklearn")
-    out = _run([str(EXAMPLES / "digits_convnet.py"), "--workers", "2", "--mode", mode, "--epochs", "6",
+    out = _run(["-m", f"{EXAMPLES}.digits_convnet", "--workers", "2", "--mode", mode, "--epochs", "6",
                 "--min-accuracy", "0.95"])
     assert f"({mode}, 2 workers" in out
 
 
 def test_dlrm_async_two_workers_converges(tmp_path):
     result = tmp_path / "dlrm.json"
-    _run([str(EXAMPLES / "dlrm.py"), "--workers", "2", "--rows", "200000", "--train", "120000", "--test", "30000",
+    _run(["-m", f"{EXAMPLES}.dlrm", "--workers", "2", "--rows", "200000", "--train", "120000", "--test", "30000",
           "--json", str(result)])
     r = json.loads(result.read_text())
     best, ours, local = r["best_auc"], r["shardps"]["auc"], r["local"]["auc"]
@@ -40,7 +39,7 @@ def test_dlrm_async_two_workers_converges(tmp_path):
 
 
 def test_lstm_language_model_learns():
-    out = _run([str(EXAMPLES / "lstm_lm.py"), "--workers", "2", "--steps", "60", "--max-perplexity", "15"])
+    out = _run(["-m", f"{EXAMPLES}.lstm_lm", "--workers", "2", "--steps", "60", "--max-perplexity", "15"])
     assert "held-out perplexity" in out
 
 
@@ -49,7 +48,7 @@ def test_examples_run_under_torchrun(tmp_path):
     with LocalCluster(2) as cluster:
         cluster.write_cluster_file(str(tmp_path / "c.json"))
         out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "lstm_lm.py"),
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", f"{EXAMPLES}.lstm_lm",
              "--cluster-file", str(tmp_path / "c.json"), "--steps", "20", "--mode", "sync"],
             cwd=ROOT, capture_output=True, text=True, timeout=240,
         )
@@ -62,7 +61,7 @@ def test_dlrm_hybrid_ddp_dense_learns_with_replicas_in_step(tmp_path):
     torch.optim.Adam, the embeddings train on the shards. DDP must keep the replicas identical, and the
     model must learn what local training learns."""
     result = tmp_path / "dlrm.json"
-    _run([str(EXAMPLES / "dlrm.py"), "--workers", "2", "--rows", "200000", "--train", "120000", "--test", "30000",
+    _run(["-m", f"{EXAMPLES}.dlrm", "--workers", "2", "--rows", "200000", "--train", "120000", "--test", "30000",
           "--dense", "ddp", "--dense-lr", "4e-3", "--json", str(result)])
     r = json.loads(result.read_text())
     prints = r["shardps"]["dense_fingerprints"]

@@ -261,7 +261,7 @@ def test_bad_deltas_are_refused_and_the_last_good_state_served(tmp_path: pathlib
 def test_served_dlrm_scores_like_the_trainer(tmp_path: pathlib.Path) -> None:
     """The DLRM example end to end: train through shards, export, serve, score; then deltas move it."""
     result = tmp_path / "serving.json"
-    subprocess.run([sys.executable, "clients/examples/serving.py", "--rows", "2000", "--train", "12000",
+    subprocess.run([sys.executable, "-m", "clients.examples.serving", "--rows", "2000", "--train", "12000",
                     "--test", "4000", "--deltas", "2", "--json", str(result)], check=True, timeout=300)
     r = json.loads(result.read_text())
     assert r["served_auc"] == r["trainer_auc"] and r["max_score_diff"] == 0.0

@@ -5,8 +5,8 @@
   started for the run (the embedded default) and stopped at the end.
 - ``run_workers(args, main)``: runs ``main(rank, world_size)`` once per worker.
   Under torchrun (RANK and WORLD_SIZE set) this process is one worker; otherwise
-  ``--workers N`` re-runs this script N times with RANK/WORLD_SIZE set, exactly
-  as torchrun would.
+  ``--workers N`` re-runs this example N times (``python -m`` its module) with
+  RANK/WORLD_SIZE set, exactly as torchrun would.
 """
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ def cluster(args: argparse.Namespace) -> Iterator[list[str]]:
             yield local.addresses
 
 
-def run_workers(args: argparse.Namespace, addresses: list[str], script: str, extra_env: Optional[dict] = None) -> int:
-    """Start --workers copies of ``script`` with RANK/WORLD_SIZE and the cluster's addresses; wait for all."""
+def run_workers(args: argparse.Namespace, addresses: list[str], module: str, extra_env: Optional[dict] = None) -> int:
+    """Start --workers copies of ``python -m module`` (the example's own ``__spec__.name``) with RANK/WORLD_SIZE
+    and the cluster's addresses; wait for all."""
     env_base = {**os.environ, **(extra_env or {}), "SHARDPS_ADDRESSES": ",".join(addresses),
                 "WORLD_SIZE": str(args.workers), "MASTER_ADDR": "127.0.0.1"}
     argv = [a for a in sys.argv[1:]]
     procs = [
-        subprocess.Popen([sys.executable, script, *argv], env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        subprocess.Popen([sys.executable, "-m", module, *argv], env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)})
         for r in range(args.workers)
     ]
     codes = [p.wait() for p in procs]
@@ -90,7 +91,7 @@ def worker_addresses(args: argparse.Namespace) -> list[str]:
     raise SystemExit("a worker started by torchrun needs --cluster-file or --addresses")
 
 
-def launch(args: argparse.Namespace, script: str, worker: Callable[[list[str], int, int], int],
+def launch(args: argparse.Namespace, module: str, worker: Callable[[list[str], int, int], int],
            coordinator: Optional[Callable[[list[str]], None]] = None) -> int:
     """Entry point of an example: be a worker, or set up a cluster and start workers.
 
@@ -105,7 +106,7 @@ def launch(args: argparse.Namespace, script: str, worker: Callable[[list[str], i
             coordinator(addresses)
         if args.workers <= 1:
             return worker(addresses, 0, 1)
-        return run_workers(args, addresses, script)
+        return run_workers(args, addresses, module)
 
 
 class Progress:

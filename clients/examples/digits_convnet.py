@@ -4,25 +4,23 @@ Two workers train on scikit-learn's bundled handwritten digits (8x8, no
 download), asynchronously or synchronously, each on its half of the training
 set; rank 0 reports test accuracy (95%+ expected).
 
-    python clients/examples/digits_convnet.py --workers 2 --mode async
-    python clients/examples/digits_convnet.py --workers 2 --mode sync
-    torchrun --nproc-per-node 2 clients/examples/digits_convnet.py --cluster-file shardps-cluster.json
+    python -m clients.examples.digits_convnet --workers 2 --mode async
+    python -m clients.examples.digits_convnet --workers 2 --mode sync
+    torchrun --nproc-per-node 2 -m clients.examples.digits_convnet --cluster-file shardps-cluster.json
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from shardps_client import Adam, Client, ShardedOptimizer, SyncPolicy
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Progress, add_cluster_args, launch  # noqa: E402
-from shardps_client import Adam, Client, ShardedOptimizer, SyncPolicy  # noqa: E402
+from clients.examples.common import Progress, add_cluster_args, launch
 
 
 class Net(nn.Module):
@@ -102,7 +100,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-accuracy", type=float, default=0.0, help="exit 1 if test accuracy ends below this (0-1)")
     args = p.parse_args()
-    return launch(args, os.path.abspath(__file__), lambda a, r, w: worker(args, a, r, w))
+    return launch(args, __spec__.name, lambda a, r, w: worker(args, a, r, w))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ interactions and a top MLP. The click log is synthetic with a planted ground
 truth (each id has a true effect), so the best achievable AUC is known. The
 same model trained locally with torch.optim runs afterwards for comparison.
 
-    python clients/examples/dlrm.py                       # local cluster, 2 async workers
-    python clients/examples/dlrm.py --mode sync --prefetch
-    python clients/examples/dlrm.py --dense ddp           # MLPs by DistributedDataParallel, embeddings on the shards
-    torchrun --nproc-per-node 2 clients/examples/dlrm.py --cluster-file shardps-cluster.json
+    python -m clients.examples.dlrm                       # local cluster, 2 async workers
+    python -m clients.examples.dlrm --mode sync --prefetch
+    python -m clients.examples.dlrm --dense ddp           # MLPs by DistributedDataParallel, embeddings on the shards
+    torchrun --nproc-per-node 2 -m clients.examples.dlrm --cluster-file shardps-cluster.json
 """
 
 from __future__ import annotations
@@ -27,20 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
-    Progress,
-    add_cluster_args,
-    cluster,
-    run_workers,
-    worker_addresses,
-    worker_identity,
-    worker_threads,
-)
-from shardps_client import (  # noqa: E402
+from shardps_client import (
     Adagrad,
     Adam,
     Client,
@@ -49,9 +36,20 @@ from shardps_client import (  # noqa: E402
     ShardedOptimizer,
     SyncPolicy,
 )
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from shardps.core.specs import Initializer  # noqa: E402
-from shardps.server.ops.launcher import free_port  # noqa: E402
+from clients.examples.common import (
+    Progress,
+    add_cluster_args,
+    cluster,
+    run_workers,
+    worker_addresses,
+    worker_identity,
+    worker_threads,
+)
+from shardps.core.specs import Initializer
+from shardps.server.ops.launcher import free_port
 
 NUM_SPARSE, NUM_DENSE = 8, 13
 
@@ -308,7 +306,7 @@ def main() -> int:
     results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
     os.environ["SHARDPS_RESULTS_DIR"] = results_dir
     with cluster(args) as addresses:
-        code = run_workers(args, addresses, os.path.abspath(__file__), {"MASTER_PORT": str(free_port())})
+        code = run_workers(args, addresses, __spec__.name, {"MASTER_PORT": str(free_port())})
     if code != 0:
         return code
     ranks = [json.load(open(os.path.join(results_dir, f"rank{r}.json"))) for r in range(args.workers)]

@@ -6,7 +6,7 @@ softmax weights are shardps tables (pulled through RemoteEmbedding: the
 softmax pulls its whole vocabulary each step); the LSTM and the softmax bias
 are dense tensors on the shards. Prints perplexity on held-out text.
 
-    python clients/examples/lstm_lm.py --workers 2
+    python -m clients.examples.lstm_lm --workers 2
 """
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
-import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from shardps_client import Adam, Client, RemoteEmbedding, ShardedOptimizer, SyncPolicy
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Progress, add_cluster_args, launch, worker_threads  # noqa: E402
-from shardps_client import Adam, Client, RemoteEmbedding, ShardedOptimizer, SyncPolicy  # noqa: E402
-
-from shardps.core.specs import Initializer  # noqa: E402
+from clients.examples.common import Progress, add_cluster_args, launch, worker_threads
+from shardps.core.specs import Initializer
 
 MODULES = ["argparse", "collections", "json", "logging", "pathlib", "subprocess", "threading", "typing", "unittest.case"]
 
@@ -107,7 +104,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-perplexity", type=float, default=float("inf"), help="exit 1 if perplexity ends above this")
     args = p.parse_args()
-    return launch(args, os.path.abspath(__file__), lambda a, r, w: worker(args, a, r, w))
+    return launch(args, __spec__.name, lambda a, r, w: worker(args, a, r, w))
 
 
 if __name__ == "__main__":

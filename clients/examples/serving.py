@@ -8,8 +8,8 @@
    apply it without a restart, and their predictions move with it: they equal the trainer's
    at the delta's cut.
 
-    python clients/examples/serving.py
-    python clients/examples/serving.py --rows 100000 --deltas 5 --json serving.json
+    python -m clients.examples.serving
+    python -m clients.examples.serving --rows 100000 --deltas 5 --json serving.json
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from shardps_client import Adagrad, Adam, Client, RemoteEmbedding, ShardedOptimizer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dlrm import DLRM, NUM_SPARSE, auc, batches, click_log, table_name  # noqa: E402
-from shardps_client import Adagrad, Adam, Client, RemoteEmbedding, ShardedOptimizer  # noqa: E402
-
-from shardps.core.specs import Initializer  # noqa: E402
-from shardps.server.ops.launcher import LocalCluster  # noqa: E402
+from clients.examples.dlrm import DLRM, NUM_SPARSE, auc, batches, click_log, table_name
+from shardps.core.specs import Initializer
+from shardps.server.ops.launcher import LocalCluster
 
 PREFIX = "dlrm.serving."
 
