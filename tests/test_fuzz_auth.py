@@ -25,31 +25,35 @@ from hypothesis import given
 from hypothesis import strategies as st
 from shardps_client import SGD, TLS, Client, ShardUnavailableError
 
+from shardps.server.ops import certs
 from shardps.v1 import shardps_pb2 as pb
-from tests import fuzzing
+from tests.fuzz import target
+from tests.fuzz.memory import GiB, RssWatch
+from tests.fuzz.oracle import CODE_OF, allowed_codes
+from tests.fuzz.regressions import valid_push_bytes
+from tests.fuzz.runner import stateful_settings
+from tests.fuzz.tensors import int64_tensor
 from tests.procs import start_shard
-
-certs = pytest.importorskip("shardps.server.ops.certs")
 
 EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50"))
 SEED = int(os.environ.get("SHARDPS_FUZZ_SEED", "0"))
 TOKENS = {"reader": "R" * 18 + "-reader", "trainer": "T" * 18 + "-trainer", "admin": "A" * 18 + "-admin"}
 ALLOWED = {"reader": {"Pull", "PullDense", "PullBatch", "DescribeTable", "ShardInfo"}}
 ALLOWED["trainer"] = ALLOWED["reader"] | {"Push", "PushDense", "PushBatch", "Heartbeat", "CreateTable", "RegisterDense"}
-ALLOWED["admin"] = set(fuzzing.METHOD_NAMES)
+ALLOWED["admin"] = set(target.METHOD_NAMES)
 PUSH_IDS = (1, 2)
 
 # One valid request per method: what a caller with the right token may send. A Push (and the Stream's
 # one frame) applies -lr * 1.0 to rows 1 and 2; every other call leaves t as it is.
 REQUESTS: dict[str, Any] = {
-    "CreateTable": pb.CreateTableRequest(spec=fuzzing.TABLE_SPEC_PB),
-    "DescribeTable": pb.DescribeTableRequest(name=fuzzing.TABLE),
+    "CreateTable": pb.CreateTableRequest(spec=target.TABLE_SPEC_PB),
+    "DescribeTable": pb.DescribeTableRequest(name=target.TABLE),
     "DropTable": pb.DropTableRequest(name="nope"),
-    "Pull": pb.PullRequest(table=fuzzing.TABLE, ids=fuzzing._int64_tensor([1, 2, 3])),
-    "Push": fuzzing.valid_push_bytes(PUSH_IDS),
-    "RegisterDense": pb.RegisterDenseRequest(spec=fuzzing.DENSE_SPEC_PB),
-    "PullDense": pb.PullDenseRequest(name=fuzzing.DENSE, row_start=0, row_end=2),
-    "PushDense": pb.PushDenseRequest(name=fuzzing.DENSE, row_start=0, grads=pb.Tensor(
+    "Pull": pb.PullRequest(table=target.TABLE, ids=int64_tensor([1, 2, 3])),
+    "Push": valid_push_bytes(PUSH_IDS),
+    "RegisterDense": pb.RegisterDenseRequest(spec=target.DENSE_SPEC_PB),
+    "PullDense": pb.PullDenseRequest(name=target.DENSE, row_start=0, row_end=2),
+    "PushDense": pb.PushDenseRequest(name=target.DENSE, row_start=0, grads=pb.Tensor(
         dtype=pb.FLOAT32, shape=[1, 3], data=np.zeros((1, 3), np.float32).tobytes())),
     "PullBatch": pb.PullBatchRequest(),
     "PushBatch": pb.PushBatchRequest(),
@@ -121,11 +125,11 @@ class AuthHarness:
         self.shard = start_shard(0, 1, workdir, str(workdir / "data"),
                                  extra=["--tokens-file", str(tokens), "--durability", "log"])
         with Client([self.shard.address], token=TOKENS["admin"], timeout=10) as c:
-            c.create_table(fuzzing.TABLE, dim=fuzzing.TABLE_DIM, num_embeddings=fuzzing.TABLE_ROWS,
-                           optimizer=SGD(lr=fuzzing.LR), initializer=fuzzing.TABLE_SPEC.initializer)
-            c.register_dense(fuzzing.DENSE, fuzzing.DENSE_INIT.copy(), optimizer=SGD(lr=fuzzing.LR))
+            c.create_table(target.TABLE, dim=target.TABLE_DIM, num_embeddings=target.TABLE_ROWS,
+                           optimizer=SGD(lr=target.LR), initializer=target.TABLE_SPEC.initializer)
+            c.register_dense(target.DENSE, target.DENSE_INIT.copy(), optimizer=SGD(lr=target.LR))
         self.channel = grpc.insecure_channel(self.shard.address)
-        self.rss = fuzzing.RssWatch(self.shard.proc, int(1.5 * fuzzing.GiB))
+        self.rss = RssWatch(self.shard.proc, int(1.5 * GiB))
         self.rss.start()
         self.initial = self.rows()
         self.version0 = self.version()
@@ -138,10 +142,10 @@ class AuthHarness:
 
     def rows(self) -> np.ndarray:
         raw = self.channel.unary_unary("/shardps.v1.Shard/Pull")(
-            pb.PullRequest(table=fuzzing.TABLE, ids=fuzzing._int64_tensor(list(range(8)))).SerializeToString(),
+            pb.PullRequest(table=target.TABLE, ids=int64_tensor(list(range(8)))).SerializeToString(),
             metadata=self.admin(), timeout=10)
         reply = pb.PullResponse.FromString(raw)
-        return np.frombuffer(reply.rows.data, np.float32).reshape(8, fuzzing.TABLE_DIM).copy()
+        return np.frombuffer(reply.rows.data, np.float32).reshape(8, target.TABLE_DIM).copy()
 
     def version(self) -> int:
         raw = self.channel.unary_unary("/shardps.v1.Shard/ShardInfo")(b"", metadata=self.admin(), timeout=10)
@@ -158,7 +162,7 @@ class AuthHarness:
                     iter(frames.get, None), metadata=metadata, timeout=10))
                 reply = pb.StreamResponse.FromString(replies[0])
                 if reply.HasField("error"):
-                    return fuzzing.CODE_OF[reply.error.code], b""
+                    return CODE_OF[reply.error.code], b""
                 return grpc.StatusCode.OK, replies[0]
             return grpc.StatusCode.OK, self.channel.unary_unary(f"/shardps.v1.Shard/{method}")(
                 REQUESTS[method], metadata=metadata, timeout=10)
@@ -178,7 +182,7 @@ class AuthHarness:
         elif method == "Stream" and "Push" not in ALLOWED[role]:
             allowed = {grpc.StatusCode.PERMISSION_DENIED}
         else:
-            allowed = fuzzing.allowed_codes(method)
+            allowed = allowed_codes(method)
         if code not in allowed:
             self.failures.append(f"{method} with {role or 'no valid token'} ({_short(metadata)}): "
                                  f"{code.name} {detail[:200]!r}, expected one of {sorted(c.name for c in allowed)}")
@@ -191,7 +195,7 @@ class AuthHarness:
         """t holds exactly the acknowledged pushes (SGD: -lr * 1.0 per push on rows 1 and 2)."""
         expected = self.initial.copy()
         for _ in range(self.applied):
-            expected[list(PUSH_IDS)] = expected[list(PUSH_IDS)] - np.float32(fuzzing.LR) * np.float32(1.0)
+            expected[list(PUSH_IDS)] = expected[list(PUSH_IDS)] - np.float32(target.LR) * np.float32(1.0)
         self.final = self.rows()
         if not np.array_equal(self.final, expected):
             self.failures.append(f"t does not hold exactly the {self.applied} acknowledged pushes")
@@ -213,7 +217,7 @@ def test_authentication_metadata_survives_fuzzing(tmp_path):
     try:
         methods = [*REQUESTS, "Stream"]
 
-        @fuzzing.stateful_settings(EXAMPLES * 2, SEED)
+        @stateful_settings(EXAMPLES * 2, SEED)
         @given(st.sampled_from(methods), metadata_sets())
         def run(method: str, meta: tuple[list[tuple[str, Any]], Optional[str]]) -> None:
             h.exercise(method, *meta)
@@ -235,7 +239,7 @@ def test_authentication_metadata_survives_fuzzing(tmp_path):
     again = start_shard(0, 1, tmp_path, str(tmp_path / "data"), extra=["--tokens-file", str(tmp_path / "tokens")])
     try:
         with Client([again.address], token=TOKENS["admin"], timeout=10) as c:
-            rows = c.pull(fuzzing.TABLE, list(range(8))).numpy()
+            rows = c.pull(target.TABLE, list(range(8))).numpy()
         assert np.array_equal(rows, h.final), "after a restart, t is not what the shard acknowledged"
     finally:
         again.terminate()
@@ -301,7 +305,7 @@ def test_tls_handshakes_with_bad_certificates_and_bad_bytes_survive_fuzzing(tmp_
     dev, other = certs.make_dev_certs(str(d / "good")), certs.make_dev_certs(str(d / "other"))
     shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key,
                                                "--tls-client-ca", dev.ca])
-    rss = fuzzing.RssWatch(shard.proc, int(1.5 * fuzzing.GiB))
+    rss = RssWatch(shard.proc, int(1.5 * GiB))
     rss.start()
     good = TLS(ca=dev.ca, cert=dev.client_cert, key=dev.client_key)
     try:
@@ -312,7 +316,7 @@ def test_tls_handshakes_with_bad_certificates_and_bad_bytes_survive_fuzzing(tmp_
         hello = _client_hello()
         sent = 0
 
-        @fuzzing.stateful_settings(EXAMPLES, SEED)
+        @stateful_settings(EXAMPLES, SEED)
         @given(handshake_bytes(hello))
         def run(data: bytes) -> None:
             nonlocal sent

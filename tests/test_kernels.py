@@ -161,7 +161,8 @@ def test_normal_initializer(dim: int) -> None:
 def test_normal_initializer_covers_the_slow_paths_and_is_standard_normal() -> None:
     """Enough values that the ziggurat's wedges and its tail are taken (both checked bit for bit), and the
     values pass a Kolmogorov-Smirnov test against the standard normal, as torch.nn.Embedding's do."""
-    stats = pytest.importorskip("scipy.stats")
+    from scipy import stats
+
     ids = np.arange(40000, dtype=np.int64)
     a, b = both(lambda: Initializer(seed=11).rows(ids, 32))
     bits_equal(a, b)

@@ -10,6 +10,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from prometheus_client import parser
 from shardps_client import SGD, Adagrad, Client, SyncPolicy
 
 from shardps.core.specs import Initializer
@@ -18,8 +19,6 @@ from shardps.server.shard.facade import ShardConfig
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.procs import start_shard
-
-parser = pytest.importorskip("prometheus_client.parser")
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -36,7 +35,7 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 
 def test_scraped_counters_follow_pulls_pushes_errors_wal_checkpoints_and_workers(tmp_path):
-    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--durability", "log", "--metrics-port", "0"])
+    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--durability", "log", "--fsync", "always", "--metrics-port", "0"])
     try:
         url = re.findall(r"metrics on (http://\S+/metrics)", shard.log())[0]
         before = scrape(url)

@@ -17,12 +17,10 @@ from shardps_client import TLS, AuthenticationError, Client, PermissionDeniedErr
 
 from shardps.core import codec
 from shardps.core.specs import dense_spec_to_pb, table_spec_to_pb
+from shardps.server.ops import certs
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.procs import start_shard
-
-certs = pytest.importorskip("shardps.server.ops.certs")
-pytest.importorskip("cryptography")
 
 TOKENS = {"reader": "r" * 20 + "-reader-token", "trainer": "t" * 20 + "-trainer-token", "admin": "a" * 20 + "-admin"}
 

@@ -7,7 +7,7 @@ whenever ``wire`` accepts a message, protobuf must parse it to the same fields;
 when ``wire`` refuses one, it must say so with InvalidArgument (a clean
 INVALID_ARGUMENT status), never another exception.
 
-Inputs come from tests/fuzzing.py: canonical encodings of well-formed pushes and
+Inputs come from tests/fuzz/: canonical encodings of well-formed pushes and
 their mutations (duplicated fields and sub-messages, non-minimal, 10- and
 11-byte varints and varints above 2^64, field number 0, groups, unknown fields,
 wrong wire types, unpacked and mixed packed/unpacked negative shape entries,
@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from shardps.core import wire
 from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
-from tests import fuzzing
+from tests.fuzz import data_requests, generators, mutations, oracle, regressions, values
+from tests.fuzz.wire import LEN, Field, parse_fields
 
 # 1000 per push type by default; SHARDPS_WIRE_EXAMPLES sets it, else it follows SHARDPS_FUZZ_EXAMPLES (x20).
 N = int(os.environ.get("SHARDPS_WIRE_EXAMPLES") or 20 * int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50")))
@@ -71,32 +72,32 @@ def _hex(buf: Any) -> str:
 
 def canonical_pushes(dense: bool) -> st.SearchStrategy[bytes]:
     """SerializeToString of well-formed pushes (consistent tensors of accepted dtypes; other fields anything)."""
-    return fuzzing.push_requests(dense=dense, well_formed=True).map(lambda m: m.SerializeToString())
+    return data_requests.push_requests(dense=dense, well_formed=True).map(lambda m: m.SerializeToString())
 
 
 def near_valid_pushes(dense: bool) -> st.SearchStrategy[bytes]:
     cls = pb.PushDenseRequest if dense else pb.PushRequest
     canonical = canonical_pushes(dense)
-    return fuzzing.weighted(
+    return values.weighted(
         (1, canonical),
-        (5, fuzzing.mutated(canonical, cls, byte_level=False)),  # structural: lengths stay consistent
-        (2, fuzzing.mutated(canonical, cls)),  # structural and raw bytes
+        (5, mutations.mutated(canonical, cls, byte_level=False)),  # structural: lengths stay consistent
+        (2, mutations.mutated(canonical, cls)),  # structural and raw bytes
         (
             1,
-            fuzzing.mutated(fuzzing.serialized(cls), cls, byte_level=False),
+            mutations.mutated(generators.serialized(cls), cls, byte_level=False),
         ),  # from the fuzzer's pushes (bad tensors too)
     )
 
 
 def _concatenated(cls: type) -> st.SearchStrategy[bytes]:
-    s = fuzzing.serialized(cls)
+    s = generators.serialized(cls)
     return st.tuples(s, s).map(lambda ab: ab[0] + ab[1])
 
 
 def near_valid(cls: type) -> st.SearchStrategy[bytes]:
-    s = fuzzing.serialized(cls)
-    return fuzzing.weighted(
-        (1, s), (4, fuzzing.mutated(s, cls, byte_level=False)), (1, fuzzing.mutated(s, cls)), (1, _concatenated(cls))
+    s = generators.serialized(cls)
+    return values.weighted(
+        (1, s), (4, mutations.mutated(s, cls, byte_level=False)), (1, mutations.mutated(s, cls)), (1, _concatenated(cls))
     )
 
 
@@ -121,7 +122,7 @@ def check_push(buf: Any, dense: bool, canonical: bool = False) -> bool:
         msg = cls.FromString(bytes(buf))
     except DecodeError as e:
         raise AssertionError(f"wire.decode_push accepts a {kind} protobuf refuses ({e}); input {_hex(buf)}") from None
-    problems = fuzzing.compare_push(d, msg, dense)
+    problems = oracle.compare_push(d, msg, dense)
     assert not problems, f"wire.decode_push and protobuf disagree on a {kind}: {'; '.join(problems)}; input {_hex(buf)}"
     return True
 
@@ -190,7 +191,7 @@ def check_unframe(buf: bytes, canonical: bool = False) -> None:
         raise AssertionError(
             f"wire.unframe raised {type(e).__name__}: {e} (refusals must be InvalidArgument); input {_hex(buf)}"
         ) from e
-    fields = fuzzing.parse_fields(buf)
+    fields = parse_fields(buf)
     assert fields is not None and len(fields) == 1, (
         f"wire.unframe accepts a StreamRequest with data after its field {field} "
         f"({'unparseable' if fields is None else len(fields) - 1} more fields; protobuf would merge them or "
@@ -256,7 +257,7 @@ def test_push_batch_entries_agree_with_protobuf(buf):
 
 
 @_settings(N // 10, shrink=False)
-@given(msg=fuzzing.messages(pb.PushBatchRequest))
+@given(msg=generators.messages(pb.PushBatchRequest))
 def test_canonical_push_batch_is_accepted(msg):
     check_push_batch(msg.SerializeToString(), canonical=True)
 
@@ -268,15 +269,15 @@ def test_stream_frame_agrees_with_protobuf(buf):
 
 
 @_settings(N // 10, shrink=False)
-@given(msg=fuzzing.messages(pb.StreamRequest).filter(lambda m: m.WhichOneof("body") is not None))
+@given(msg=generators.messages(pb.StreamRequest).filter(lambda m: m.WhichOneof("body") is not None))
 def test_canonical_stream_frame_is_accepted(msg):
     check_unframe(msg.SerializeToString(), canonical=True)
 
 
 def test_the_two_regressions_are_refused_or_agree():
     """The exact bytes that bricked a restarting shard (overlong tag, grads twice)."""
-    for make in fuzzing.REGRESSIONS.values():
+    for make in regressions.REGRESSIONS.values():
         buf = make()
         check_push(buf, dense=False)
-        check_unframe(fuzzing.Field(1, fuzzing.LEN, buf).encode())
-        check_push_batch(fuzzing.Field(1, fuzzing.LEN, buf).encode())
+        check_unframe(Field(1, LEN, buf).encode())
+        check_push_batch(Field(1, LEN, buf).encode())
