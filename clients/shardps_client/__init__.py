@@ -3,7 +3,7 @@
 from shardps.core.optim import SGD, Adagrad, Adam
 from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
-from shardps_client.data import Prefetcher
+from shardps_client.prefetch import Prefetcher
 from shardps_client.errors import (
     AuthenticationError,
     ExportGapError,

@@ -20,7 +20,7 @@ import numpy as np
 from shardps.core.ids import unique_ids
 from shardps.core.routing import dense_rows_owned, shard_of_ids
 from shardps.core.specs import DenseSpec
-from shardps.server.durability import checkpoints as ckpt
+from shardps.server.durability import checkpoints
 from shardps.server.shard.facade import Shard, ShardConfig
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
             meta_j["tables"].append(entry)
             ids = merged[name]["ids"]
             if entry["dense"]:
-                spec = ckpt.spec_of(entry)
+                spec = checkpoints.spec_of(entry)
                 assert isinstance(spec, DenseSpec)
                 mine = dense_rows_owned(name, spec.rows, spec.chunk_rows, num_shards, j)[ids]
             else:
@@ -113,7 +113,7 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
             summary["tables"][name]["per_shard"][j] = int(mine.sum())
         d = dst / f"shard-{j}"
         d.mkdir(parents=True, exist_ok=True)
-        ckpt.write(d / ckpt.file_name(1, stamp), meta_j, arrays_j)
+        checkpoints.write(d / checkpoints.file_name(1, stamp), meta_j, arrays_j)
     for name, t in summary["tables"].items():
         assert sum(t["per_shard"]) == t["rows"], f"{name}: rows lost or duplicated"
     log.info("resharded %s (%d shards) into %s (%d shards)", src, old_n, dst, num_shards)
