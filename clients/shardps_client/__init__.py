@@ -3,7 +3,6 @@
 from shardps.core.optim import SGD, Adagrad, Adam
 from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy
 from shardps_client.client import Client, Versions
-from shardps_client.prefetch import Prefetcher
 from shardps_client.errors import (
     AuthenticationError,
     ExportGapError,
@@ -23,6 +22,7 @@ from shardps_client.errors import (
 )
 from shardps_client.nn import RemoteEmbedding, RemoteEmbeddingBag
 from shardps_client.optim import ShardedOptimizer
+from shardps_client.prefetch import Prefetcher
 from shardps_client.transport import TLS
 
 __all__ = [
