@@ -1,8 +1,16 @@
 """shardps_client: the PyTorch client of the shardps parameter server."""
 
 from shardps.core.optim import SGD, Adagrad, Adam
-from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy
+from shardps.core.policies import Admission, Eviction, Staleness, SyncPolicy
+from shardps.core.specs import Initializer
 from shardps_client.client import Client, Versions
+from shardps_client.collection import (
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+    RemoteEmbeddingBagCollection,
+    RemoteEmbeddingCollection,
+)
 from shardps_client.errors import (
     AuthenticationError,
     ExportGapError,
@@ -23,10 +31,13 @@ from shardps_client.errors import (
 from shardps_client.nn import RemoteEmbedding, RemoteEmbeddingBag
 from shardps_client.optim import ShardedOptimizer
 from shardps_client.prefetch import Prefetcher
+from shardps_client.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from shardps_client.transport import TLS
 
 __all__ = [
-    "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "SyncPolicy", "SyncStepError",
+    "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "RemoteEmbeddingBagCollection",
+    "RemoteEmbeddingCollection", "EmbeddingBagConfig", "EmbeddingConfig", "PoolingType", "KeyedJaggedTensor",
+    "JaggedTensor", "KeyedTensor", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
     "TLS", "AuthenticationError", "PermissionDeniedError", "ReadOnlyError", "ExportGapError",

@@ -18,6 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardps_client.client import Client, Versions
+from shardps_client.collection import (  # noqa: F401 - the collection modules are part of this module's API
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+    RemoteEmbeddingBagCollection,
+    RemoteEmbeddingCollection,
+)
 
 
 class _RemoteRows(nn.Module):

@@ -1,0 +1,387 @@
+"""A model's tables as one module, in TorchRec's shape: ``RemoteEmbeddingBagCollection`` (pooled bags, TorchRec's
+``EmbeddingBagCollection``) and ``RemoteEmbeddingCollection`` (one embedding per id, TorchRec's
+``EmbeddingCollection``), fed a ``KeyedJaggedTensor`` (TorchRec's, or ``shardps_client.sparse``'s).
+
+One pass for all tables per step: the ids of every feature are checked and deduplicated per table in one
+vectorised step (ids packed with their table's index, one ``np.unique``); every table's unique rows are
+pulled in one round trip per shard (``Client.pull_many``: a prefetch or a row cache serves its part); tables
+of the same width and pooling share one local weight and one ``F.embedding_bag`` (``F.embedding``) call;
+one backward hook per such weight hands every table's coalesced row gradients to the client, sent as one
+push per shard (queued for ``ShardedOptimizer.step`` when it holds the pushes).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardps.core.optim import Optimizer
+from shardps.core.specs import Initializer
+from shardps_client.client import Client, Versions
+from shardps_client.sparse import JaggedTensor, KeyedTensor
+
+
+class PoolingType(enum.Enum):
+    """How a bag's rows become one vector (TorchRec's ``PoolingType``)."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    NONE = "NONE"
+
+
+@dataclass
+class EmbeddingBagConfig:
+    """One table of a collection, with TorchRec's field names.
+
+    Args:
+        num_embeddings: rows of the table (ids in [0, num_embeddings)).
+        embedding_dim: width of a row.
+        name: the table's name on the shards.
+        feature_names: the features (keys of the input) looked up in this table; several features may share it.
+        pooling: ``PoolingType.SUM`` or ``MEAN`` (or "sum" / "mean"); ignored by ``RemoteEmbeddingCollection``.
+        optimizer: the table's server-side optimizer when the collection creates it (None: the client's default).
+        initializer: how new rows start (None: normal(0, 1), as ``torch.nn.Embedding``).
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    feature_names: list[str] = field(default_factory=list)
+    pooling: Union[PoolingType, str] = PoolingType.SUM
+    optimizer: Optional[Optimizer] = None
+    initializer: Optional[Initializer] = None
+
+
+@dataclass
+class EmbeddingConfig(EmbeddingBagConfig):
+    """A table of a ``RemoteEmbeddingCollection`` (unpooled: TorchRec's ``EmbeddingConfig``)."""
+
+    pooling: Union[PoolingType, str] = PoolingType.NONE
+
+
+def _pooling(p: Any) -> str:
+    """"sum", "mean" or "none" of a PoolingType (ours or TorchRec's) or a string."""
+    name = str(getattr(p, "name", p)).lower()
+    if name not in ("sum", "mean", "none"):
+        raise ValueError(f"pooling must be SUM, MEAN or NONE, got {p!r}")
+    return name
+
+
+class _Layout:
+    """Which feature reads which table, and how tables group into shared local weights (equal width and
+    pooling, contiguous in the collection's table order)."""
+
+    def __init__(self, configs: list[Any], pooled: bool) -> None:
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"every table needs a name of its own, got {names}")
+        features = [f for c in configs for f in c.feature_names]
+        if len(set(features)) != len(features):
+            raise ValueError(f"a feature may read one table only, got {features}")
+        if not features:
+            raise ValueError("a collection needs at least one feature")
+        self.pools = [_pooling(c.pooling) if pooled else "none" for c in configs]
+        if pooled and "none" in self.pools:
+            raise ValueError("an embedding bag collection pools its bags: SUM or MEAN")
+        # Tables in group order (equal (dim, pooling) adjacent), so each group's unique rows are contiguous.
+        order = sorted(range(len(configs)), key=lambda i: (configs[i].embedding_dim, self.pools[i], i))
+        self.configs = [configs[i] for i in order]
+        self.pools = [self.pools[i] for i in order]
+        self.tables = [c.name for c in self.configs]
+        self.dims = np.array([c.embedding_dim for c in self.configs], dtype=np.int64)
+        self.rows = np.array([c.num_embeddings for c in self.configs], dtype=np.int64)
+        self.features = features  # in config order: the output's keys
+        self.table_of = {f: order.index(i) for i, c in enumerate(configs) for f in c.feature_names}
+        keys = [(c.embedding_dim, p) for c, p in zip(self.configs, self.pools)]
+        self.groups: list[tuple[int, int]] = []  # [first table, end table) per group
+        for t, k in enumerate(keys):
+            if t and keys[t - 1] == k:
+                self.groups[-1] = (self.groups[-1][0], t + 1)
+            else:
+                self.groups.append((t, t + 1))
+        self.group_of_table = np.zeros(len(self.tables), dtype=np.int64)
+        for g, (a, b) in enumerate(self.groups):
+            self.group_of_table[a:b] = g
+        # Packing (table, id) into one int64: table t's ids start at base[t] (ids are checked in range first).
+        self.base = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
+        if self.rows.sum() >= 2**62:
+            raise ValueError("the tables of one collection hold at most 2^62 rows in all")
+
+
+@dataclass
+class _Step:
+    """One forward's plan: per table its unique ids, per value its row in its group's local weight."""
+
+    uniq: list[np.ndarray]  # per table (layout order), sorted unique ids
+    local: np.ndarray  # per value (input order): row in its group's weight
+    group_of_value: np.ndarray
+    feature_pos: dict[str, int]  # feature -> its index among the input's keys
+    lengths: np.ndarray  # [keys, stride] bag lengths
+    stride: int
+
+
+class _RemoteCollection(nn.Module):
+    def __init__(self, tables: list[Any], client: Client, device: Any, create: bool, wire_dtype: Optional[str],
+                 pooled: bool) -> None:
+        super().__init__()
+        self.client = client
+        self.device = torch.device(device) if device is not None else None
+        self.wire_dtype = wire_dtype
+        self._configs = list(tables)
+        self.layout = _Layout(self._configs, pooled)
+        for c in self._configs:
+            if create:
+                client.create_table(c.name, c.embedding_dim, c.num_embeddings, optimizer=c.optimizer,
+                                    initializer=c.initializer)
+            spec = client.table_spec(c.name)
+            if (spec.dim, spec.num_embeddings) != (c.embedding_dim, c.num_embeddings):
+                raise ValueError(f"table {c.name!r} on the shards is {spec.num_embeddings} x {spec.dim}, the config "
+                                 f"says {c.num_embeddings} x {c.embedding_dim}")
+        self.last_versions: dict[str, Versions] = {}
+        self._open: Optional[_StepPushes] = None  # the last step's pushes, until every gradient arrived
+
+    # ---- the plan of a step (numpy; every check before anything is pulled) ----------------
+
+    def plan(self, features: Any) -> _Step:
+        """Check ``features`` (a KeyedJaggedTensor) and deduplicate its ids per table, all tables at once."""
+        lay = self.layout
+        keys = list(features.keys())
+        unknown = [k for k in keys if k not in lay.table_of]
+        if unknown:
+            raise KeyError(f"feature {unknown[0]!r} is not read by any table of this collection "
+                           f"(features: {lay.features})")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"feature keys repeat: {keys}")
+        values, lengths = features.values(), features.lengths()
+        if values.dtype not in (torch.int64, torch.int32) or lengths.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"ids and lengths must be int64 or int32, got {values.dtype} and {lengths.dtype}")
+        ids = values.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        lens = lengths.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        stride = lens.shape[0] // len(keys) if keys else 0
+        if lens.shape[0] != stride * len(keys):
+            raise ValueError(f"{lens.shape[0]} lengths for {len(keys)} features: not a whole number of bags each")
+        if (lens < 0).any():
+            k = int(np.argmax(lens < 0)) // max(stride, 1)
+            raise ValueError(f"feature {keys[k]!r}: negative bag length {int(lens[lens < 0][0])}")
+        if int(lens.sum()) != ids.shape[0]:
+            raise ValueError(f"the lengths add up to {int(lens.sum())} ids, but there are {ids.shape[0]} values")
+        lengths2 = lens.reshape(len(keys), stride)
+        table_of_key = np.array([lay.table_of[k] for k in keys], dtype=np.int64)
+        table_of_value = np.repeat(table_of_key, lengths2.sum(1))
+        bad = (ids < 0) | (ids >= lay.rows[table_of_value])
+        if bad.any():
+            i = int(np.argmax(bad))
+            t = int(table_of_value[i])
+            key = keys[int(np.searchsorted(np.cumsum(lengths2.sum(1)), i, side="right"))]
+            raise IndexError(f"feature {key!r}: id {int(ids[i])} out of range [0, {int(lay.rows[t])}) of table "
+                             f"{lay.tables[t]!r}")
+        packed = ids + lay.base[table_of_value]
+        uniq, inverse = np.unique(packed, return_inverse=True)
+        bounds = np.searchsorted(uniq, np.append(lay.base, np.int64(2**62)))
+        per_table = [uniq[bounds[t] : bounds[t + 1]] - lay.base[t] for t in range(len(lay.tables))]
+        group_of_value = lay.group_of_table[table_of_value]
+        group_start = bounds[[a for a, _ in lay.groups]]
+        local = inverse.reshape(-1) - group_start[group_of_value]
+        return _Step(per_table, local, group_of_value, {k: i for i, k in enumerate(keys)}, lengths2, stride)
+
+    def ids_of(self, features: Any) -> dict[str, torch.Tensor]:
+        """``{table: unique ids}`` a forward of ``features`` pulls: the ``ids_fn`` of a ``Prefetcher``."""
+        step = self.plan(features)
+        return {t: torch.from_numpy(u) for t, u in zip(self.layout.tables, step.uniq)}
+
+    # ---- pulling and the local weights ------------------------------------------------------
+
+    def _weights(self, step: _Step, device: Any) -> list[Optional[torch.Tensor]]:
+        """One local weight per group the input reads (None for the others): every table's unique rows, pulled
+        in one round trip per shard."""
+        lay = self.layout
+        if self._open is not None:  # a group's gradient never came (its output unused): send what did
+            self._open.finish()
+        wanted = {t: u for t, u in zip(lay.tables, step.uniq) if u.shape[0]}
+        pulled = self.client.pull_many(wanted, device=device, wire_dtype=self.wire_dtype) if wanted else {}
+        self.last_versions = {t: v for t, (_, v) in pulled.items()}
+        used = set(lay.group_of_table[[lay.table_of[k] for k in step.feature_pos]].tolist())
+        pushes = _StepPushes(self, step, pulled, len(used)) if torch.is_grad_enabled() else None
+        self._open = pushes
+        weights: list[Optional[torch.Tensor]] = []
+        for g, (a, b) in enumerate(lay.groups):
+            if g not in used:
+                weights.append(None)
+                continue
+            parts = [pulled[t][0] for t in lay.tables[a:b] if t in pulled]
+            w = torch.cat(parts) if parts else torch.zeros(0, int(lay.dims[a]), device=device)
+            if pushes is not None:
+                w.requires_grad_(True)
+                w.register_hook(pushes.hook(g))
+            weights.append(w)
+        return weights
+
+
+class _StepPushes:
+    """The backward side of one forward: each used group's hook hands its tables' coalesced row gradients to
+    the client; the step's pushes go out as one push per shard when the last group's gradient has arrived
+    (or with ``ShardedOptimizer.step`` when it holds the client's pushes)."""
+
+    def __init__(self, module: _RemoteCollection, step: _Step, pulled: dict[str, Any], groups: int) -> None:
+        self.module = module
+        self.step = step
+        self.pulled = pulled
+        self.left = groups
+        self.hold: Any = None
+        self.started = False
+
+    def hook(self, g: int):
+        def push(grad: torch.Tensor) -> None:
+            self.push_group(g, grad)
+
+        return push
+
+    def push_group(self, g: int, grad: torch.Tensor) -> None:
+        client, lay = self.module.client, self.module.layout
+        if not self.started:  # the first gradient of the step: hold its pushes, unless a ShardedOptimizer does
+            self.started = True
+            self.hold = None if client.defer_pushes else client.hold_pushes()
+        a, b = lay.groups[g]
+        counts = [self.step.uniq[t].shape[0] for t in range(a, b)]
+        try:
+            for t, part in zip(range(a, b), torch.split(grad, counts)):
+                table, uniq = lay.tables[t], self.step.uniq[t]
+                if uniq.shape[0] or client.table_spec(table).sync is not None:
+                    versions = self.pulled[table][1] if table in self.pulled else None
+                    client.push(table, torch.from_numpy(uniq), part, versions=versions,
+                                wire_dtype=self.module.wire_dtype)
+        finally:
+            self.left -= 1
+            if self.left == 0:
+                self.finish()
+
+    def finish(self) -> None:
+        """Send the step's held pushes and stop holding (once)."""
+        hold, self.hold = self.hold, None
+        if self.module._open is self:
+            self.module._open = None
+        if hold is not None:
+            try:
+                hold.send()
+            finally:
+                hold.release()
+
+
+class RemoteEmbeddingBagCollection(_RemoteCollection):
+    """TorchRec's ``EmbeddingBagCollection`` over shardps tables: ``forward(KeyedJaggedTensor) -> KeyedTensor``.
+
+    Outputs and gradients are those of a collection of ``torch.nn.EmbeddingBag`` holding the same rows; the
+    rows' updates happen on the shards (the tables' optimizers), pushed during backward.
+
+    Args:
+        tables: one ``EmbeddingBagConfig`` per table (TorchRec's own configs are read the same way).
+        client: a connected ``Client``.
+        is_weighted: inputs carry a weight per id (per-sample weights; SUM pooling).
+        device: where outputs live (default: the input's device); CPU or CUDA.
+        create: create the tables on the shards (an existing table must have the same spec), or only check
+            that they exist with the configured shape.
+        wire_dtype: "float32" (default of the client), "float16" or "bfloat16" for pulls and pushes.
+    """
+
+    def __init__(self, tables: list[Any], client: Client, is_weighted: bool = False, device: Any = None,
+                 create: bool = True, wire_dtype: Optional[str] = None) -> None:
+        super().__init__(tables, client, device, create, wire_dtype, pooled=True)
+        self._is_weighted = is_weighted
+        if is_weighted and "mean" in self.layout.pools:
+            raise ValueError("weighted bags pool by SUM (torch.nn.EmbeddingBag takes per-sample weights with sum)")
+
+    def embedding_bag_configs(self) -> list[Any]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, features: Any) -> KeyedTensor:
+        step = self.plan(features)
+        weights = features.weights_or_none()
+        if self._is_weighted and weights is None:
+            raise ValueError("this collection is weighted: the input needs a weight per id")
+        if weights is not None and weights.numel() != step.local.shape[0]:
+            raise ValueError(f"{weights.numel()} weights for {step.local.shape[0]} ids")
+        device = self.device if self.device is not None else features.values().device
+        ws = self._weights(step, device)
+        lay, B = self.layout, step.stride
+        out = torch.zeros(B, int(sum(lay.dims[lay.table_of[f]] for f in lay.features)), device=device)
+        per_feature: dict[str, torch.Tensor] = {}
+        bag_lengths = torch.from_numpy(step.lengths)
+        keys = list(step.feature_pos)
+        group_of_key = lay.group_of_table[[lay.table_of[k] for k in keys]] if keys else np.zeros(0, np.int64)
+        for g, (a, _) in enumerate(lay.groups):
+            in_group = np.flatnonzero(group_of_key == g)
+            if not in_group.size:
+                continue
+            mask = step.group_of_value == g
+            idx = torch.from_numpy(step.local[mask]).to(device)
+            lens = bag_lengths[in_group].reshape(-1)
+            offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+            torch.cumsum(lens, 0, out=offsets[1:])
+            psw = weights.reshape(-1)[torch.from_numpy(mask).to(weights.device)].to(device) \
+                if weights is not None and self._is_weighted else None
+            w = ws[g]
+            assert w is not None
+            pooled = F.embedding_bag(idx, w, offsets.to(device), mode=lay.pools[a], per_sample_weights=psw,
+                                     include_last_offset=True)
+            pooled = pooled.reshape(in_group.size, B, -1)
+            for j, k in enumerate(in_group.tolist()):
+                per_feature[keys[k]] = pooled[j]
+        # Columns in the configs' feature order; a feature absent from the input reads as empty bags (zeros).
+        offsets_out = np.concatenate([[0], np.cumsum([lay.dims[lay.table_of[f]] for f in lay.features])])
+        parts = [per_feature.get(f) for f in lay.features]
+        if all(p is not None for p in parts):
+            out = torch.cat(parts, dim=1)  # type: ignore[arg-type]
+        else:
+            for p, start in zip(parts, offsets_out):
+                if p is not None:
+                    out[:, int(start) : int(start) + p.shape[1]] = p
+        kt = KeyedTensor(lay.features, [int(lay.dims[lay.table_of[f]]) for f in lay.features], out)
+        kt.shardps_versions = self.last_versions  # type: ignore[attr-defined]
+        return kt
+
+
+class RemoteEmbeddingCollection(_RemoteCollection):
+    """TorchRec's ``EmbeddingCollection`` over shardps tables: ``forward(KeyedJaggedTensor) ->
+    {feature: JaggedTensor}`` of one row per id (outputs and gradients of ``torch.nn.Embedding``).
+
+    Args: as ``RemoteEmbeddingBagCollection`` (``tables`` of ``EmbeddingConfig``), without ``is_weighted``.
+    """
+
+    def __init__(self, tables: list[Any], client: Client, device: Any = None, create: bool = True,
+                 wire_dtype: Optional[str] = None) -> None:
+        super().__init__(tables, client, device, create, wire_dtype, pooled=False)
+
+    def embedding_configs(self) -> list[Any]:
+        return self._configs
+
+    def forward(self, features: Any) -> dict[str, JaggedTensor]:
+        step = self.plan(features)
+        device = self.device if self.device is not None else features.values().device
+        ws = self._weights(step, device)
+        lay = self.layout
+        keys = list(step.feature_pos)
+        rows = {}
+        for g in range(len(lay.groups)):
+            mask = step.group_of_value == g
+            w = ws[g]
+            if mask.any() and w is not None:
+                rows[g] = (np.flatnonzero(mask), F.embedding(torch.from_numpy(step.local[mask]).to(device), w))
+        per_key = step.lengths.sum(1)
+        starts = np.concatenate([[0], np.cumsum(per_key)])
+        out = {}
+        for i, k in enumerate(keys):
+            g = int(lay.group_of_table[lay.table_of[k]])
+            where, emb = rows.get(g, (np.zeros(0, np.int64), None))
+            lo, hi = np.searchsorted(where, [starts[i], starts[i + 1]])
+            values = emb[lo:hi] if emb is not None else torch.zeros(0, int(lay.dims[lay.table_of[k]]), device=device)
+            out[k] = JaggedTensor(values, lengths=torch.from_numpy(step.lengths[i].copy()))
+        return out

@@ -1,0 +1,254 @@
+"""RemoteEmbeddingBagCollection / RemoteEmbeddingCollection against torch's own nn.EmbeddingBag / nn.Embedding
+holding the same rows, fed TorchRec-shaped KeyedJaggedTensors; one pull and one push per shard per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shardps_client import (
+    SGD,
+    Client,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+    Prefetcher,
+    RemoteEmbeddingBagCollection,
+    RemoteEmbeddingCollection,
+)
+from torch import nn
+
+from shardps.core.specs import Initializer
+from tests.conftest import running_cluster
+from tests.test_metrics import scrape, value
+
+CONFIGS = [  # a shared table (f1, f2), a mean-pooled one, one of another width
+    EmbeddingBagConfig(num_embeddings=30, embedding_dim=4, name="ta", feature_names=["f1", "f2"],
+                       pooling=PoolingType.SUM, optimizer=SGD(lr=1.0), initializer=Initializer(seed=1)),
+    EmbeddingBagConfig(num_embeddings=20, embedding_dim=4, name="tb", feature_names=["f3"],
+                       pooling=PoolingType.MEAN, optimizer=SGD(lr=1.0), initializer=Initializer(seed=2)),
+    EmbeddingBagConfig(num_embeddings=10, embedding_dim=3, name="tc", feature_names=["f4"], pooling="sum",
+                       optimizer=SGD(lr=1.0), initializer=Initializer(seed=3)),
+]
+TABLE_OF = {f: c for c in CONFIGS for f in c.feature_names}
+
+
+def _kjt(bags: dict[str, list[list[int]]], weights: bool = False) -> KeyedJaggedTensor:
+    keys = list(bags)
+    values = [i for k in keys for bag in bags[k] for i in bag]
+    lengths = [len(bag) for k in keys for bag in bags[k]]
+    w = torch.linspace(-1.0, 2.0, len(values)) if weights else None
+    return KeyedJaggedTensor.from_lengths_sync(keys, torch.tensor(values, dtype=torch.int64),
+                                               torch.tensor(lengths, dtype=torch.int64), weights=w)
+
+
+def _references(c: Client, configs: list) -> dict[str, nn.Module]:
+    refs = {}
+    for cfg in configs:
+        pooling = getattr(cfg.pooling, "name", cfg.pooling).lower()
+        ref = nn.Embedding(cfg.num_embeddings, cfg.embedding_dim) if pooling == "none" else \
+            nn.EmbeddingBag(cfg.num_embeddings, cfg.embedding_dim, mode=pooling)
+        with torch.no_grad():
+            ref.weight.copy_(c.pull(cfg.name, torch.arange(cfg.num_embeddings)))
+        refs[cfg.name] = ref
+    return refs
+
+
+def _ref_forward(refs: dict, kjt: KeyedJaggedTensor, features: list[str], stride: int) -> torch.Tensor:
+    parts = []
+    present = kjt.to_dict()
+    for f in features:
+        cfg = TABLE_OF[f]
+        if f not in present:
+            parts.append(torch.zeros(stride, cfg.embedding_dim))
+            continue
+        jt = present[f]
+        parts.append(refs[cfg.name](jt.values(), jt.offsets()[:-1], per_sample_weights=jt.weights_or_none()))
+    return torch.cat(parts, dim=1)
+
+
+CASES = {
+    "every feature": {"f1": [[1, 2], [3]], "f2": [[2, 29], [0, 0, 5]], "f3": [[4, 4], [19]], "f4": [[9], [0, 1]]},
+    "empty bags": {"f1": [[], [3]], "f2": [[2], []], "f3": [[], [1, 2]], "f4": [[], []]},
+    "features absent": {"f2": [[7, 8], [8]], "f4": [[2], [2, 2]]},
+    "keys in another order": {"f4": [[1], [2]], "f3": [[5], [6]], "f1": [[0], [1]], "f2": [[1], [0]]},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bag_collection_matches_nn_embedding_bags_forward_and_backward(case):
+    bags = CASES[case]
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection(CONFIGS, c)
+        refs = _references(c, CONFIGS)
+        before = {cfg.name: c.pull(cfg.name, torch.arange(cfg.num_embeddings)) for cfg in CONFIGS}
+        kjt = _kjt(bags)
+        out = ebc(kjt)
+        expected = _ref_forward(refs, kjt, ["f1", "f2", "f3", "f4"], 2)
+        assert out.keys() == ["f1", "f2", "f3", "f4"] and out.length_per_key() == [4, 4, 4, 3]
+        torch.testing.assert_close(out.values(), expected, rtol=1e-6, atol=1e-6)
+        assert set(out.to_dict()) == {"f1", "f2", "f3", "f4"} and out.to_dict()["f4"].shape == (2, 3)
+        upstream = torch.randn(expected.shape)
+        (out.values() * upstream).sum().backward()
+        (expected * upstream).sum().backward()
+        c.flush()
+        for cfg in CONFIGS:  # SGD lr=1: each row moved by its gradient
+            moved = before[cfg.name] - c.pull(cfg.name, torch.arange(cfg.num_embeddings))
+            grad = refs[cfg.name].weight.grad
+            torch.testing.assert_close(moved, grad if grad is not None else torch.zeros_like(moved),
+                                       rtol=1e-5, atol=1e-6)
+
+
+def test_weighted_bags_match_per_sample_weights():
+    configs = [CONFIGS[0], CONFIGS[2]]
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection(configs, c, is_weighted=True)
+        assert ebc.is_weighted() and ebc.embedding_bag_configs() == configs
+        refs = _references(c, configs)
+        before = {cfg.name: c.pull(cfg.name, torch.arange(cfg.num_embeddings)) for cfg in configs}
+        kjt = _kjt({"f1": [[1, 2], [3]], "f2": [[], [2, 2]], "f4": [[9, 1, 1], [0]]}, weights=True)
+        out = ebc(kjt)
+        expected = _ref_forward(refs, kjt, ["f1", "f2", "f4"], 2)
+        torch.testing.assert_close(out.values(), expected, rtol=1e-6, atol=1e-6)
+        out.values().sum().backward()
+        expected.sum().backward()
+        c.flush()
+        for cfg in configs:
+            torch.testing.assert_close(before[cfg.name] - c.pull(cfg.name, torch.arange(cfg.num_embeddings)),
+                                       refs[cfg.name].weight.grad, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="weight per id"):
+            ebc(_kjt({"f1": [[1], [2]]}))
+
+
+def test_sgd_steps_equal_local_training_bit_for_bit():
+    """One table per feature, SGD on the shards against torch.optim.SGD on local nn.EmbeddingBags."""
+    configs = [EmbeddingBagConfig(num_embeddings=25, embedding_dim=5, name=f"s{i}", feature_names=[f"g{i}"],
+                                  pooling=pool, optimizer=SGD(lr=0.3), initializer=Initializer(seed=i))
+               for i, pool in enumerate(["sum", "mean", "sum"])]
+    gen = torch.Generator().manual_seed(0)
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection(configs, c)
+        refs = _references(c, configs)
+        opt = torch.optim.SGD([r.weight for r in refs.values()], lr=0.3)
+        for _ in range(5):
+            ids = torch.randint(0, 25, (3, 8), generator=gen)
+            lengths = torch.randint(0, 3, (3, 4), generator=gen)
+            values = torch.cat([ids[k, : int(lengths[k].sum())] for k in range(3)])
+            kjt = KeyedJaggedTensor.from_lengths_sync(["g0", "g1", "g2"], values, lengths.reshape(-1))
+            target = torch.randn(4, 15, generator=gen)
+            ((ebc(kjt).values() - target) ** 2).sum().backward()
+            opt.zero_grad()
+            local = torch.cat([refs[f"s{k}"](kjt[f"g{k}"].values(), kjt[f"g{k}"].offsets()[:-1])
+                               for k in range(3)], dim=1)
+            ((local - target) ** 2).sum().backward()
+            opt.step()
+            c.flush()
+        for cfg in configs:
+            torch.testing.assert_close(c.pull(cfg.name, torch.arange(25)), refs[cfg.name].weight.detach(),
+                                       rtol=0, atol=0)
+
+
+def test_one_pull_and_one_push_per_shard_per_step_for_the_whole_collection():
+    with running_cluster(2, metrics_port=0) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection(CONFIGS, c)
+        urls = [f"http://127.0.0.1:{s.metrics_port}/metrics" for s in servers]
+        kjt = _kjt(CASES["every feature"])
+        for _ in range(2):  # the first step may meet tables' first rows; count the second alone
+            before = [scrape(u) for u in urls]
+            ebc(kjt).values().sum().backward()
+            c.flush()
+        for u, b in zip(urls, before):
+            after = scrape(u)
+            calls = {m: value(after, "shardps_requests_total", method=m) - value(b, "shardps_requests_total", method=m)
+                     for m in ("Pull", "PullBatch", "Push", "PushBatch", "PullDense", "PushDense")}
+            assert calls["Pull"] + calls["PullBatch"] == 1, calls
+            assert calls["Push"] + calls["PushBatch"] == 1, calls
+            assert calls["PullDense"] == calls["PushDense"] == 0
+
+
+BAD = [
+    ("unknown key", lambda: _kjt({"f1": [[1], [2]], "nope": [[1], [1]]}), KeyError, "feature 'nope'"),
+    ("lengths do not sum to the values", lambda: KeyedJaggedTensor.from_lengths_sync(
+        ["f1"], torch.tensor([1, 2, 3]), torch.tensor([1, 1])), ValueError, "add up to 2 ids, but there are 3"),
+    ("negative length", lambda: KeyedJaggedTensor.from_lengths_sync(
+        ["f1"], torch.tensor([1]), torch.tensor([2, -1])), ValueError, "feature 'f1': negative bag length -1"),
+    ("id out of range", lambda: _kjt({"f1": [[1], [2]], "f3": [[20], [0]]}), IndexError,
+     r"feature 'f3': id 20 out of range \[0, 20\) of table 'tb'"),
+    ("float ids", lambda: KeyedJaggedTensor.from_lengths_sync(
+        ["f1"], torch.tensor([1.0, 2.0]), torch.tensor([1, 1])), TypeError, "int64 or int32"),
+    ("ragged keys", lambda: KeyedJaggedTensor.from_lengths_sync(
+        ["f1", "f2"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])), ValueError, "not a whole number of bags"),
+]
+
+
+def test_bad_input_is_refused_naming_the_feature_and_nothing_is_pulled_or_pushed():
+    with running_cluster(1) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection(CONFIGS, c)
+        stats = c.shard_info()[0].stats
+        for _, make, error, message in BAD:
+            with pytest.raises(error, match=message):
+                ebc(make())
+        c.flush()
+        after = c.shard_info()[0].stats
+        assert (after.pulls, after.pushes) == (stats.pulls, stats.pushes)
+        with pytest.raises(ValueError, match=r"table 'ta' on the shards is 30 x 4, the config says 31 x 4"):
+            RemoteEmbeddingBagCollection([EmbeddingBagConfig(31, 4, "ta", ["f1"])], c, create=False)
+        with pytest.raises(ValueError, match="a feature may read one table only"):
+            RemoteEmbeddingBagCollection([EmbeddingBagConfig(30, 4, "ta", ["f1"]),
+                                          EmbeddingBagConfig(20, 4, "tb", ["f1"])], c)
+
+
+def test_a_prefetched_collection_reads_the_same_rows_without_a_pull_of_its_own():
+    with running_cluster(2, metrics_port=0) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection(CONFIGS, c)
+        batches = [_kjt(CASES["every feature"]), _kjt(CASES["keys in another order"])]
+        with torch.no_grad():
+            plain = [ebc(b).values() for b in batches]
+        urls = [f"http://127.0.0.1:{s.metrics_port}/metrics" for s in servers]
+        before = [scrape(u) for u in urls]
+        for batch, expected in zip(Prefetcher(batches, c, ids_fn=ebc.ids_of, depth=1), plain):
+            with torch.no_grad():
+                torch.testing.assert_close(ebc(batch).values(), expected, rtol=0, atol=0)
+        for u, b in zip(urls, before):  # one pull per batch and shard: the prefetches', none of the forwards' own
+            after = scrape(u)
+            assert sum(value(after, "shardps_requests_total", method=m) - value(b, "shardps_requests_total", method=m)
+                       for m in ("Pull", "PullBatch")) == len(batches)
+
+
+def test_embedding_collection_matches_nn_embedding_per_feature():
+    configs = [EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="ea", feature_names=["f1", "f2"],
+                               optimizer=SGD(lr=1.0)),
+               EmbeddingConfig(num_embeddings=10, embedding_dim=2, name="eb", feature_names=["f3"],
+                               optimizer=SGD(lr=1.0))]
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        ec = RemoteEmbeddingCollection(configs, c)
+        refs = _references(c, configs)
+        before = {cfg.name: c.pull(cfg.name, torch.arange(cfg.num_embeddings)) for cfg in configs}
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f3", "f1", "f2"], torch.tensor([1, 9, 9, 3, 3, 29, 0]),
+                                                  torch.tensor([2, 1, 0, 2, 1, 1]))
+        out = ec(kjt)
+        loss = torch.zeros(())
+        ref_loss = torch.zeros(())
+        for f, table in (("f1", "ea"), ("f2", "ea"), ("f3", "eb")):
+            jt = kjt[f]
+            expected = refs[table](jt.values())
+            torch.testing.assert_close(out[f].values(), expected, rtol=0, atol=0)
+            assert out[f].lengths().tolist() == jt.lengths().tolist()
+            w = torch.randn(expected.shape)
+            loss = loss + (out[f].values() * w).sum()
+            ref_loss = ref_loss + (expected * w).sum()
+        loss.backward()
+        ref_loss.backward()
+        c.flush()
+        for cfg in configs:
+            torch.testing.assert_close(before[cfg.name] - c.pull(cfg.name, torch.arange(cfg.num_embeddings)),
+                                       refs[cfg.name].weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_kjt_and_keyed_tensor_follow_torchrec_layout():
+    kjt = KeyedJaggedTensor.from_offsets_sync(["a", "b"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 2, 3, 5]))
+    assert kjt.stride() == 2 and kjt.lengths().tolist() == [2, 0, 1, 2] and kjt.length_per_key() == [2, 3]
+    assert kjt["b"].values().tolist() == [3, 4, 5] and kjt["b"].lengths().tolist() == [1, 2]
+    assert [t.tolist() for t in kjt.to_dict()["a"].to_dense()] == [[1, 2], []]
+    again = KeyedJaggedTensor.from_jt_dict(kjt.to_dict())
+    assert again.values().tolist() == kjt.values().tolist() and again.lengths().tolist() == kjt.lengths().tolist()
