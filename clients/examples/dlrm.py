@@ -2,7 +2,9 @@
 
 8 sparse features, each an embedding table of --rows ids (1,000,000 by
 default), plus 13 dense features through a bottom MLP, pairwise dot-product
-interactions and a top MLP. The click log is synthetic with a planted ground
+interactions and a top MLP. The tables are one RemoteEmbeddingBagCollection
+fed a KeyedJaggedTensor, TorchRec's shape (--embeddings tables: one
+RemoteEmbedding per table instead). The click log is synthetic with a planted ground
 truth (each id has a true effect), so the best achievable AUC is known. The
 same model trained locally with torch.optim runs afterwards for comparison.
 
@@ -21,7 +23,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -31,8 +33,12 @@ from shardps_client import (
     Adagrad,
     Adam,
     Client,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    PoolingType,
     Prefetcher,
     RemoteEmbedding,
+    RemoteEmbeddingBagCollection,
     ShardedOptimizer,
     SyncPolicy,
 )
@@ -108,12 +114,26 @@ def mlp(sizes: list[int]) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-class DLRM(nn.Module):
-    """Bottom MLP over dense features, embeddings of sparse ones, dot interactions, top MLP."""
+FEATURES = [f"C{f}" for f in range(NUM_SPARSE)]
 
-    def __init__(self, embeddings: list[nn.Module], dim: int) -> None:
+
+def sparse_kjt(sparse: torch.Tensor) -> KeyedJaggedTensor:
+    """The sparse ids of a batch [B, 8] as a KeyedJaggedTensor: one id per bag, feature after feature."""
+    b = sparse.shape[0]
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, sparse.t().reshape(-1),
+                                               torch.ones(b * NUM_SPARSE, dtype=torch.int64), stride=b)
+
+
+class DLRM(nn.Module):
+    """Bottom MLP over dense features, embeddings of sparse ones, dot interactions, top MLP.
+
+    ``embeddings``: a collection taking a KeyedJaggedTensor of the 8 features (one module for all
+    tables), or one module per feature taking that feature's ids."""
+
+    def __init__(self, embeddings: Union[nn.Module, list[nn.Module]], dim: int) -> None:
         super().__init__()
-        self.emb = nn.ModuleList(embeddings)
+        self.emb = nn.ModuleList(embeddings) if isinstance(embeddings, list) else embeddings
+        self.dim = dim
         self.bottom = mlp([NUM_DENSE, 64, dim])
         n = NUM_SPARSE + 1
         self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)
@@ -121,7 +141,11 @@ class DLRM(nn.Module):
 
     def forward(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         x = self.bottom(dense)
-        t = torch.stack([x] + [emb(sparse[:, f]) for f, emb in enumerate(self.emb)], dim=1)
+        if isinstance(self.emb, nn.ModuleList):
+            t = torch.stack([x] + [emb(sparse[:, f]) for f, emb in enumerate(self.emb)], dim=1)
+        else:  # the collection: one pass for all tables; its KeyedTensor's columns are the features' rows
+            pooled = self.emb(sparse_kjt(sparse)).values().view(-1, NUM_SPARSE, self.dim)
+            t = torch.cat([x.unsqueeze(1), pooled.to(x.device)], dim=1)
         z = torch.bmm(t, t.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         return self.top(torch.cat([x, z], dim=1)).squeeze(1)
 
@@ -177,8 +201,21 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
         if args.cache_steps:
             for f in range(NUM_SPARSE):
                 client.cache_table(table_name(f) + f".{args.mode}", steps=args.cache_steps, max_rows=args.cache_rows)
-        embs = [RemoteEmbedding(client, table_name(f) + f".{args.mode}", device=device) for f in range(NUM_SPARSE)]
-        model = DLRM(embs, args.dim).to(device)
+        names = [table_name(f) + f".{args.mode}" for f in range(NUM_SPARSE)]
+        if args.embeddings == "collection":
+            configs = [EmbeddingBagConfig(num_embeddings=args.rows, embedding_dim=args.dim, name=name,
+                                          feature_names=[feature], pooling=PoolingType.SUM)
+                       for name, feature in zip(names, FEATURES)]
+            ebc = RemoteEmbeddingBagCollection(configs, client, device=device, create=False)  # tables made above
+            model = DLRM(ebc, args.dim).to(device)
+
+            def ids_fn(b: tuple) -> dict[str, torch.Tensor]:
+                return ebc.ids_of(sparse_kjt(b[0]))
+        else:
+            model = DLRM([RemoteEmbedding(client, name, device=device) for name in names], args.dim).to(device)
+
+            def ids_fn(b: tuple) -> dict[str, torch.Tensor]:
+                return {name: b[0][:, f] for f, name in enumerate(names)}
         if ddp:
             # The hybrid: the MLPs are replicated and their gradients all-reduced by DDP (its constructor
             # gives every rank rank 0's values), a local torch.optim.Adam steps them; the embedding rows
@@ -193,8 +230,7 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
                                    sync=sync, dense_lag=args.dense_lag)
         # All 8 tables' rows of a batch are pulled in one round trip per shard; with --prefetch,
         # while the previous batch trains.
-        data = Prefetcher(batches(ids, dense, labels, args.batch_size, device), client,
-                          lambda b: {table_name(f) + f".{args.mode}": b[0][:, f] for f in range(NUM_SPARSE)},
+        data = Prefetcher(batches(ids, dense, labels, args.batch_size, device), client, ids_fn,
                           depth=1 if args.prefetch else 0)
         steps = (len(labels) + args.batch_size - 1) // args.batch_size
         progress = Progress(steps, f"shardps rank {rank}", enabled=rank == 0)
@@ -268,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1024, help="samples per step per worker")
     p.add_argument("--sparse-lr", type=float, default=0.05, help="Adagrad learning rate of the embeddings")
     p.add_argument("--dense-lr", type=float, default=2e-3, help="Adam learning rate of the MLPs")
+    p.add_argument("--embeddings", choices=("collection", "tables"), default="collection",
+                   help="the tables as one RemoteEmbeddingBagCollection (one pass for all tables per step) or "
+                        "one RemoteEmbedding module per table")
     p.add_argument("--prefetch", action="store_true", help="pull the next batch's rows while the current one trains")
     p.add_argument("--dense-lag", type=int, default=0,
                    help="steps the MLP's values may lag behind (async mode): 1 lets a step start before the last "
@@ -299,7 +338,8 @@ def main() -> int:
     ident = worker_identity()
     if ident is not None:  # one worker (under torchrun or started below)
         return worker(args, worker_addresses(args), *ident)
-    print(f"DLRM: {NUM_SPARSE} sparse features x {args.rows:,} rows (dim {args.dim}) + {NUM_DENSE} dense; "
+    print(f"DLRM: {NUM_SPARSE} sparse features x {args.rows:,} rows (dim {args.dim}, {args.embeddings}) + "
+          f"{NUM_DENSE} dense; "
           f"{args.train:,} training samples, {args.workers} worker(s), mode {args.mode}"
           f"{', prefetch' if args.prefetch else ''}{f', cache {args.cache_steps} steps' if args.cache_steps else ''}",
           flush=True)
