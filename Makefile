@@ -52,11 +52,13 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q '.[bench]'
 	$(BIN)/python -m benchmarks.bench_throughput --repeat $(REPEAT)
 	$(BIN)/python -m benchmarks.bench_parts
-	$(BIN)/python -m benchmarks.bench_durability
+	$(BIN)/python -m benchmarks.bench_durability --repeat $(REPEAT)
 	$(BIN)/python -m benchmarks.bench_e2e --repeat $(REPEAT)
+	$(BIN)/python -m benchmarks.bench_collection --repeat $(REPEAT)
 	$(BIN)/python -m benchmarks.bench_transport --repeat $(REPEAT)
 	$(BIN)/python -m benchmarks.bench_bounded --repeat $(REPEAT)
 	$(BIN)/python -m benchmarks.bench_serving
+	$(BIN)/python -m benchmarks.bench_fairness
 
 # Images built offline: a base from Debian's mirror (where python:3.11-slim cannot be pulled) and a
 # wheelhouse; then docker build/compose with --build-arg PIP_SOURCE=wheelhouse (README, "Deploy").

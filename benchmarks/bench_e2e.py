@@ -1,7 +1,8 @@
 """End to end: samples/s of the DLRM example trained through the shards against local training.
 
-Runs clients/examples/dlrm.py (the same model, data and optimizers) with 1 and
-2 worker processes, without prefetch, with prefetch, with prefetch and the
+Runs clients/examples/dlrm.py (the same model, data and optimizers; its 8 tables as one
+RemoteEmbeddingBagCollection) with 1 and 2 worker processes, without prefetch, with prefetch,
+with prefetch and one RemoteEmbedding module per table instead of the collection, with prefetch and the
 dense values lagging a step (--dense-lag 1), with prefetch and the MLPs trained
 by DistributedDataParallel instead of on the shards (--dense ddp, the hybrid),
 and with prefetch, lag 1 and the trainer's row cache for k = 2 and 8 steps
@@ -30,7 +31,8 @@ DLRM = "clients.examples.dlrm"  # run as python -m from ROOT
 
 # Variants of the shardps runs: (label, extra dlrm.py arguments); --cache-steps adds cached ones.
 VARIANTS = [("no", []), ("yes", ["--prefetch"]), ("yes, dense lag 1", ["--prefetch", "--dense-lag", "1"]),
-            ("yes, DDP dense", ["--prefetch", "--dense", "ddp"])]
+            ("yes, DDP dense", ["--prefetch", "--dense", "ddp"]),
+            ("yes, per-table modules", ["--prefetch", "--embeddings", "tables"])]
 
 
 def cached(k: int) -> tuple[str, list[str]]:
@@ -64,6 +66,8 @@ def main() -> int:
                    help="row-cache steps k of the cached variants (prefetch, dense lag 1, Client.cache_table)")
     p.add_argument("--skip-ddp", action="store_true",
                    help="leave out the DDP variant (the test suite's smoke run: the DDP example has its own test)")
+    p.add_argument("--skip-tables", action="store_true",
+                   help="leave out the per-table-modules variant (the test suite's smoke run)")
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
@@ -71,7 +75,8 @@ def main() -> int:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.quick:
         args.train, args.test, args.rows = 20_000, 5_000, 50_000
-    variants = [v for v in VARIANTS if not (args.skip_ddp and "DDP" in v[0])] + [cached(k) for k in args.cache_steps]
+    variants = [v for v in VARIANTS if not (args.skip_ddp and "DDP" in v[0]) and not (args.skip_tables and "per-table" in v[0])]
+    variants += [cached(k) for k in args.cache_steps]
     configs = [(workers, label, extra) for workers in args.workers for label, extra in variants]
     progress = Progress(len(configs) * args.repeat, "e2e")
     runs: dict[tuple[str, int, str], list[dict]] = {}  # (trainer, workers, prefetch) -> one result per pass

@@ -18,10 +18,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("bench_parts", "parts", []),
     ("bench_durability", "durability", []),
     # One worker count, no DDP variant (tests/test_examples.py runs DDP): the suite's time.
-    ("bench_e2e", "e2e", ["--cache-steps", "4", "--workers", "2", "--skip-ddp"]),
+    ("bench_e2e", "e2e", ["--cache-steps", "4", "--workers", "2", "--skip-ddp", "--skip-tables"]),
     ("bench_transport", "transport", []),
     ("bench_bounded", "bounded", []),
     ("bench_serving", "serving", []),
+    ("bench_fairness", "fairness", ["--kinds", "malformed", "waiting"]),
+    ("bench_collection", "collection", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, extra):
     out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path), *extra],
@@ -39,6 +41,13 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         low, high = map(float, ours["x_torch_rpc_range"].split("-"))  # printed to 2 decimals
         assert low - 0.005 <= ours["x_torch_rpc"] <= high + 0.005
         assert "x rpc range" in out.stdout
+    if name == "durability":  # every setting beside checkpoint's from the same round; replay and restart timed
+        assert {r["setting"] for r in data["results"]} == {"none", "checkpoint", "log+always", "log+interval",
+                                                           "log+none"}
+        assert all(r["x_checkpoint"] == 1.0 for r in data["results"] if r["setting"] == "checkpoint")
+        meta = data["meta"]
+        assert meta["replay"]["records"] > 0 and meta["replay"]["log_bytes"] >= 8 << 20
+        assert meta["restart"]["restart_s"] > 0 and meta["restart"]["checkpoint_bytes"] > 0
     if name == "transport":  # both transports carried the standard workload through the same shards
         std = {r["transport"]: r for r in data["results"] if r["probe"] == "standard workload"}
         assert set(std) == {"grpc stream", "flight"} and std["grpc stream"]["x_grpc"] == 1.0
