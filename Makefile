@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m clients.examples.dlrm $(ARGS)
 
+# Two workers: the suite's processes wait on one another much of the time (RPCs, process starts, image builds),
+# and the container test's builds overlap the rest. `pytest -q` alone runs it on one.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # The long fuzz run: FUZZ_EXAMPLES generated requests per method (CI runs 50), then the same as a table
 # of status codes per method; FUZZ_SEED varies the run.

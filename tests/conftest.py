@@ -14,6 +14,14 @@ from shardps.server.rpc import ServerConfig, ShardServer
 from shardps.server.shard.facade import ShardConfig
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """The longest tests first (the container test, then the other multi-process ``slow`` ones): with ``make
+    test``'s two xdist workers, the container test's image builds overlap the rest of the suite instead of
+    ending it."""
+    items.sort(key=lambda item: (0 if "test_containers" in item.nodeid else 1 if item.get_closest_marker("slow")
+                                 else 2))
+
+
 @contextlib.contextmanager
 def running_cluster(
     num_shards: int, data_dir: Optional[str] = None, **server_kwargs: object

@@ -134,15 +134,17 @@ def test_every_server_module_lives_in_a_sub_package():
         assert doc and len(doc) > 80, f"shardps/server/{pkg}/__init__.py must say its job"
 
 
-def _upward(path: pathlib.Path) -> list[str]:
-    own = path.relative_to(LAYERS["server"]).parts[0]
+def _upward(path: pathlib.Path, server: pathlib.Path = LAYERS["server"]) -> list[str]:
+    """The imports of ``path`` (a module under ``server``'s sub-packages) that reach a higher sub-package."""
+    rel = path.relative_to(server)
+    own = rel.parts[0]
     bad = []
     for name in imports(path):
         pkg = _server_package(name)
         if pkg is None:
             continue
         if pkg == "?" or SERVER_RANKS.index(pkg) < SERVER_RANKS.index(own):
-            bad.append(f"{path.relative_to(ROOT)} ({own}) imports {name}")
+            bad.append(f"{rel} ({own}) imports {name}")
     return bad
 
 
@@ -152,13 +154,11 @@ def test_server_sub_packages_import_only_downward():
 
 
 def test_the_layering_check_catches_an_upward_import(tmp_path):
-    bad = LAYERS["server"] / "storage" / "_probe_upward.py"
-    try:
-        bad.write_text("from shardps.server.rpc import fair\n")
-        assert _upward(bad) == [f"{bad.relative_to(ROOT)} (storage) imports shardps.server.rpc",
-                                f"{bad.relative_to(ROOT)} (storage) imports shardps.server.rpc.fair"]
-    finally:
-        bad.unlink()
+    (tmp_path / "storage").mkdir()
+    bad = tmp_path / "storage" / "probe.py"  # outside the tree, so no other test ever reads it
+    bad.write_text("from shardps.server.rpc import fair\nfrom shardps.server.storage import table\n")
+    assert _upward(bad, tmp_path) == ["storage/probe.py (storage) imports shardps.server.rpc",
+                                      "storage/probe.py (storage) imports shardps.server.rpc.fair"]
 
 
 # ---- no import circles anywhere -----------------------------------------------------------------------
