@@ -48,7 +48,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check shardps clients tests benchmarks protos
 	$(BIN)/mypy shardps clients/shardps_client
 
-# REPEAT=3: the throughput and end-to-end runs three times, interleaved (medians and ranges), as the README quotes.
+# REPEAT=3: the repeatable benchmarks three times, interleaved (medians and ranges), as docs/performance.md quotes.
 REPEAT ?= 1
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q '.[bench]'
@@ -63,7 +63,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_fairness
 
 # Images built offline: a base from Debian's mirror (where python:3.11-slim cannot be pulled) and a
-# wheelhouse; then docker build/compose with --build-arg PIP_SOURCE=wheelhouse (README, "Deploy").
+# wheelhouse; then docker build/compose with --build-arg PIP_SOURCE=wheelhouse (docs/deployment.md).
 docker-deps:
 	sh docker/install_engine.sh
 

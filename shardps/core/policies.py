@@ -23,7 +23,7 @@ class Staleness:
         alpha: the alpha of "linear", e.g. 0.1.
         max_staleness: reject pushes with s above this (None: never reject).
         per_row: measure s per row, as the updates that row received since the pull (exact while the
-            shard remembers the pushes since then, see the README), instead of the updates the whole
+            shard remembers the pushes since then, see docs/client.md), instead of the updates the whole
             shard received. Scaling and max_staleness then apply row by row.
     """
 

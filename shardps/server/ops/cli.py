@@ -23,7 +23,7 @@ from shardps.server.shard.limits import Limits
 _LIMITS = Limits()
 _FAIR = FairConfig()
 
-# (flag, type, default, help) of `shardps serve`; the single list the README's table mirrors.
+# (flag, type, default, help) of `shardps serve`: the one list; docs/configuration.md is generated from it.
 SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("host", str, "127.0.0.1", "address to bind (0.0.0.0 inside containers)"),
     ("port", int, 0, "port to bind; 0 picks a free port (printed on start)"),

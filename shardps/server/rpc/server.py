@@ -61,9 +61,9 @@ class ServerConfig:
         metrics_port: serve Prometheus metrics at http://host:metrics_port/metrics (0: a free
             port; None: no metrics, and no cost for them).
         tls: serve TLS with these certificate and key files (mutual TLS with a client CA).
-        tokens: bearer tokens with roles (``shardps.server.auth.Tokens``, e.g. ``Tokens.load(path)``);
+        tokens: bearer tokens with roles (``shardps.server.rpc.auth.Tokens``, e.g. ``Tokens.load(path)``);
             None: every call allowed.
-        fairness: how the shard is shared among callers (``shardps.server.fair.FairConfig``).
+        fairness: how the shard is shared among callers (``shardps.server.rpc.fair.FairConfig``).
     """
 
     host: str = "127.0.0.1"
@@ -124,8 +124,8 @@ class ShardServer:
         else:
             self.port = self._server.add_insecure_port(bind)
         if not _loopback(server_config.host) and (server_config.tls is None or tokens is None):
-            log.warning("shard %d listens on %s without %s: anyone who reaches the port can %s (see the README's "
-                        "threat model)", self.shard.index, bind,
+            log.warning("shard %d listens on %s without %s: anyone who reaches the port can %s (see docs/security.md, "
+                        "the threat model)", self.shard.index, bind,
                         " or ".join(w for w, on in (("TLS", server_config.tls), ("tokens", tokens)) if on is None),
                         "read it and write to it" if tokens is None else "read the traffic")
         if self.port == 0:

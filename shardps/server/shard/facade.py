@@ -74,7 +74,7 @@ class ShardConfig:
             pushes back before the shard gives up on it and resumes.
         worker_timeout_s: a worker silent (no heartbeat, no push) for this
             long counts as gone: synchronous steps and SSP stop waiting for it.
-        limits: request and memory limits (see ``shardps.server.limits.Limits``).
+        limits: request and memory limits (see ``shardps.server.shard.limits.Limits``).
         wal_recovery: what a write-ahead log record that cannot be replayed does
             on start: "fail" (the shard does not start, and says which record and
             how to recover) or "truncate" (that record and every later one are

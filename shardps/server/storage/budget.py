@@ -1,4 +1,4 @@
-"""A shard's memory budget: what its tables hold, against ``--memory-mb`` (shared by every table of a shard)."""
+"""A shard's memory budget: what its tables hold, against ``--max-memory-mb`` (shared by every table of a shard)."""
 
 from __future__ import annotations
 
