@@ -291,3 +291,29 @@ def test_periodic_checkpoints_are_written(tmp_path):
             assert time.monotonic() < deadline, "no periodic checkpoint"
             time.sleep(0.05)
     assert Shard(config).version >= 1
+
+
+def test_the_log_reads_old_crc32_records_and_checks_new_crc32c_ones(tmp_path):
+    """Records written before CRC-32C (zlib's CRC-32, no flag) still replay beside new ones; a flipped byte in a
+    new record is caught by its CRC-32C."""
+    import struct
+    import zlib
+
+    from shardps.server.durability import wal
+
+    old = b"an old record"
+    (tmp_path / "wal-000000000001.log").write_bytes(
+        struct.pack("<IIB", len(old), zlib.crc32(old, wal.PUSH), wal.PUSH) + old)
+    log = wal.WriteAheadLog(tmp_path, 2, fsync="always")
+    log.wait(log.append(wal.DROP, b"a new record"), durable=True)
+    log.wait(log.append(wal.PUSH, b"another new record"), durable=True)
+    log.close()
+    assert [(r.kind, r.payload) for r in wal.replay(tmp_path, 0)] == [
+        (wal.PUSH, old), (wal.DROP, b"a new record"), (wal.PUSH, b"another new record")]
+    seg = tmp_path / "wal-000000000002.log"
+    data = bytearray(seg.read_bytes())
+    assert data[8] == wal.DROP | wal.CRC32C_FLAG
+    data[9 + 3] ^= 0x01  # inside the first new record, which the second follows
+    seg.write_bytes(bytes(data))
+    with pytest.raises(wal.CorruptLog, match="fails its checksum"):
+        list(wal.replay(tmp_path, 0))
