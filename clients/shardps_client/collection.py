@@ -203,7 +203,7 @@ class _RemoteCollection(nn.Module):
         lay = self.layout
         if self._open is not None:  # a group's gradient never came (its output unused): send what did
             self._open.finish()
-        wanted = {t: u for t, u in zip(lay.tables, step.uniq) if u.shape[0]}
+        wanted: dict[str, Any] = {t: u for t, u in zip(lay.tables, step.uniq) if u.shape[0]}
         pulled = self.client.pull_many(wanted, device=device, wire_dtype=self.wire_dtype) if wanted else {}
         self.last_versions = {t: v for t, (_, v) in pulled.items()}
         used = set(lay.group_of_table[[lay.table_of[k] for k in step.feature_pos]].tolist())

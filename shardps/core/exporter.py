@@ -155,10 +155,10 @@ class Exporter:
             for s in range(self.num_shards):
                 try:
                     self.call(s, "Export", pb.ExportRequest(phase=pb.ExportRequest.END, export_id=eid))
-                except Exception as e:  # noqa: BLE001 - the shard frees it by itself later
-                    log.warning("export %s: ending on shard %d failed: %s", eid, s, e)
-        for name, e in entries.items():  # a table a shard did not report (created between two BEGINs): refuse
-            if any(part is None for part in e["shards"]):
+                except Exception as failure:  # noqa: BLE001 - the shard frees it by itself later
+                    log.warning("export %s: ending on shard %d failed: %s", eid, s, failure)
+        for name, entry in entries.items():  # a table a shard did not report (created between two BEGINs): refuse
+            if any(part is None for part in entry["shards"]):
                 raise RuntimeError(f"table {name!r} was not in every shard's copy (created during the export?); retry")
         body = {"format": FORMAT, "kind": kind, "seq": seq, "previous": previous, "created": time.time(),
                 "num_shards": self.num_shards, "optimizer_state": optimizer_state, "selection": tables,

@@ -210,7 +210,7 @@ def _usage(name: str, sub: argparse.ArgumentParser) -> str:
     words = [f"shardps {name}"]
     for action in sub._actions:
         if action.option_strings and action.required:
-            words.append(f"{action.option_strings[0]} {(action.metavar or action.dest).upper()}")
+            words.append(f"{action.option_strings[0]} {str(action.metavar or action.dest).upper()}")
     words.append("[options]")
     for action in sub._actions:
         if not action.option_strings:
