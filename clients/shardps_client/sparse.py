@@ -23,13 +23,13 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class JaggedTensor:
-    """Bags of values for one feature: ``values`` of the bags end to end, ``lengths`` per bag."""
+class _Bags:
+    """Values of bags end to end, a weight per value or none, and the bags' lengths (or offsets)."""
 
-    def __init__(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                 lengths: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, values: torch.Tensor, weights: Optional[torch.Tensor], lengths: Optional[torch.Tensor],
+                 offsets: Optional[torch.Tensor]) -> None:
         if lengths is None and offsets is None:
-            raise ValueError("JaggedTensor needs lengths or offsets")
+            raise ValueError(f"{type(self).__name__} needs lengths or offsets")
         self._values = values
         self._weights = weights
         self._lengths = lengths if lengths is not None else torch.diff(offsets)  # type: ignore[arg-type]
@@ -40,7 +40,7 @@ class JaggedTensor:
 
     def weights(self) -> torch.Tensor:
         if self._weights is None:
-            raise ValueError("this JaggedTensor has no weights")
+            raise ValueError(f"this {type(self).__name__} has no weights")
         return self._weights
 
     def weights_or_none(self) -> Optional[torch.Tensor]:
@@ -54,6 +54,14 @@ class JaggedTensor:
             self._offsets = _offsets(self._lengths)
         return self._offsets
 
+
+class JaggedTensor(_Bags):
+    """Bags of values for one feature: ``values`` of the bags end to end, ``lengths`` per bag."""
+
+    def __init__(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                 lengths: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None) -> None:
+        super().__init__(values, weights, lengths, offsets)
+
     def to_dense(self) -> list[torch.Tensor]:
         """The bags as a list of tensors."""
         return list(torch.split(self._values, self._lengths.tolist()))
@@ -62,7 +70,7 @@ class JaggedTensor:
         return f"JaggedTensor(values={self._values}, lengths={self._lengths})"
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_Bags):
     """A batch of bags for several features (``keys``), ``stride`` bags per feature.
 
     Args:
@@ -77,13 +85,8 @@ class KeyedJaggedTensor:
     def __init__(self, keys: Sequence[str], values: torch.Tensor, weights: Optional[torch.Tensor] = None,
                  lengths: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None,
                  stride: Optional[int] = None) -> None:
-        if lengths is None and offsets is None:
-            raise ValueError("KeyedJaggedTensor needs lengths or offsets")
+        super().__init__(values, weights, lengths, offsets)
         self._keys = list(keys)
-        self._values = values
-        self._weights = weights
-        self._lengths = lengths if lengths is not None else torch.diff(offsets)  # type: ignore[arg-type]
-        self._offsets = offsets
         n = self._lengths.numel()
         if stride is None:
             stride = n // len(self._keys) if self._keys else 0
@@ -115,25 +118,6 @@ class KeyedJaggedTensor:
 
     def keys(self) -> list[str]:
         return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def weights(self) -> torch.Tensor:
-        if self._weights is None:
-            raise ValueError("this KeyedJaggedTensor has no weights")
-        return self._weights
-
-    def weights_or_none(self) -> Optional[torch.Tensor]:
-        return self._weights
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        if self._offsets is None:
-            self._offsets = _offsets(self._lengths)
-        return self._offsets
 
     def stride(self) -> int:
         return self._stride
