@@ -76,14 +76,14 @@ def push_rate(addresses: list[str], trainers: int, budget: float) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
-def push_rates(repeat: int, budget: float, trainer_counts: list[int], progress: Progress) -> list[dict]:
+def push_rates(repeat: int, budget: float, trainer_counts: list[int], shards: int, progress: Progress) -> list[dict]:
     runs: dict[tuple[str, int], list[float]] = {}
     for _ in range(repeat):
         for label, durability, fsync in SETTINGS:
             for trainers in trainer_counts:
                 with tempfile.TemporaryDirectory() as d:
                     data = None if durability == "none" else d
-                    with LocalCluster(2, data_dir=data, serve_args=_serve_args(durability, fsync)) as cl:
+                    with LocalCluster(shards, data_dir=data, serve_args=_serve_args(durability, fsync)) as cl:
                         with Client(cl.addresses) as c:
                             _table(c)
                         runs.setdefault((label, trainers), []).append(push_rate(cl.addresses, trainers, budget))
@@ -158,8 +158,8 @@ def restart(rows: int, progress: Progress) -> dict:
     return {"rows": rows, "restart_s": seconds, "checkpoint_bytes": checkpoint_bytes}
 
 
-def checkpoint_pause(rows: int, progress: Progress) -> dict:
-    with tempfile.TemporaryDirectory() as d, LocalCluster(2, data_dir=d) as cl, Client(cl.addresses) as c:
+def checkpoint_pause(rows: int, shards: int, progress: Progress) -> dict:
+    with tempfile.TemporaryDirectory() as d, LocalCluster(shards, data_dir=d) as cl, Client(cl.addresses) as c:
         _table(c, rows)
         for part in torch.split(torch.arange(rows), 100_000):
             c.push("d", part, torch.full((len(part), DIM), 0.001))
@@ -167,9 +167,9 @@ def checkpoint_pause(rows: int, progress: Progress) -> dict:
         phase = pb.CheckpointRequest.Phase
         t0 = time.perf_counter()
         c.transport.fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id="bench", phase=phase.PREPARE,
-                                                                    hold_s=30)) for s in range(2)])
+                                                                    hold_s=30)) for s in range(shards)])
         replies = c.transport.fan_out([(s, "Checkpoint", pb.CheckpointRequest(checkpoint_id="bench",
-                                                                              phase=phase.COMMIT)) for s in range(2)])
+                                                                              phase=phase.COMMIT)) for s in range(shards)])
         total = time.perf_counter() - t0
     progress.step("checkpoint")
     return {"rows": rows, "bytes": sum(r.bytes for r in replies), "pause_ms": max(r.pause_s for r in replies) * 1e3,
@@ -181,6 +181,7 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=3.0, help="seconds of pushing per measurement")
     p.add_argument("--repeat", type=int, default=1, help="interleaved rounds of the push-rate runs")
     p.add_argument("--trainers", default="1,4", help="concurrent trainers of the push-rate runs (comma-separated)")
+    p.add_argument("--shards", type=int, default=2, help="shards of the push-rate and checkpoint runs")
     p.add_argument("--checkpoint-rows", type=int, default=1_000_000, help="rows held (and checkpointed) by the table")
     p.add_argument("--restart-rows", type=int, default=1_000_000, help="rows of the shard restarted from a checkpoint")
     p.add_argument("--replay-mb", type=int, default=512, help="MiB of log replayed after a kill -9")
@@ -189,13 +190,13 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.budget, args.checkpoint_rows, args.restart_rows, args.replay_mb, args.repeat = 0.3, 50_000, 50_000, 8, 1
-        args.trainers = "1"
+        args.trainers, args.shards = "1", 1
     trainer_counts = [int(t) for t in args.trainers.split(",")]
     progress = Progress(args.repeat * len(SETTINGS) * len(trainer_counts) + 3, "durability")
-    rows = push_rates(args.repeat, args.budget, trainer_counts, progress)
+    rows = push_rates(args.repeat, args.budget, trainer_counts, args.shards, progress)
     rep = replay(args.replay_mb, progress)
     rst = restart(args.restart_rows, progress)
-    ckpt = checkpoint_pause(args.checkpoint_rows, progress)
+    ckpt = checkpoint_pause(args.checkpoint_rows, args.shards, progress)
     print()
     print(table(rows, [("setting", "setting", ""), ("trainers", "trainers", "d"),
                        ("push_rows_per_s", "push rows/s", ",.0f"), ("x_checkpoint", "x checkpoint", ".2f"),
@@ -205,7 +206,7 @@ def main() -> int:
           f"{rep['replay_s_per_gb']:.1f} s per GB of log")
     print(f"restart: a shard of {rst['rows']:,} rows x {DIM} ({rst['checkpoint_bytes'] / 1e6:,.0f} MB checkpoint) "
           f"serving again {rst['restart_s']:.1f} s after SIGTERM")
-    print(f"checkpoint of {ckpt['rows']:,} rows x {DIM} ({ckpt['bytes'] / 1e6:,.0f} MB on 2 shards): pushes paused "
+    print(f"checkpoint of {ckpt['rows']:,} rows x {DIM} ({ckpt['bytes'] / 1e6:,.0f} MB on {args.shards} shard(s)): pushes paused "
           f"{ckpt['pause_ms']:.0f} ms, checkpoint call {ckpt['total_ms']:.0f} ms")
     out = pathlib.Path(args.out)
     write_outputs("durability", {"args": vars(args), "replay": rep, "restart": rst, "checkpoint": ckpt}, rows, out)

@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("bench_transport", "transport", []),
     ("bench_bounded", "bounded", []),
     ("bench_serving", "serving", []),
-    ("bench_fairness", "fairness", ["--kinds", "malformed", "waiting"]),
+    ("bench_fairness", "fairness", ["--kinds", "waiting"]),
     ("bench_collection", "collection", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, extra):
