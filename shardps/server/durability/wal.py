@@ -294,15 +294,20 @@ class WriteAheadLog:
                 self._on_flush(time.perf_counter() - t0, upto - self._durable)
         except BaseException as e:  # noqa: BLE001 - waiting callers must learn of it
             log.exception("write-ahead log fsync failed")
-            with self._cond:
-                self._error = e
-                self._syncing = False
-                self._cond.notify_all()
+            self._done(upto, e)
             return
+        self._done(upto, None)
+
+    def _done(self, upto: int, error: Optional[BaseException]) -> None:
+        """The flusher's or syncer's write and fsync ended: tickets up to ``upto`` are durable, or ``error``
+        fails every caller waiting (and every later append)."""
         with self._cond:
-            self.fsyncs += 1
-            self._durable = max(self._durable, upto)
-            self._syncing = False
+            if error is None:
+                self.fsyncs += 1
+                self._durable = max(self._durable, upto)
+            else:
+                self._error = error
+            self._writing = self._syncing = False
             self._cond.notify_all()
 
     def _flush_loop(self) -> None:
@@ -324,16 +329,9 @@ class WriteAheadLog:
                     self._on_flush(time.perf_counter() - t0, len(data) // 2)
             except BaseException as e:  # noqa: BLE001 - waiting pushes must learn of it
                 log.exception("write-ahead log write failed")
-                with self._cond:
-                    self._error = e
-                    self._writing = False
-                    self._cond.notify_all()
+                self._done(upto, e)
                 return
-            with self._cond:
-                self.fsyncs += 1
-                self._durable = max(self._durable, upto)
-                self._writing = False
-                self._cond.notify_all()
+            self._done(upto, None)
 
     def rotate(self) -> int:
         """Start a new segment (callers hold every table lock, so nothing is appended meanwhile); what the old
