@@ -37,7 +37,7 @@ fuzz: $(STAMP)
 		tests/test_fuzz.py tests/test_wire_differential.py tests/test_fuzz_regressions.py tests/test_fuzz_auth.py
 	$(BIN)/python -m tests.fuzz --examples $(FUZZ_EXAMPLES) --seed $(FUZZ_SEED)
 
-# The fairness test at length: FAIR_PAIRS windows beside each bad client, of FAIR_WINDOW_S (CI: 2 of 1.2 s).
+# The fairness test at length: FAIR_PAIRS windows beside each bad client, of FAIR_WINDOW_S (CI: 1 of 1.2 s).
 FAIR_PAIRS ?= 6
 FAIR_WINDOW_S ?= 3
 fairness: $(STAMP)

@@ -33,7 +33,7 @@ from tests import misbehaving
 from tests.procs import start_shard
 
 WINDOW_S = float(os.environ.get("SHARDPS_FAIR_WINDOW_S", "1.2"))
-PAIRS = int(os.environ.get("SHARDPS_FAIR_PAIRS", "2"))
+PAIRS = int(os.environ.get("SHARDPS_FAIR_PAIRS", "1"))
 RAMP_S = 1.0  # the bad client runs this long before its window (refusals slow down over about a second)
 MIN_STEPS = 3  # the good client's steps in each window beside a bad client: progress, not a speed
 STALL_S = 30.0  # how long a window may stretch while the good client makes them (a busy machine included)

@@ -137,8 +137,9 @@ class _RemoteCollection(nn.Module):
         self.layout = _Layout(self._configs, pooled)
         for c in self._configs:
             if create:
-                client.create_table(c.name, c.embedding_dim, c.num_embeddings, optimizer=c.optimizer,
-                                    initializer=c.initializer)
+                # (TorchRec's own configs have neither field: the client's defaults then)
+                client.create_table(c.name, c.embedding_dim, c.num_embeddings, optimizer=getattr(c, "optimizer", None),
+                                    initializer=getattr(c, "initializer", None))
             spec = client.table_spec(c.name)
             if (spec.dim, spec.num_embeddings) != (c.embedding_dim, c.num_embeddings):
                 raise ValueError(f"table {c.name!r} on the shards is {spec.num_embeddings} x {spec.dim}, the config "
