@@ -98,6 +98,8 @@ class _Layout:
         self.rows = np.array([c.num_embeddings for c in self.configs], dtype=np.int64)
         self.features = features  # in config order: the output's keys
         self.table_of = {f: order.index(i) for i, c in enumerate(configs) for f in c.feature_names}
+        self.feature_dims = [int(self.dims[self.table_of[f]]) for f in features]  # the output's column widths
+        self.feature_starts = np.concatenate([[0], np.cumsum(self.feature_dims)]).astype(np.int64)
         keys = [(c.embedding_dim, p) for c, p in zip(self.configs, self.pools)]
         self.groups: list[tuple[int, int]] = []  # [first table, end table) per group
         for t, k in enumerate(keys):
@@ -313,7 +315,6 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
         device = self.device if self.device is not None else features.values().device
         ws = self._weights(step, device)
         lay, B = self.layout, step.stride
-        out = torch.zeros(B, int(sum(lay.dims[lay.table_of[f]] for f in lay.features)), device=device)
         per_feature: dict[str, torch.Tensor] = {}
         bag_lengths = torch.from_numpy(step.lengths)
         keys = list(step.feature_pos)
@@ -337,15 +338,15 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
             for j, k in enumerate(in_group.tolist()):
                 per_feature[keys[k]] = pooled[j]
         # Columns in the configs' feature order; a feature absent from the input reads as empty bags (zeros).
-        offsets_out = np.concatenate([[0], np.cumsum([lay.dims[lay.table_of[f]] for f in lay.features])])
         parts = [per_feature.get(f) for f in lay.features]
         if all(p is not None for p in parts):
             out = torch.cat(parts, dim=1)  # type: ignore[arg-type]
         else:
-            for p, start in zip(parts, offsets_out):
+            out = torch.zeros(B, int(lay.feature_starts[-1]), device=device)
+            for p, start in zip(parts, lay.feature_starts):
                 if p is not None:
                     out[:, int(start) : int(start) + p.shape[1]] = p
-        kt = KeyedTensor(lay.features, [int(lay.dims[lay.table_of[f]]) for f in lay.features], out)
+        kt = KeyedTensor(lay.features, lay.feature_dims, out)
         kt.shardps_versions = self.last_versions  # type: ignore[attr-defined]
         return kt
 
