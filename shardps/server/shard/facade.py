@@ -35,7 +35,7 @@ from shardps.server.shard.checkpointing import Checkpointer
 from shardps.server.shard.export_sessions import ExportedCopy, ExportSessions
 from shardps.server.shard.limits import Limits
 from shardps.server.shard.metrics import NO_METRICS, NullMetrics
-from shardps.server.shard.recovery import LogReplayError, Recovery, ShardMapMismatch
+from shardps.server.shard.recovery import LogReplayError, Recovery, ShardMapMismatch, load_state
 from shardps.server.shard.registry import TableRegistry
 from shardps.server.shard.sync import Membership, SyncCoordinator, SyncPart, check_sync
 from shardps.server.shard.updates import Counters, PushResult, UpdatePath
@@ -431,8 +431,7 @@ class Shard:
 
     def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""
-        Recovery(self, self.index, self.num_shards, self.data_dir or pathlib.Path("."), self.durability,
-                 self.checkpointer, self.config.wal_recovery).load_state(meta, arrays)
+        load_state(self, meta, arrays)
 
     def delta_floor(self) -> int:
         return self.exports.delta_floor()

@@ -74,7 +74,7 @@ class Recovery:
                     f"but this shard is {self.index} of {self.num_shards}; reshard it with "
                     f"`shardps reshard` or point --data-dir elsewhere"
                 )
-            self.load_state(meta, loaded.arrays)
+            load_state(self.shard, meta, loaded.arrays)
             first_segment = self.checkpointer.restored(meta)
             log.info("shard %d: restored checkpoint %s (version %d, %d tables)",
                      self.index, loaded.path.name, self.shard.updates.version, len(self.shard.registry))
@@ -146,22 +146,23 @@ class Recovery:
             raise NotFound(f"log record {what} unknown table {name!r}")
         return found
 
-    def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-        """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""
-        shard, registry = self.shard, self.shard.registry
-        with registry.lock:
-            registry.clear()
-            for i, entry in enumerate(meta["tables"]):
-                spec = checkpoints.spec_of(entry)
-                if isinstance(spec, DenseSpec):
-                    shard.register_dense(spec, 0, None)
-                else:
-                    shard.create_table(spec)
-                prefix = f"t{i}."
-                t = registry.find(spec.name)
-                assert t is not None
-                t.load({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
-            shard.updates.version = int(meta["version"])
-            shard.updates.seen.load_json(meta.get("seen", {}))
-            for t in registry.tables():
-                t.restart_history(shard.updates.version)
+
+def load_state(shard: Replayable, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Replace everything ``shard`` holds with a snapshot's contents (the rows must be owned by the shard)."""
+    registry = shard.registry
+    with registry.lock:
+        registry.clear()
+        for i, entry in enumerate(meta["tables"]):
+            spec = checkpoints.spec_of(entry)
+            if isinstance(spec, DenseSpec):
+                shard.register_dense(spec, 0, None)
+            else:
+                shard.create_table(spec)
+            prefix = f"t{i}."
+            t = registry.find(spec.name)
+            assert t is not None
+            t.load({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+        shard.updates.version = int(meta["version"])
+        shard.updates.seen.load_json(meta.get("seen", {}))
+        for t in registry.tables():
+            t.restart_history(shard.updates.version)
