@@ -51,6 +51,25 @@ def test_push_requests_match_protobuf(dense, with_optional):
         assert d.shard_map == kw["shard_map"] and d.sync == kw["sync"]
 
 
+@pytest.mark.parametrize("frame", [0, 1])
+@pytest.mark.parametrize("wire_dtype", [pb.FLOAT32, pb.BFLOAT16])
+def test_push_encoder_matches_protobuf(frame, wire_dtype):
+    """The encoder of one table's pushes to one shard (fixed fields encoded once) writes what protobuf writes."""
+    smap = pb.ShardMap(shard_index=1, num_shards=3)
+    enc = wire.PushEncoder("t", "c-1", smap, frame=frame)
+    for n, pv, seq in [(4, 7, 99), (1, None, 1), (0, 0, 20_000)]:
+        ids = RNG.integers(0, 2**40, n).astype(np.int64)
+        grads = RNG.standard_normal((n, 6)).astype(np.float32)
+        msg = pb.PushRequest(table="t", ids=codec.encode(ids), grads=codec.encode(grads, wire_dtype), client_id="c-1",
+                             seq=seq, shard_map=smap)
+        if pv is not None:
+            msg.pulled_version = pv
+        want = msg.SerializeToString()
+        if frame:
+            want = pb.StreamRequest(push=msg).SerializeToString()
+        assert enc.encode(ids, grads, wire_dtype, pv, seq) == want
+
+
 def test_decoding_skips_unknown_fields_and_rejects_garbage():
     msg = pb.PullResponse(rows=codec.encode(np.ones((2, 2), np.float32)), version=3).SerializeToString()
     extra = msg + bytes([0x78, 0x05])  # field 15, varint 5: unknown, skipped

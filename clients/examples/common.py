@@ -32,20 +32,41 @@ def add_cluster_args(p: argparse.ArgumentParser, workers: int = 2) -> None:
     g.add_argument("--ssp-bound", type=int, default=2, help="k of bounded staleness (--mode ssp)")
 
 
+class Addresses(list):
+    """Shard addresses in index order; ``pids`` are the shard processes when this run started them."""
+
+    pids: list[int] = []
+
+
 @contextlib.contextmanager
-def cluster(args: argparse.Namespace) -> Iterator[list[str]]:
+def cluster(args: argparse.Namespace) -> Iterator[Addresses]:
     """Addresses of the cluster to use; starts (and stops) a local one if none was given."""
     if args.cluster_file:
         import json
 
         with open(args.cluster_file) as f:
-            yield json.load(f)["addresses"]
+            yield Addresses(json.load(f)["addresses"])
     elif args.addresses:
-        yield args.addresses.split(",")
+        yield Addresses(args.addresses.split(","))
     else:
         with LocalCluster(args.shards) as local:
             print(f"started a local cluster of {args.shards} shards: {', '.join(local.addresses)}", flush=True)
-            yield local.addresses
+            out = Addresses(local.addresses)
+            out.pids = [p.popen.pid for p in local.procs]
+            yield out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) the processes ``pids`` have used so far (Linux /proc; 0 elsewhere)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def run_workers(args: argparse.Namespace, addresses: list[str], module: str, extra_env: Optional[dict] = None) -> int:

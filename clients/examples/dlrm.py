@@ -17,8 +17,10 @@ same model trained locally with torch.optim runs afterwards for comparison.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +51,7 @@ from clients.examples.common import (
     Progress,
     add_cluster_args,
     cluster,
+    cpu_seconds,
     run_workers,
     worker_addresses,
     worker_identity,
@@ -157,6 +160,32 @@ def table_name(f: int) -> str:
 # ---- training ---------------------------------------------------------------------------------
 
 
+class StepClock:
+    """Wall time of a training loop and where its CPU went: the main thread's CPU in forward + backward (the
+    trainer's own work: Python and torch ops, not waits, nor the client's gRPC threads) and the process's CPU
+    in forward + backward and over the whole loop (every thread: intra-op threads, the client's I/O)."""
+
+    def __init__(self) -> None:
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.fb_thread = self.fb_process = 0.0
+        self.elapsed = self.cpu = 0.0
+
+    @contextlib.contextmanager
+    def forward_backward(self) -> Iterator[None]:
+        t, p = time.thread_time(), time.process_time()
+        yield
+        self.fb_thread += time.thread_time() - t
+        self.fb_process += time.process_time() - p
+
+    def stop(self) -> float:
+        self.elapsed, self.cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
+        return self.elapsed
+
+    def report(self, steps: int, samples: int) -> dict:
+        return {"fwd_bwd_thread_ms": self.fb_thread / steps * 1e3, "fwd_bwd_process_ms": self.fb_process / steps * 1e3,
+                "trainer_cpu_s_per_1k": self.cpu / samples * 1e3}
+
+
 def create_tables(args: argparse.Namespace, client: Client, world: int) -> Optional[SyncPolicy]:
     sync = SyncPolicy(workers=world, timeout_s=60, on_timeout="proceed") if args.mode == "sync" else None
     for f in range(NUM_SPARSE):
@@ -234,21 +263,23 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
                           depth=1 if args.prefetch else 0)
         steps = (len(labels) + args.batch_size - 1) // args.batch_size
         progress = Progress(steps, f"shardps rank {rank}", enabled=rank == 0)
-        t0 = time.perf_counter()
+        clock = StepClock()
         for step, (s, d, y) in enumerate(data, 1):
             opt.zero_grad()
             if dense_opt is not None:
                 dense_opt.zero_grad()
-            loss = F.binary_cross_entropy_with_logits(net(s, d), y)
-            loss.backward()
+            with clock.forward_backward():
+                loss = F.binary_cross_entropy_with_logits(net(s, d), y)
+                loss.backward()
             opt.step()
             if dense_opt is not None:
                 dense_opt.step()
             progress.update(step, len(y), loss=loss.item())
         opt.flush()
-        elapsed = time.perf_counter() - t0
+        elapsed = clock.stop()
         client.barrier()
-        result = {"rank": rank, "samples": len(labels), "seconds": elapsed, "samples_per_s": len(labels) / elapsed}
+        result = {"rank": rank, "samples": len(labels), "seconds": elapsed, "samples_per_s": len(labels) / elapsed,
+                  **clock.report(steps, len(labels))}
         if ddp:
             result["dense_fingerprint"] = dense_fingerprint(model)
         if rank == 0:
@@ -279,18 +310,20 @@ def train_local(args: argparse.Namespace) -> dict:
     ids, dense, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
     steps = (len(labels) + args.batch_size - 1) // args.batch_size
     progress = Progress(steps, "local torch.optim")
-    t0 = time.perf_counter()
+    clock = StepClock()
     for step, (s, d, y) in enumerate(batches(ids, dense, labels, args.batch_size), 1):
         sparse_opt.zero_grad()
         dense_opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(model(s, d), y)
-        loss.backward()
+        with clock.forward_backward():
+            loss = F.binary_cross_entropy_with_logits(model(s, d), y)
+            loss.backward()
         sparse_opt.step()
         dense_opt.step()
         progress.update(step, len(y), loss=loss.item())
-    elapsed = time.perf_counter() - t0
+    elapsed = clock.stop()
     test_ids, test_dense, test_labels, _ = click_log(args.test, args.rows, args.seed, stream=0)
-    return {"auc": evaluate(model, test_ids, test_dense, test_labels), "samples_per_s": len(labels) / elapsed}
+    return {"auc": evaluate(model, test_ids, test_dense, test_labels), "samples_per_s": len(labels) / elapsed,
+            **clock.report(steps, len(labels))}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,14 +379,20 @@ def main() -> int:
     results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
     os.environ["SHARDPS_RESULTS_DIR"] = results_dir
     with cluster(args) as addresses:
+        shards_cpu = cpu_seconds(addresses.pids)
         code = run_workers(args, addresses, __spec__.name, {"MASTER_PORT": str(free_port())})
+        shards_cpu = cpu_seconds(addresses.pids) - shards_cpu  # (0 for a cluster this run did not start)
     if code != 0:
         return code
     ranks = [json.load(open(os.path.join(results_dir, f"rank{r}.json"))) for r in range(args.workers)]
     test_ids, test_dense, test_labels, test_p = click_log(args.test, args.rows, args.seed, stream=0)
+    samples = sum(r["samples"] for r in ranks)
     results = {
         "best_auc": auc(test_p, test_labels),
-        "shardps": {"auc": ranks[0]["auc"], "samples_per_s": sum(r["samples_per_s"] for r in ranks)},
+        "shardps": {"auc": ranks[0]["auc"], "samples_per_s": sum(r["samples_per_s"] for r in ranks),
+                    **{k: statistics.mean(r[k] for r in ranks) for k in ("fwd_bwd_thread_ms", "fwd_bwd_process_ms")},
+                    "trainer_cpu_s_per_1k": sum(r["trainer_cpu_s_per_1k"] * r["samples"] for r in ranks) / samples,
+                    "shards_cpu_s_per_1k": shards_cpu / samples * 1e3},
     }
     if not args.no_local:
         results["local"] = train_local(args)

@@ -7,15 +7,15 @@ gradients locally (``shardps_client.cache``), the rest go to the shards.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from shardps.core.ids import coalesce
 from shardps_client.cache import CacheStats, RowCache
-from shardps_client.errors import InvalidArgumentError
-from shardps_client.inputs import IdsLike, check_grads, checked_ids, grads_to_numpy
+from shardps_client.errors import IdOutOfRangeError, InvalidArgumentError
+from shardps_client.inputs import IdsLike, check_grads, checked_ids, grads_to_numpy, ids_to_numpy
 from shardps_client.session import Session
 from shardps_client.versions import Versions
 
@@ -80,3 +80,53 @@ class CachedTables:
                 return
             uniq, summed = uniq[~absorbed], summed[~absorbed]
         self._session.push_rows(spec, uniq, summed, versions, wait, wire_code)
+
+    def push_stacked(self, tables: Sequence[str], ids: Sequence[IdsLike], grads: Union[torch.Tensor, np.ndarray],
+                     versions: Sequence[Optional[Versions]], wire_dtype: Optional[str]) -> None:
+        """``Client.push_stacked``: the checks of ``push`` over every table at once; the tables with neither a
+        row cache nor a synchronous step, whose ids are sorted and unique, planned as one."""
+        session = self._session
+        specs = [session.catalog.table(t) for t in tables]
+        if len({s.dim for s in specs}) > 1:
+            raise InvalidArgumentError(f"push_stacked takes tables of one width, got {[(s.name, s.dim) for s in specs]}")
+        if not (len(ids) == len(specs) == len(versions)):
+            raise InvalidArgumentError(f"{len(specs)} tables, {len(ids)} id arrays and {len(versions)} versions")
+        per = [ids_to_numpy(i).reshape(-1) for i in ids]
+        counts = np.array([i.shape[0] for i in per], dtype=np.int64)
+        g = grads_to_numpy(grads, "push_stacked: grads")
+        dim = specs[0].dim if specs else 0
+        if tuple(g.shape) != (int(counts.sum()), dim):
+            raise InvalidArgumentError(f"push_stacked: grads must have shape [{int(counts.sum())}, {dim}] (the ids of "
+                                       f"every table, stacked), got {list(g.shape)}")
+        flat = np.concatenate(per) if per else np.zeros(0, np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        some = counts > 0
+        if some.any():  # every table's ids in range, in two reductions
+            lo = np.minimum.reduceat(flat, starts[some])
+            hi = np.maximum.reduceat(flat, starts[some])
+            for t, a, b in zip(np.flatnonzero(some).tolist(), lo.tolist(), hi.tolist()):
+                n = specs[t].num_embeddings
+                if a < 0 or (n is not None and b >= n):
+                    raise IdOutOfRangeError(f"{specs[t].name}: id {a if a < 0 else b} out of range [0, {n})")
+        if not np.isfinite(g).all():
+            bad = ~np.isfinite(g).all(axis=1)
+            for t, spec in enumerate(specs):
+                if not spec.allow_nonfinite and bad[starts[t] : starts[t] + counts[t]].any():
+                    raise InvalidArgumentError(f"{spec.name}: gradient contains NaN or Inf; push rejected")
+        increasing = np.ones(flat.shape[0], dtype=bool)
+        np.greater(flat[1:], flat[:-1], out=increasing[1:])
+        increasing[starts[some]] = True
+        wire_code = session.wire(wire_dtype)
+        fused = []
+        for t, spec in enumerate(specs):
+            part = slice(int(starts[t]), int(starts[t] + counts[t]))
+            if spec.sync is not None or spec.name in self._caches or not increasing[part].all():
+                if counts[t] or spec.sync is not None:  # the general path (a synchronous table: even no ids)
+                    self.push(spec.name, per[t], g[part], versions[t], False, wire_dtype)
+            elif counts[t]:
+                fused.append(t)
+        if fused:
+            idx = np.concatenate([np.arange(starts[t], starts[t] + counts[t]) for t in fused]) \
+                if len(fused) < len(specs) else None
+            session.push_rows_many([specs[t] for t in fused], [per[t] for t in fused], g if idx is None else g[idx],
+                                   [versions[t] for t in fused], wire_code)

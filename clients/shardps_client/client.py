@@ -247,6 +247,18 @@ class Client(ClusterMethods, DenseMethods):
         """
         self._caches.push(table, ids, grads, versions, wait, wire_dtype)
 
+    def push_stacked(self, tables: Sequence[str], ids: Sequence[IdsLike], grads: Union[torch.Tensor, np.ndarray],
+                     versions: Optional[Sequence[Optional[Versions]]] = None, wire_dtype: Optional[str] = None) -> None:
+        """``push`` of several tables of one width at once: ``ids[t]`` the ids of ``tables[t]``, ``grads`` their
+        gradients stacked in that order (``[sum of len(ids[t]), dim]``), ``versions[t]`` as ``push`` takes.
+
+        Checked as ``push`` checks (one error names the table). Tables whose ids are sorted and unique (what a
+        collection pulls) and that have neither a row cache nor a synchronous step are planned together, one
+        framed push per table and shard, dispatched at once; the others take ``push``'s path.
+        """
+        self._caches.push_stacked(tables, ids, grads, versions if versions is not None else [None] * len(tables),
+                                  wire_dtype)
+
     def send_pushes(self, pull_dense: Sequence[str] = ()) -> Optional[DensePull]:
         """Send the queued pushes (``defer_pushes``): one PushBatch per shard (or a few, below the size limit).
 

@@ -26,6 +26,8 @@ from shardps.core.specs import Initializer
 from shardps_client.client import Client, Versions
 from shardps_client.sparse import JaggedTensor, KeyedTensor
 
+PLANS_KEPT = 4  # plans ids_of made that a forward may take (a Prefetcher's depth ahead)
+
 
 class PoolingType(enum.Enum):
     """How a bag's rows become one vector (TorchRec's ``PoolingType``)."""
@@ -148,11 +150,23 @@ class _RemoteCollection(nn.Module):
                                  f"says {c.num_embeddings} x {c.embedding_dim}")
         self.last_versions: dict[str, Versions] = {}
         self._open: Optional[_StepPushes] = None  # the last step's pushes, until every gradient arrived
+        self._planned: list[tuple[tuple, torch.Tensor, torch.Tensor, _Step]] = []  # ids_of's plans, for forward
 
     # ---- the plan of a step (numpy; every check before anything is pulled) ----------------
 
     def plan(self, features: Any) -> _Step:
-        """Check ``features`` (a KeyedJaggedTensor) and deduplicate its ids per table, all tables at once."""
+        """Check ``features`` (a KeyedJaggedTensor) and deduplicate its ids per table, all tables at once (or
+        take the plan ``ids_of`` made for the same input, as a ``Prefetcher`` asks for it a step ahead)."""
+        keys = tuple(features.keys())
+        values, lengths = features.values(), features.lengths()
+        for i, (k, v, n, step) in enumerate(self._planned):
+            if k == keys and v.shape == values.shape and n.shape == lengths.shape and v.dtype == values.dtype \
+                    and torch.equal(v, values) and torch.equal(n, lengths):
+                del self._planned[i]
+                return step
+        return self._plan(features)
+
+    def _plan(self, features: Any) -> _Step:
         lay = self.layout
         keys = list(features.keys())
         unknown = [k for k in keys if k not in lay.table_of]
@@ -195,7 +209,11 @@ class _RemoteCollection(nn.Module):
 
     def ids_of(self, features: Any) -> dict[str, torch.Tensor]:
         """``{table: unique ids}`` a forward of ``features`` pulls: the ``ids_fn`` of a ``Prefetcher``."""
-        step = self.plan(features)
+        step = self._plan(features)
+        values, lengths = features.values(), features.lengths()
+        if values.device.type == "cpu" and lengths.device.type == "cpu":  # (kept for forward: the prefetch's depth)
+            self._planned.append((tuple(features.keys()), values.detach().clone(), lengths.detach().clone(), step))
+            del self._planned[:-PLANS_KEPT]
         return {t: torch.from_numpy(u) for t, u in zip(self.layout.tables, step.uniq)}
 
     # ---- pulling and the local weights ------------------------------------------------------
@@ -251,13 +269,9 @@ class _StepPushes:
             self.started = True
             self.hold = None if client.defer_pushes else client.hold_pushes()
         a, b = lay.groups[g]
-        counts = [self.step.uniq[t].shape[0] for t in range(a, b)]
-        try:
-            for t, part in zip(range(a, b), torch.split(grad, counts)):
-                table, uniq = lay.tables[t], self.step.uniq[t]
-                if uniq.shape[0] or client.table_spec(table).sync is not None:
-                    versions = self.pulled[table][1] if table in self.pulled else None
-                    client.push(table, torch.from_numpy(uniq), part, versions=versions,
+        try:  # every table of the group in one plan (sorted unique ids: no dedup, no per-table Python)
+            client.push_stacked(lay.tables[a:b], self.step.uniq[a:b], grad,
+                                [self.pulled[t][1] if t in self.pulled else None for t in lay.tables[a:b]],
                                 wire_dtype=self.module.wire_dtype)
         finally:
             self.left -= 1
@@ -296,6 +310,7 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
                  create: bool = True, wire_dtype: Optional[str] = None) -> None:
         super().__init__(tables, client, device, create, wire_dtype, pooled=True)
         self._is_weighted = is_weighted
+        self._column_maps: dict[tuple[str, ...], torch.Tensor] = {}
         if is_weighted and "mean" in self.layout.pools:
             raise ValueError("weighted bags pool by SUM (torch.nn.EmbeddingBag takes per-sample weights with sum)")
 
@@ -315,10 +330,11 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
         device = self.device if self.device is not None else features.values().device
         ws = self._weights(step, device)
         lay, B = self.layout, step.stride
-        per_feature: dict[str, torch.Tensor] = {}
         bag_lengths = torch.from_numpy(step.lengths)
         keys = list(step.feature_pos)
         group_of_key = lay.group_of_table[[lay.table_of[k] for k in keys]] if keys else np.zeros(0, np.int64)
+        blocks: list[torch.Tensor] = []  # per group: [B, its features' columns], features in input order
+        columns: list[str] = []
         for g, (a, _) in enumerate(lay.groups):
             in_group = np.flatnonzero(group_of_key == g)
             if not in_group.size:
@@ -334,21 +350,34 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
             assert w is not None
             pooled = F.embedding_bag(idx, w, offsets.to(device), mode=lay.pools[a], per_sample_weights=psw,
                                      include_last_offset=True)
-            pooled = pooled.reshape(in_group.size, B, -1)
-            for j, k in enumerate(in_group.tolist()):
-                per_feature[keys[k]] = pooled[j]
-        # Columns in the configs' feature order; a feature absent from the input reads as empty bags (zeros).
-        parts = [per_feature.get(f) for f in lay.features]
-        if all(p is not None for p in parts):
-            out = torch.cat(parts, dim=1)  # type: ignore[arg-type]
-        else:
-            out = torch.zeros(B, int(lay.feature_starts[-1]), device=device)
-            for p, start in zip(parts, lay.feature_starts):
-                if p is not None:
-                    out[:, int(start) : int(start) + p.shape[1]] = p
+            # [features, B, dim] -> [B, features * dim]: one copy (backward too), not a slice per feature
+            blocks.append(pooled.reshape(in_group.size, B, -1).transpose(0, 1).reshape(B, -1))
+            columns += [keys[k] for k in in_group.tolist()]
+        out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if columns != lay.features:  # columns in the configs' feature order; an absent feature reads as zeros
+            where = self._columns(tuple(columns)).to(device)
+            if len(columns) == len(lay.features):
+                out = out.index_select(1, where)
+            else:
+                out = torch.zeros(B, int(lay.feature_starts[-1]), device=device, dtype=out.dtype).index_copy(1, where, out)
         kt = KeyedTensor(lay.features, lay.feature_dims, out)
         kt.shardps_versions = self.last_versions  # type: ignore[attr-defined]
         return kt
+
+
+    def _columns(self, columns: tuple[str, ...]) -> torch.Tensor:
+        """Where the columns of features in the order ``columns`` go in the output: with every feature, the
+        output's columns in the order they read them; with some absent, each given column's place."""
+        got = self._column_maps.get(columns)
+        if got is None:
+            lay = self.layout
+            start = {f: int(lay.feature_starts[i]) for i, f in enumerate(lay.features)}
+            places = np.concatenate([np.arange(start[f], start[f] + lay.feature_dims[lay.features.index(f)])
+                                     for f in columns])
+            if len(columns) == len(lay.features):
+                places = np.argsort(places)  # output column j reads input column places[j]
+            got = self._column_maps[columns] = torch.from_numpy(places.astype(np.int64))
+        return got
 
 
 class RemoteEmbeddingCollection(_RemoteCollection):

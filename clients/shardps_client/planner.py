@@ -197,6 +197,36 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, num_shards:
     return calls
 
 
+def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, num_shards: int, wire_code: int,
+                   max_bytes: int, pulled: list[Optional[dict[int, int]]],
+                   encoder: Callable[[str, int], wire.PushEncoder],
+                   next_seq: Callable[[int], int]) -> list[tuple[str, list[Call]]]:
+    """``push_plan`` of several tables of one width at once (no synchronous step): ``uniq`` the sorted unique
+    ids of each table, ``grads`` their summed gradients stacked in the same order. The ids of every table are
+    split by shard in one pass, each shard's rows gathered in one copy; then one framed Push per table and
+    shard (more above the size limit), made by ``encoder(table, shard)``."""
+    counts = np.fromiter((u.shape[0] for u in uniq), dtype=np.int64, count=len(uniq))
+    ids = np.concatenate(uniq) if uniq else np.zeros(0, np.int64)
+    table_of = np.repeat(np.arange(len(uniq), dtype=np.int64), counts)
+    order, bounds = split_by_shard(ids, num_shards)  # (each shard's ids in their order: table after table)
+    step = rows_per_message(max_bytes, grads.shape[1] if grads.ndim == 2 else 1, wire_code)
+    calls: list[list[Call]] = [[] for _ in uniq]
+    for s in range(num_shards):
+        idx = order[bounds[s] : bounds[s + 1]]
+        if not idx.shape[0]:
+            continue
+        ids_s, grads_s = ids[idx], grads[idx]
+        cuts = np.searchsorted(table_of[idx], np.arange(len(uniq) + 1)).tolist()
+        for t in range(len(uniq)):
+            for a in range(cuts[t], cuts[t + 1], step):
+                b = min(a + step, cuts[t + 1])
+                v = pulled[t]
+                req = encoder(names[t], s).encode(ids_s[a:b], grads_s[a:b], wire_code,
+                                                  v.get(s) if v is not None else None, next_seq(s))
+                calls[t].append((s, "Push", req))
+    return [(name, c) for name, c in zip(names, calls) if c]
+
+
 def dense_push_plan(spec: DenseSpec, grad: np.ndarray, num_shards: int, wire_code: int, max_bytes: int,
                     pulled: Optional[dict[int, int]], client_id: str, next_seq: Callable[[int], int],
                     sync_step: int = 0, rank: int = 0) -> list[Call]:

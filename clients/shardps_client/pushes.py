@@ -130,6 +130,16 @@ class PushPipeline:
             self.send()  # keep this client's pushes in order
         self._submit([([key], call) for call in calls], wait)
 
+    def dispatch_many(self, calls: list[tuple[str, list[planner.Call]]], wait: bool) -> None:
+        """``dispatch`` of several tables' calls (key, calls) at once, in that order."""
+        with self._lock:
+            if self._holds and not wait:
+                self._deferred.extend(calls)
+                return
+        if self._deferred:
+            self.send()
+        self._submit([([key], call) for key, cs in calls for call in cs], wait)
+
     def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
         """Send the queued pushes, with ``returning``'s dense pulls carried by each shard's last batch."""
         with self._lock:

@@ -17,6 +17,7 @@ from typing import Any, Generic, Iterator, Optional, TypeVar, overload
 
 import numpy as np
 
+from shardps.core import protocol, wire
 from shardps.core.specs import TableSpec
 from shardps_client import planner
 from shardps_client.admin import Catalog
@@ -49,6 +50,7 @@ class Session:
     pool: ThreadPoolExecutor  # prefetches, worker heartbeats
     _seq: list[Iterator[int]] = field(init=False, repr=False)
     _seq_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    _encoders: dict[tuple[str, int], wire.PushEncoder] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._seq = [itertools.count(1) for _ in self.addresses]
@@ -74,6 +76,23 @@ class Session:
                                   versions.by_shard if versions is not None else None, self.client_id,
                                   self.next_seq, sync_step, self.worker.rank or 0)
         self.pushes.dispatch(spec.name, calls, wait)
+
+    def push_rows_many(self, specs: list[TableSpec], uniq: list[np.ndarray], summed: np.ndarray,
+                       versions: list[Optional[Versions]], wire_code: int) -> None:
+        """Push the summed gradients of several tables' sorted unique ids (one width, no synchronous step),
+        stacked table after table in ``summed``: planned at once, dispatched together."""
+        calls = planner.push_plan_many([s.name for s in specs], uniq, summed, self.num_shards, wire_code,
+                                       self.max_message_bytes, [v.by_shard if v is not None else None for v in versions],
+                                       self.push_encoder, self.next_seq)
+        self.pushes.dispatch_many(calls, wait=False)
+
+    def push_encoder(self, table: str, shard: int) -> wire.PushEncoder:
+        """The encoder of this client's pushes of ``table`` to ``shard`` (made once)."""
+        enc = self._encoders.get((table, shard))
+        if enc is None:
+            enc = self._encoders[(table, shard)] = wire.PushEncoder(
+                table, self.client_id, planner.shard_map(shard, self.num_shards), frame=protocol.stream_field("Push"))
+        return enc
 
     def see_own_pushes(self, key: str) -> None:
         """Before a pull of ``key`` (read_your_writes): make it see this client's pushes.

@@ -155,6 +155,31 @@ def encode_push(
     return b"".join(_len_field(frame, parts) if frame else parts)
 
 
+class PushEncoder:
+    """``encode_push`` for the pushes of one table to one shard (rows by id, no synchronous step): the fields
+    that never change (table, client id, shard map) are encoded once. Byte-identical to ``encode_push``."""
+
+    def __init__(self, name: str, client_id: str, shard_map: Optional[pb.ShardMap], frame: int = 0) -> None:
+        self._head = b"".join(_string_field(_P_NAME, name))
+        self._client_id = b"".join(_string_field(_P_CLIENT_ID, client_id))
+        self._tail = b"".join(_msg_field(_P_SHARD_MAP, shard_map))
+        self._frame = _tag(frame, _LEN) if frame else b""
+
+    def encode(self, ids: np.ndarray, grads: np.ndarray, wire_dtype: int, pulled_version: Optional[int],
+               seq: int) -> bytes:
+        parts = [self._head, *_len_field(_P_IDS, _tensor_parts(ids, pb.INT64)),
+                 *_len_field(_P_GRADS, _tensor_parts(grads, wire_dtype))]
+        if pulled_version is not None:
+            parts += [_tag(_P_PULLED_VERSION, _VARINT), _varint(pulled_version)]
+        parts.append(self._client_id)
+        if seq:
+            parts += [_tag(_P_SEQ, _VARINT), _varint(seq)]
+        parts.append(self._tail)
+        if self._frame:
+            parts[:0] = [self._frame, _varint(sum(map(len, parts)))]
+        return b"".join(parts)
+
+
 # ---- decoding -------------------------------------------------------------------------------
 
 
