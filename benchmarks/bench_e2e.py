@@ -7,7 +7,10 @@ dense values lagging a step (--dense-lag 1), with prefetch and the MLPs trained
 by DistributedDataParallel instead of on the shards (--dense ddp, the hybrid),
 and with prefetch, lag 1 and the trainer's row cache for k = 2 and 8 steps
 (--cache-steps), and the local torch.optim baseline, and reports samples/s and
-test AUC side by side with ratios.
+test AUC side by side with ratios, and where the CPU went: the trainer's own CPU in forward + backward per step
+(the main thread: Python and torch ops, not waits nor the client's I/O threads; locally every thread's), and
+the CPU of trainers and shards together per 1,000 samples, against local training's (and the forward +
+backward against local training's main thread alone, which leaves out what its other intra-op thread did).
 
     python -m benchmarks.bench_e2e [--train 200000] [--repeat 3] [--quick]
 Writes benchmarks/results/e2e.json and e2e.png.
@@ -37,6 +40,12 @@ VARIANTS = [("no", []), ("yes", ["--prefetch"]), ("yes, dense lag 1", ["--prefet
 
 def cached(k: int) -> tuple[str, list[str]]:
     return f"yes, lag 1, cache {k}", ["--prefetch", "--dense-lag", "1", "--cache-steps", str(k)]
+
+
+def fwd_bwd(r: dict) -> float:
+    """CPU ms per step in forward + backward: a shardps trainer's main thread (its own work), local training's
+    every thread (its intra-op threads do part of its work)."""
+    return r["fwd_bwd_process_ms"] if r.get("local") else r["fwd_bwd_thread_ms"]
 
 
 def run(args: argparse.Namespace, workers: int, extra: list[str], local: bool) -> dict:
@@ -85,7 +94,7 @@ def main() -> int:
         for workers, label, extra in configs:
             r = run(args, workers, extra, local is None)
             if local is None:  # the first run of a pass also trains locally: this pass's baseline
-                local = {**r["local"], "best_auc": r["best_auc"]}
+                local = {**r["local"], "best_auc": r["best_auc"], "local": True}
                 local["x_local"] = 1.0
                 runs.setdefault(("local torch.optim", 1, "-"), []).append(local)
             runs.setdefault(("shardps", workers, label), []).append(
@@ -94,14 +103,26 @@ def main() -> int:
     rows = []
     for (trainer, workers, label), results in runs.items():
         x_local, x_local_range = median_and_range([r["x_local"] for r in results])
+        cpu = [r["trainer_cpu_s_per_1k"] + r.get("shards_cpu_s_per_1k", 0.0) for r in results]
         rows.append({"trainer": trainer, "workers": workers, "prefetch": label,
                      "samples_per_s": statistics.median(r["samples_per_s"] for r in results),
                      "x_local": x_local, "x_local_range": x_local_range,
+                     "fwd_bwd_ms": statistics.median(fwd_bwd(r) for r in results),
+                     "fwd_bwd_x_local": statistics.median(fwd_bwd(r) / fwd_bwd(lc)
+                                                          for r, lc in zip(results, runs[("local torch.optim", 1, "-")])),
+                     "fwd_bwd_x_local_main": statistics.median(r["fwd_bwd_thread_ms"] / lc["fwd_bwd_thread_ms"]
+                                                               for r, lc in zip(results, runs[("local torch.optim", 1, "-")])),
+                     "cpu_ms_per_1k": statistics.median(cpu) * 1e3,
+                     "cpu_x_local": statistics.median(c / lc["trainer_cpu_s_per_1k"]
+                                                      for c, lc in zip(cpu, runs[("local torch.optim", 1, "-")])),
                      "auc": statistics.median(r["auc"] for r in results), "best_auc": results[0]["best_auc"],
                      "runs_samples_per_s": [r["samples_per_s"] for r in results], "runs_auc": [r["auc"] for r in results]})
     cols = [("trainer", "trainer", ""), ("workers", "workers", "d"), ("prefetch", "prefetch", ""),
             ("samples_per_s", "samples/s", ",.0f"), ("x_local", "x local", ".2f"), ("auc", "test AUC", ".4f"),
-            ("best_auc", "best AUC", ".4f")]
+            ("best_auc", "best AUC", ".4f"), ("fwd_bwd_ms", "fwd+bwd CPU ms", ".2f"),
+            ("fwd_bwd_x_local", "x local", ".2f"), ("fwd_bwd_x_local_main", "x its main thread", ".2f"),
+            ("cpu_ms_per_1k", "CPU ms/1k samples", ".1f"),
+            ("cpu_x_local", "x local", ".2f")]
     if args.repeat > 1:
         cols.insert(5, ("x_local_range", "x local range", ""))
     print()
