@@ -8,7 +8,9 @@ before timing. ``shardps`` runs as tuned (zeros initializer, one torch thread,
 read_your_writes=False); ``shardps_defaults`` is the loop a new user writes
 (default Client and initializer, torch's default threads); ``shardps_tls``, ``shardps_tokens`` and
 ``shardps_mtls_tokens`` are the tuned path with TLS, bearer tokens, or mutual TLS and tokens
-(``--backends shardps shardps_tls shardps_tokens shardps_mtls_tokens``: their cost, as "x shardps"). Baselines (same run, same machine): a torch.distributed.rpc
+(``--backends shardps shardps_tls shardps_tokens shardps_mtls_tokens``: their cost, as "x shardps");
+``shardps_grpc`` and ``shardps_defaults_grpc`` the same loops with pulls and pushes on gRPC streams instead
+of the data plane (ZeroMQ, the default). Baselines (same run, same machine): a torch.distributed.rpc
 parameter server, a Ray actor parameter server (if Ray is installed), and the
 same gather/scatter in one process (no transport).
 
@@ -133,6 +135,8 @@ def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: in
 
             kwargs["token"] = security.get("token")
             kwargs["tls"] = TLS(**security["tls"]) if security.get("tls") else None
+            if security.get("data_plane"):
+                kwargs["data_plane"] = security["data_plane"]
         scale = 0.1 if defaults else None
         with Client(addresses, **kwargs) as c:
             assert c.table_spec("bench").dim == DIM
@@ -212,7 +216,7 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
     tls, tokens = SECURITY.get(cfg.backend, (None, False))
     with tempfile.TemporaryDirectory(prefix="shardps-bench-") as tmp:
         serve_args: list[str] = []
-        security: dict[str, Any] = {}
+        security: dict[str, Any] = {"data_plane": "grpc"} if cfg.backend.endswith("_grpc") else {}
         admin = None
         if tokens:
             admin, trainer = "admin-" + os.urandom(16).hex(), "trainer-" + os.urandom(16).hex()
@@ -317,7 +321,9 @@ def run_shardps_defaults(cfg: Config, budget_s: float) -> dict[str, Any]:
 
 
 RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "torch_rpc": run_rpc, "ray": run_ray,
-           "in_process": run_in_process, **{name: run_shardps for name in SECURITY}}
+           "in_process": run_in_process, **{name: run_shardps for name in SECURITY},
+           # The same loops with pulls and pushes on gRPC streams instead of the data plane (ZeroMQ).
+           "shardps_grpc": run_shardps, "shardps_defaults_grpc": run_shardps_defaults}
 
 
 def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:

@@ -67,7 +67,11 @@ def cluster2() -> Iterator[list[ShardServer]]:
         yield servers
 
 
-@pytest.fixture
-def client2(cluster2: list[ShardServer]) -> Iterator[Client]:
-    with Client([s.address for s in cluster2], timeout=10, retry_timeout=2) as c:
+@pytest.fixture(params=["zmq", "grpc"])
+def client2(cluster2: list[ShardServer], request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A client of a 2-shard cluster, once over the data plane (ZeroMQ, the default) and once over gRPC
+    streams: the behaviour tests that use it run over both transports."""
+    with Client([s.address for s in cluster2], timeout=10, retry_timeout=2,
+                data_plane="auto" if request.param == "zmq" else "grpc") as c:
         yield c
+        assert set(c.transport.data_planes()) <= ({"zmq", ""} if request.param == "zmq" else {"grpc-stream"})

@@ -21,6 +21,7 @@ from shardps.server.ops import certs
 from shardps.v1 import shardps_pb2 as pb
 from shardps.v1 import shardps_pb2_grpc as pb_grpc
 from tests.procs import start_shard
+from tests.test_data_plane import data_plane_call
 
 TOKENS = {"reader": "r" * 20 + "-reader-token", "trainer": "t" * 20 + "-trainer-token", "admin": "a" * 20 + "-admin"}
 
@@ -140,6 +141,8 @@ EXPECTED = {
     "Checkpoint":           (UNAUTH, DENIED, DENIED, OK),
     "Stream: pull":         (UNAUTH, OK, OK, OK),
     "Stream: push":         (UNAUTH, DENIED, OK, OK),
+    "Data plane: pull":     (UNAUTH, OK, OK, OK),
+    "Data plane: push":     (UNAUTH, DENIED, OK, OK),
 }
 
 
@@ -153,6 +156,7 @@ def token_shard(tmp_path_factory):
         c.create_table("t", dim=2, num_embeddings=100)
         c.register_dense("d", torch.zeros(4, 2))
         specs = {"t": table_spec_to_pb(c.table_spec("t")), "d": dense_spec_to_pb(c.dense_spec("d"))}
+        specs["data_port"] = c.shard_info()[0].data_ports[0]
     yield shard, specs
     shard.terminate()
 
@@ -186,10 +190,18 @@ def _calls(specs: dict, role: str) -> dict:
         "Checkpoint": ("Checkpoint", pb.CheckpointRequest(checkpoint_id=f"by-{role}")),
         "Stream: pull": ("Stream", pb.StreamRequest(pull=pull)),
         "Stream: push": ("Stream", pb.StreamRequest(push=push)),
+        "Data plane: pull": ("Data", (specs["data_port"], pb.StreamRequest(pull=pull))),
+        "Data plane: push": ("Data", (specs["data_port"], pb.StreamRequest(push=push))),
     }
 
 
 def _code(stub: pb_grpc.ShardStub, method: str, request, metadata) -> grpc.StatusCode:
+    if method == "Data":  # the data plane (ZeroMQ): the token in the connection's hello, then the frame
+        port, frame = request
+        token = dict(metadata or ()).get("authorization", "").removeprefix("Bearer ")
+        reply = data_plane_call(port, frame.SerializeToString(), token=token)
+        return grpc.StatusCode.OK if not reply.HasField("error") else {
+            c.value[0]: c for c in grpc.StatusCode}[reply.error.code]
     try:
         if method != "Stream":
             getattr(stub, method)(request, timeout=10, metadata=metadata)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
@@ -90,6 +91,8 @@ class Client(ClusterMethods, DenseMethods):
             SHARDPS_TLS_CA / SHARDPS_TLS_CLIENT_CERT / SHARDPS_TLS_CLIENT_KEY when set, else plaintext.
         token: the bearer token every call carries; None: the file SHARDPS_TOKEN_FILE names, else
             SHARDPS_TOKEN, else no token (what shards without ``--tokens-file`` expect).
+        data_plane: how pulls and pushes travel: "auto" (the default; SHARDPS_DATA_PLANE overrides it): over a
+            shard's data plane (ZeroMQ) when it has one, else on a gRPC stream; "grpc": always on gRPC streams.
     """
 
     def __init__(
@@ -98,7 +101,7 @@ class Client(ClusterMethods, DenseMethods):
         read_your_writes: bool = True, check_shard_map: bool = True, client_id: Optional[str] = None,
         rank: Optional[int] = None, world_size: Optional[int] = None, ssp_bound: Optional[int] = None,
         heartbeat_s: float = 1.0, torch_threads: Union[int, str, None] = "auto", tls: Optional[TLS] = None,
-        token: Optional[str] = None,
+        token: Optional[str] = None, data_plane: Optional[str] = None,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
@@ -106,13 +109,15 @@ class Client(ClusterMethods, DenseMethods):
         tune_malloc()  # message-sized buffers stay in the heap (see shardps.core.memory)
         set_torch_threads(torch_threads, addresses)
         addresses, max_message_bytes = list(addresses), int(max_message_bytes)
+        client_id = client_id or uuid.uuid4().hex
         transport = Transport(addresses, timeout, retry_timeout, max_message_bytes,
                               tls if tls is not None else TLS.from_environment(),
-                              token if token is not None else token_from_environment())
+                              token if token is not None else token_from_environment(),
+                              data_plane or os.environ.get("SHARDPS_DATA_PLANE") or "auto", client_id)
         n = len(addresses)
         pool = ThreadPoolExecutor(max_workers=max(4, 4 * n), thread_name_prefix="shardps-client")
         self._session = Session(
-            addresses, timeout, retry_timeout, code, max_message_bytes, read_your_writes, client_id or uuid.uuid4().hex,
+            addresses, timeout, retry_timeout, code, max_message_bytes, read_your_writes, client_id,
             transport, Catalog(transport), PushPipeline(transport, n, max_message_bytes, max_inflight_pushes),
             WorkerClock(transport, n, rank, world_size, ssp_bound, pool.submit), pool)
         self._caches = CachedTables(self._session)

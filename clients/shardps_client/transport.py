@@ -327,10 +327,16 @@ class Transport:
         max_message_bytes: the largest request the client makes (channels accept a little more).
         tls: TLS to the shards (None: plaintext).
         token: the bearer token every call carries (None: none).
+        data_plane: "auto": a shard's pulls and pushes over its data plane (ZeroMQ, ``data_plane.DataLane``)
+            when it has one, else on a gRPC stream; "grpc": always on gRPC streams.
+        client_id: the client's id (picks the data-plane port it uses).
     """
 
     def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int,
-                 tls: Optional[TLS] = None, token: Optional[str] = None) -> None:
+                 tls: Optional[TLS] = None, token: Optional[str] = None, data_plane: str = "auto",
+                 client_id: str = "") -> None:
+        if data_plane not in ("auto", "grpc"):
+            raise ValueError(f"data_plane must be 'auto' or 'grpc', got {data_plane!r}")
         self.addresses = list(addresses)
         self.timeout = timeout
         self.retry_timeout = retry_timeout
@@ -354,15 +360,34 @@ class Transport:
         # One lane per shard carries this client's pulls and pushes to it on one stream, in the
         # order they were made (optimizers such as Adam are not commutative, and a pull sees the
         # pushes before it), many in flight; lanes of different shards run in parallel.
-        self.lanes = [
+        self.lanes: list[Any] = [
             Lane(ch, a, functools.partial(self.call, i), timeout, retry_timeout)
             for i, (ch, a) in enumerate(zip(self._channels, self.addresses))
         ]
+        if data_plane == "auto" and _have_zmq():
+            from shardps_client.data_plane import DataLane
+
+            self.lanes = [DataLane(lane, functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest()),
+                                   _host(a), client_id, token, _reply, functools.partial(_stream_error, a),
+                                   functools.partial(_timed_out, a), functools.partial(_unavailable, a),
+                                   timeout, retry_timeout)
+                          for i, (lane, a) in enumerate(zip(self.lanes, self.addresses))]
 
     @property
     def streaming(self) -> bool:
         """True while every shard takes this client's calls on streams (so a pull follows earlier pushes)."""
         return all(lane.streaming for lane in self.lanes)
+
+    def data_planes(self) -> list[str]:
+        """How each shard's pulls and pushes travel: "zmq", "grpc-stream", "grpc-unary" or "" (no call yet)."""
+        out = []
+        for lane in self.lanes:
+            mode = getattr(lane, "mode", "grpc")
+            grpc_lane = getattr(lane, "fallback", lane)
+            out.append("zmq" if mode == "zmq" else "" if mode is None else
+                       "grpc-stream" if grpc_lane.streaming else "grpc-unary")
+        return out
+
 
     def call(self, shard: int, method: str, request: Any, retry: bool = True) -> Any:
         """One RPC with a deadline, retried with backoff while the shard is UNAVAILABLE."""
@@ -419,6 +444,30 @@ class Transport:
             lane.close()
         for ch in self._channels:
             ch.close()
+
+
+def _stream_error(address: str, code: int, message: str, kind: str, method: str) -> ShardpsError:
+    return from_status(code, message, address, method, kind)
+
+
+def _timed_out(address: str, message: str) -> ShardpsError:
+    return ShardTimeoutError(message, address=address, code=grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _unavailable(address: str, message: str) -> ShardpsError:
+    return ShardUnavailableError(message, address=address, code=grpc.StatusCode.UNAVAILABLE)
+
+
+def _have_zmq() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("zmq") is not None
+
+
+def _host(address: str) -> str:
+    """The host part of ``host:port`` (``[v6]:port`` too)."""
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def results(getters: list[Callable[[], Any]]) -> list[Any]:

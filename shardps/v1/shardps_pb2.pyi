@@ -551,7 +551,7 @@ class ShardStats(_message.Message):
     def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor")
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -563,6 +563,9 @@ class ShardInfoResponse(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FLOOR_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -574,7 +577,10 @@ class ShardInfoResponse(_message.Message):
     server_version: str
     serving: ServingInfo
     export_floor: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ...) -> None: ...
+    data_ports: _containers.RepeatedScalarFieldContainer[int]
+    data_public_key: str
+    data_ticket: bytes
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
 
 class ServingInfo(_message.Message):
     __slots__ = ("directory", "base", "delta", "applied_age_s", "error", "deltas_applied", "last_apply_s")

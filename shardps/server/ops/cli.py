@@ -46,6 +46,10 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("workers", int, 8, "gRPC handler threads"),
     ("max-streams", int, 64, "call streams open at once (one per client); each holds a handler thread"),
     ("max-message-mb", int, 4, "largest request or reply in MiB"),
+    ("data-threads", int, 2, "sockets of the data plane (pulls and pushes over ZeroMQ), a thread each; 0: none, "
+     "clients use gRPC streams"),
+    ("data-port", int, 0, "the first data-plane port, the others following it (0: free ports, told to clients by "
+     "ShardInfo; fix them where a firewall or container maps ports)"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
     ("metrics-port", int, None, "serve Prometheus metrics on this port at /metrics (0: a free port; default: off)"),
     ("tls-cert", str, None, "serve TLS: the certificate chain (PEM file); with --tls-key"),
@@ -390,7 +394,7 @@ def run_serve(args: argparse.Namespace) -> int:
         )
         server_config = ServerConfig(
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
-            max_message_mb=args.max_message_mb,
+            max_message_mb=args.max_message_mb, data_threads=args.data_threads, data_port=args.data_port,
             checkpoint_interval_s=args.checkpoint_interval, checkpoint_log_mb=args.checkpoint_log_mb,
             grace_s=args.grace, metrics_port=args.metrics_port,
             delta_poll_s=args.delta_poll,

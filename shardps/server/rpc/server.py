@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -64,6 +64,9 @@ class ServerConfig:
         tokens: bearer tokens with roles (``shardps.server.rpc.auth.Tokens``, e.g. ``Tokens.load(path)``);
             None: every call allowed.
         fairness: how the shard is shared among callers (``shardps.server.rpc.fair.FairConfig``).
+        data_threads: sockets (and threads) of the data plane, pulls and pushes over ZeroMQ
+            (``shardps.server.rpc.data_plane``); 0: none, clients use gRPC streams.
+        data_port: the first data-plane port (the others follow it); 0: free ports.
     """
 
     host: str = "127.0.0.1"
@@ -79,6 +82,8 @@ class ServerConfig:
     tokens: Optional[Tokens] = None
     fairness: FairConfig = FairConfig()
     delta_poll_s: float = 1.0
+    data_threads: int = 2
+    data_port: int = 0
 
 
 class ShardServer:
@@ -114,6 +119,15 @@ class ShardServer:
         tokens = server_config.tokens
         self._servicer = ShardServicer(self.shard, server_config.max_streams, tokens, server_config.fairness)
         add_to_server(self._servicer, self._server)
+        self.data_plane: Optional[Any] = None
+        if server_config.data_threads > 0:
+            from shardps.server.rpc.data_plane import DataPlane
+
+            ports = [server_config.data_port + i if server_config.data_port else 0
+                     for i in range(server_config.data_threads)]
+            self.data_plane = DataPlane(self._servicer.chain, self._servicer.data.frames, server_config.host, ports,
+                                        limit, tokens, encrypted=server_config.tls is not None)
+            self._servicer.data_plane = self.data_plane
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         bind = f"{server_config.host}:{server_config.port}"
@@ -148,6 +162,8 @@ class ShardServer:
             return self
         self._started = True
         self._server.start()
+        if self.data_plane is not None:
+            self.data_plane.start()
         if isinstance(self.metrics, Metrics):
             self.metrics.watch(self.shard)
             assert self.config.metrics_port is not None
@@ -163,7 +179,8 @@ class ShardServer:
         self._sweep_thread.start()
         if self.follower is not None:
             self._follow_thread.start()
-        log.info("shard %d of %d serving on %s; %s", self.shard.index, self.shard.num_shards, self.address,
+        log.info("shard %d of %d serving on %s%s; %s", self.shard.index, self.shard.num_shards, self.address,
+                 f" (data plane: ports {', '.join(map(str, self.data_plane.ports))})" if self.data_plane else "",
                  self._keeps())
         return self
 
@@ -234,6 +251,8 @@ class ShardServer:
             return
         self._stop.set()
         self._health.enter_graceful_shutdown()
+        if self.data_plane is not None:
+            self.data_plane.stop()
         stopped = self._server.stop(self.config.grace_s)
         self._servicer.end_streams()  # an idle stream would otherwise hold the server for the whole grace period
         stopped.wait()

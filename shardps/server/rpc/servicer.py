@@ -55,6 +55,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         self._streams: set[grpc.ServicerContext] = set()
         self._streams_lock = threading.Lock()
         self._stopping = False
+        self.data_plane: Any = None  # the shard's DataPlane, when it has one (ShardInfo tells clients)
 
     def _may_create(self) -> bool:
         """Whether this call may create a table or dense tensor (an admin's token, or no tokens at all)."""
@@ -179,6 +180,10 @@ class ShardServicer(pb_grpc.ShardServicer):
 
         info = convert.shard_info(self.shard.info())
         info.server_version = f"shardps/{__version__}"
+        if self.data_plane is not None:
+            info.data_ports.extend(self.data_plane.ports)
+            info.data_public_key = self.data_plane.public_key
+            info.data_ticket = self.data_plane.ticket
         return info
 
     @_rpc

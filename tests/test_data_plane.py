@@ -1,0 +1,156 @@
+"""The data plane (pulls and pushes over ZeroMQ) against real shard processes: the client's choice of transport,
+credentials before any request is decoded, CURVE with TLS, malformed traffic, and the gRPC fallback. The
+behaviour tests of lanes (order, read-your-writes, batches, errors) run over both transports through the
+``client2`` fixture; the kill -9 tests of durability run over the data plane, the default."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from shardps_client import TLS, Client
+
+from shardps.core import codec
+from shardps.server.ops import certs
+from shardps.v1 import shardps_pb2 as pb
+from tests.procs import start_shard
+
+TOKEN = "t" * 24 + "-trainer"
+
+
+def data_plane_call(port: int, frame: bytes, token: str = "", ticket: bytes = b"", server_key: str = "",
+                    hello: bool = True, timeout_ms: int = 10_000) -> pb.StreamResponse:
+    """One request on a fresh data-plane connection (raw ZeroMQ, as any client could send it): the hello with
+    ``token`` and ``ticket`` first when ``hello``, then ``frame``; the StreamResponse answering the frame
+    (the hello's refusal, when it was refused)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    if server_key:
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key.encode(), public, secret
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        if hello:
+            sock.send_multipart([b"", b"hello", token.encode(), ticket])
+            answer = sock.recv_multipart()
+            if answer[1] == b"error":
+                return pb.StreamResponse.FromString(answer[2])
+            assert answer == [b"", b"ok"]
+        sock.send_multipart([b"\x01" * 8, frame])
+        rid, reply = sock.recv_multipart()
+        assert rid == b"\x01" * 8
+        return pb.StreamResponse.FromString(reply)
+    finally:
+        sock.close(0)
+
+
+def _pull_frame(n: int = 3) -> bytes:
+    ids = codec.encode(np.arange(n, dtype=np.int64))
+    return pb.StreamRequest(pull=pb.PullRequest(table="t", ids=ids, shard_map=pb.ShardMap(num_shards=1))
+                            ).SerializeToString()
+
+
+def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_path):
+    with_plane = start_shard(0, 1, tmp_path)
+    without = start_shard(0, 1, tmp_path, extra=["--data-threads", "0"])
+    try:
+        for shard, expected in ((with_plane, "zmq"), (without, "grpc-stream")):
+            with Client([shard.address], timeout=10, retry_timeout=5) as c:
+                c.create_table("t", dim=2, num_embeddings=10)
+                c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+                assert c.pull("t", torch.arange(3)).shape == (3, 2)
+                assert c.transport.data_planes() == [expected]
+                assert len(c.shard_info()[0].data_ports) == (2 if expected == "zmq" else 0)
+        with Client([with_plane.address], data_plane="grpc") as c:
+            c.pull("t", torch.arange(3))
+            assert c.transport.data_planes() == ["grpc-stream"]
+    finally:
+        with_plane.terminate()
+        without.terminate()
+
+
+def test_with_tokens_a_connection_presents_one_before_any_request_is_decoded(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"trainer {TOKEN}\nreader {'r' * 24}\n")
+    shard = start_shard(0, 1, tmp_path, extra=["--tokens-file", str(tokens)])
+    try:
+        with Client([shard.address], token=TOKEN) as c:
+            port = c.shard_info()[0].data_ports[0]
+            with pytest.raises(Exception, match="only an admin"):
+                c.create_table("t", dim=2, num_embeddings=10)
+        # No hello: refused without being decoded (garbage gets the same answer as a valid frame).
+        for frame in (_pull_frame(), os.urandom(64)):
+            reply = data_plane_call(port, frame, hello=False)
+            assert reply.error.code == 16 and "hello" in reply.error.message  # UNAUTHENTICATED
+        assert data_plane_call(port, _pull_frame(), token="w" * 30).error.code == 16  # an unknown token
+        reply = data_plane_call(port, _pull_frame(), token="r" * 24)  # a reader may pull (no such table here)
+        assert reply.error.code == 5 and "t" in reply.error.message  # NOT_FOUND: past authentication
+    finally:
+        shard.terminate()
+
+
+def test_with_tls_the_data_plane_is_encrypted_and_wants_the_ticket(tmp_path):
+    dev = certs.make_dev_certs(str(tmp_path / "pki"))
+    shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key])
+    try:
+        with Client([shard.address], tls=TLS(ca=dev.ca), timeout=10) as c:
+            c.create_table("t", dim=2, num_embeddings=10)
+            c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+            assert c.transport.data_planes() == ["zmq"]
+            info = c.shard_info()[0]
+        port, key, ticket = info.data_ports[0], info.data_public_key, bytes(info.data_ticket)
+        assert len(key) == 40 and len(ticket) == 32  # a CURVE public key (Z85) and the ticket
+        assert not data_plane_call(port, _pull_frame(), server_key=key, ticket=ticket).HasField("error")
+        assert data_plane_call(port, _pull_frame(), server_key=key, ticket=b"x" * 32).error.code == 16
+        with pytest.raises(zmq.Again):  # plaintext to a CURVE socket: no handshake, no answer
+            data_plane_call(port, _pull_frame(), ticket=ticket, timeout_ms=1000)
+    finally:
+        shard.terminate()
+
+
+def test_malformed_traffic_changes_nothing_and_the_shard_keeps_serving(tmp_path):
+    """Raw multipart messages (random bytes, truncated and oversized frames, wrong shapes): each is refused
+    or dropped; the table is unchanged and clients are served throughout. Bounded: 300 messages."""
+    shard = start_shard(0, 1, tmp_path, extra=["--max-message-mb", "1"])
+    rng = np.random.default_rng(5)
+    try:
+        with Client([shard.address], timeout=10) as c:
+            c.create_table("t", dim=2, num_embeddings=10)
+            before = c.pull("t", torch.arange(10))
+            port = c.shard_info()[0].data_ports[0]
+            ctx = zmq.Context.instance()
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            def push(table: str, cols: int, n: int = 3) -> bytes:
+                return pb.StreamRequest(push=pb.PushRequest(
+                    table=table, ids=codec.encode(np.arange(n, dtype=np.int64)),
+                    grads=codec.encode(np.ones((n, cols), np.float32)), shard_map=pb.ShardMap(num_shards=1)
+                )).SerializeToString()
+
+            good = push("t", 2)
+            for k in range(300):
+                kind = k % 5
+                if kind == 0:
+                    parts = [os.urandom(int(rng.integers(0, 40))) for _ in range(int(rng.integers(1, 5)))]
+                elif kind == 1:
+                    parts = [b"\x02" * 8, good[: int(rng.integers(0, len(good) - 1))]]  # truncated
+                elif kind == 2:  # well-formed, refused: a wrong width, an unknown table, ids out of range
+                    parts = [b"\x03" * 8, [push("t", 5), push("nope", 2), push("t", 2, n=11)][k % 3]]
+                elif kind == 3:
+                    parts = [b"", os.urandom(8)]  # a control message that is not a hello
+                else:
+                    parts = [b"\x04" * 8, os.urandom(2 << 20)] if k % 50 == 4 else [b"\x05" * 8, b""]  # oversized
+                sock.send_multipart(parts)
+            sock.close(0)
+            assert not data_plane_call(port, _pull_frame()).HasField("error")  # still serving
+            after = c.pull("t", torch.arange(10))
+        torch.testing.assert_close(after, before, rtol=0, atol=0)  # nothing refused changed a row
+        assert shard.proc.poll() is None and "Traceback" not in shard.log()
+    finally:
+        shard.terminate()
