@@ -72,6 +72,6 @@ def client2(cluster2: list[ShardServer], request: pytest.FixtureRequest) -> Iter
     """A client of a 2-shard cluster, once over the data plane (ZeroMQ, the default) and once over gRPC
     streams: the behaviour tests that use it run over both transports."""
     with Client([s.address for s in cluster2], timeout=10, retry_timeout=2,
-                data_plane="auto" if request.param == "zmq" else "grpc") as c:
+                data_plane=request.param) as c:
         yield c
         assert set(c.transport.data_planes()) <= ({"zmq", ""} if request.param == "zmq" else {"grpc-stream"})

@@ -1,11 +1,12 @@
 """The data plane (pulls and pushes over ZeroMQ) against real shard processes: the client's choice of transport,
 credentials before any request is decoded, CURVE with TLS, malformed traffic, and the gRPC fallback. The
 behaviour tests of lanes (order, read-your-writes, batches, errors) run over both transports through the
-``client2`` fixture; the kill -9 tests of durability run over the data plane, the default."""
+``client2`` fixture; kill -9s of shards under a training client here."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -55,18 +56,18 @@ def _pull_frame(n: int = 3) -> bytes:
                             ).SerializeToString()
 
 
-def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_path):
+def test_clients_asking_for_the_data_plane_use_it_and_grpc_streams_without_one(tmp_path):
     with_plane = start_shard(0, 1, tmp_path)
     without = start_shard(0, 1, tmp_path, extra=["--data-threads", "0"])
     try:
         for shard, expected in ((with_plane, "zmq"), (without, "grpc-stream")):
-            with Client([shard.address], timeout=10, retry_timeout=5) as c:
+            with Client([shard.address], timeout=10, retry_timeout=5, data_plane="zmq") as c:
                 c.create_table("t", dim=2, num_embeddings=10)
                 c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
                 assert c.pull("t", torch.arange(3)).shape == (3, 2)
                 assert c.transport.data_planes() == [expected]
                 assert len(c.shard_info()[0].data_ports) == (2 if expected == "zmq" else 0)
-        with Client([with_plane.address], data_plane="grpc") as c:
+        with Client([with_plane.address]) as c:  # the default: gRPC streams
             c.pull("t", torch.arange(3))
             assert c.transport.data_planes() == ["grpc-stream"]
     finally:
@@ -98,7 +99,7 @@ def test_with_tls_the_data_plane_is_encrypted_and_wants_the_ticket(tmp_path):
     dev = certs.make_dev_certs(str(tmp_path / "pki"))
     shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key])
     try:
-        with Client([shard.address], tls=TLS(ca=dev.ca), timeout=10) as c:
+        with Client([shard.address], tls=TLS(ca=dev.ca), timeout=10, data_plane="zmq") as c:
             c.create_table("t", dim=2, num_embeddings=10)
             c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
             assert c.transport.data_planes() == ["zmq"]
@@ -154,3 +155,57 @@ def test_malformed_traffic_changes_nothing_and_the_shard_keeps_serving(tmp_path)
         assert shard.proc.poll() is None and "Traceback" not in shard.log()
     finally:
         shard.terminate()
+
+
+def test_kill9_of_shards_under_a_data_plane_client_loses_nothing_and_applies_nothing_twice(tmp_path):
+    """A client pushes +1s over the data plane while shards are killed -9 and restarted (on new data ports,
+    found again through ShardInfo): every acknowledged push is there once."""
+    import threading
+
+    from shardps_client import SGD
+
+    from shardps.core.specs import Initializer
+
+    n, rows = 2, 256
+    shards = [start_shard(i, n, tmp_path, str(tmp_path / f"d{i}")) for i in range(n)]
+    counts = np.zeros(rows, np.int64)
+    stop, errors, acked = threading.Event(), [], [0]
+
+    def trainer() -> None:
+        rng = np.random.default_rng(1)
+        try:
+            with Client([s.address for s in shards], timeout=10, retry_timeout=60, data_plane="zmq") as c:
+                while not stop.is_set():
+                    ids = rng.choice(rows, size=32, replace=False)
+                    c.push("cnt", torch.from_numpy(ids), torch.ones(32, 2), wait=True)
+                    counts[ids] += 1
+                    acked[0] += 1
+                assert c.transport.data_planes() == ["zmq", "zmq"]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    try:
+        with Client([s.address for s in shards]) as c:
+            c.create_table("cnt", dim=2, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        t = threading.Thread(target=trainer)
+        t.start()
+        for k in range(3):
+            before = acked[0]
+            deadline = time.monotonic() + 60
+            while acked[0] < before + 5:  # progress between kills (a generous bound, never a rate)
+                assert not errors and time.monotonic() < deadline, errors or "no progress"
+                time.sleep(0.02)
+            i = k % n
+            port = shards[i].address.rsplit(":", 1)[1]
+            shards[i].kill()
+            shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), extra=["--port", port])
+        stop.set()
+        t.join(120)
+        assert not errors, errors
+        with Client([s.address for s in shards]) as c:
+            got = c.pull("cnt", torch.arange(rows))[:, 0]
+        torch.testing.assert_close(got, -torch.from_numpy(counts.astype(np.float32)), rtol=0, atol=0)
+    finally:
+        stop.set()
+        for s in shards:
+            s.kill()

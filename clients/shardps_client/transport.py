@@ -327,16 +327,16 @@ class Transport:
         max_message_bytes: the largest request the client makes (channels accept a little more).
         tls: TLS to the shards (None: plaintext).
         token: the bearer token every call carries (None: none).
-        data_plane: "auto": a shard's pulls and pushes over its data plane (ZeroMQ, ``data_plane.DataLane``)
+        data_plane: "zmq": a shard's pulls and pushes over its data plane (ZeroMQ, ``data_plane.DataLane``)
             when it has one, else on a gRPC stream; "grpc": always on gRPC streams.
         client_id: the client's id (picks the data-plane port it uses).
     """
 
     def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int,
-                 tls: Optional[TLS] = None, token: Optional[str] = None, data_plane: str = "auto",
+                 tls: Optional[TLS] = None, token: Optional[str] = None, data_plane: str = "grpc",
                  client_id: str = "") -> None:
-        if data_plane not in ("auto", "grpc"):
-            raise ValueError(f"data_plane must be 'auto' or 'grpc', got {data_plane!r}")
+        if data_plane not in ("zmq", "grpc"):
+            raise ValueError(f"data_plane must be 'grpc' or 'zmq', got {data_plane!r}")
         self.addresses = list(addresses)
         self.timeout = timeout
         self.retry_timeout = retry_timeout
@@ -364,7 +364,7 @@ class Transport:
             Lane(ch, a, functools.partial(self.call, i), timeout, retry_timeout)
             for i, (ch, a) in enumerate(zip(self._channels, self.addresses))
         ]
-        if data_plane == "auto" and _have_zmq():
+        if data_plane == "zmq" and _have_zmq():
             from shardps_client.data_plane import DataLane
 
             self.lanes = [DataLane(lane, functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest()),

@@ -138,7 +138,7 @@ class DataPlane:
                 sock.send_multipart(reply, copy=False)
 
     def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[list]:
-        peer = _peer(parts[-1])
+        peer = f"{_peer(parts[-1])}#{rid.hex()}"  # a connection, as gRPC's peer names one (address and port)
         if len(parts) < 3:
             self.chain.slow_refusal(peer, _refusal(), sum(len(p) for p in parts))
             return None  # not a request: no request id to answer
