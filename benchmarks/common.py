@@ -11,6 +11,8 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from shardps.server.ops.launcher import cpu_seconds  # noqa: F401 (the benchmarks' process accounting)
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -26,14 +28,6 @@ def unique_batches(seed: int, count: int, batch: int, rows: int, a: Optional[flo
     """Pre-generated batches of unique ids (generated before timing starts)."""
     rng = np.random.default_rng(seed)
     return [np.unique(zipf_ids(rng, batch, rows, a)) for _ in range(count)]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def rss_bytes(pid: int) -> int:

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Callable, Iterator, Optional
 
-from shardps.server.ops.launcher import LocalCluster
+from shardps.server.ops.launcher import LocalCluster, cpu_seconds
 
 
 def add_cluster_args(p: argparse.ArgumentParser, workers: int = 2) -> None:
@@ -56,16 +56,14 @@ def cluster(args: argparse.Namespace) -> Iterator[Addresses]:
             yield out
 
 
-def cpu_seconds(pids: list[int]) -> float:
+def total_cpu_seconds(pids: list[int]) -> float:
     """CPU time (user + system) the processes ``pids`` have used so far (Linux /proc; 0 elsewhere)."""
     total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            total += cpu_seconds(pid)
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
 

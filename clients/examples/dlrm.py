@@ -51,8 +51,8 @@ from clients.examples.common import (
     Progress,
     add_cluster_args,
     cluster,
-    cpu_seconds,
     run_workers,
+    total_cpu_seconds,
     worker_addresses,
     worker_identity,
     worker_threads,
@@ -379,9 +379,9 @@ def main() -> int:
     results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
     os.environ["SHARDPS_RESULTS_DIR"] = results_dir
     with cluster(args) as addresses:
-        shards_cpu = cpu_seconds(addresses.pids)
+        shards_cpu = total_cpu_seconds(addresses.pids)
         code = run_workers(args, addresses, __spec__.name, {"MASTER_PORT": str(free_port())})
-        shards_cpu = cpu_seconds(addresses.pids) - shards_cpu  # (0 for a cluster this run did not start)
+        shards_cpu = total_cpu_seconds(addresses.pids) - shards_cpu  # (0 for a cluster this run did not start)
     if code != 0:
         return code
     ranks = [json.load(open(os.path.join(results_dir, f"rank{r}.json"))) for r in range(args.workers)]

@@ -29,8 +29,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from shardps.core import protocol, wire
-from shardps.v1 import shardps_pb2 as pb
+from shardps.core import wire
 from shardps_client.errors import ShardpsError
 
 log = logging.getLogger(__name__)
@@ -60,14 +59,15 @@ class DataLane:
         host: the shard's host (from the address the client was given).
         client_id: picks which of the shard's data-plane ports this client uses.
         token: the client's bearer token (None: none).
-        reply: ``reply(field, view)`` -> what the unary stub returns; ``error(code, message, kind, method)`` ->
-            the client exception of a StreamError; ``timed_out(message)`` / ``unavailable(message)`` -> the
-            exceptions of a call with no answer in time / a shard that could not be reached again.
+        resolve: ``resolve(future, what=..., field=..., view=...)`` settles a call's future with its answer (a
+            StreamResponse): the stub's reply or the error (``transport.resolve``); ``timed_out(message)`` /
+            ``unavailable(message)`` -> the exceptions of a call with no answer in time / a shard that could not
+            be reached again.
         timeout: seconds a call may wait for its answer; retry_timeout: seconds to keep reconnecting.
     """
 
     def __init__(self, fallback: Any, discover: Callable[[], Any], host: str, client_id: str, token: Optional[str],
-                 reply: Callable[[int, memoryview], Any], error: Callable[[int, str, str, str], ShardpsError],
+                 resolve: Callable[..., None],
                  timed_out: Callable[[str], ShardpsError], unavailable: Callable[[str], ShardpsError],
                  timeout: float, retry_timeout: float) -> None:
         self.fallback = fallback
@@ -76,7 +76,7 @@ class DataLane:
         self._host = host
         self._pick = zlib.crc32(client_id.encode())
         self._token = (token or "").encode()
-        self._reply, self._error, self._timed_out, self._unavailable = reply, error, timed_out, unavailable
+        self._resolve, self._timed_out, self._unavailable = resolve, timed_out, unavailable
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self._lock = threading.Lock()
@@ -253,10 +253,18 @@ class DataLane:
             sock.close(0)
 
     def _answer(self, parts: list[Any], unacked: collections.OrderedDict) -> None:
-        if len(parts) == 3 and not len(parts[0]):  # the answer to the hello
-            if parts[1].bytes == b"error":
-                err = pb.StreamError.FromString(parts[2].bytes)
-                self._fail(unacked, self._error(err.code, err.message, err.kind, "hello"))
+        if len(parts) == 3 and not len(parts[0]):  # the hello refused: [b"", b"error", StreamResponse]
+            refused: Future = Future()
+            try:
+                field, view = wire.unframe(parts[2].buffer)
+                self._resolve(refused, what="data-plane hello", field=field, view=view)
+            except Exception as e:  # noqa: BLE001 - a malformed refusal is still a refusal
+                refused.set_exception(e)
+            exc = refused.exception()
+            if not isinstance(exc, ShardpsError):
+                exc = ShardpsError(f"data plane of shard at {self.address} refused the hello: {exc}",
+                                   address=self.address)
+            self._fail(unacked, exc)
             return
         if len(parts) == 2 and not len(parts[0]) and parts[1].bytes == b"ok":
             self._reached = True
@@ -268,13 +276,10 @@ class DataLane:
             return  # the answer to a call resent after its first answer was lost: already resolved
         try:
             field, view = wire.unframe(parts[1].buffer)
-            if field == protocol.STREAM_ERROR_FIELD:
-                err = pb.StreamError.FromString(bytes(view))
-                item.future.set_exception(self._error(err.code, err.message, err.kind, item.method))
-            else:
-                item.future.set_result(self._reply(field, view))
         except BaseException as e:  # noqa: BLE001 - a malformed answer fails its call alone
             item.future.set_exception(e)
+            return
+        self._resolve(item.future, what=item.method, field=field, view=view)
 
     def _fail(self, unacked: collections.OrderedDict, exc: ShardpsError) -> None:
         with self._lock:

@@ -83,6 +83,19 @@ def _reply(field: int, view: memoryview) -> Any:
     return method.decode_reply(view)
 
 
+def resolve(future: Future, address: str, what: str, field: int, view: memoryview) -> None:
+    """Settle the future of call ``what`` with its answer on a stream (or the data plane), a StreamResponse
+    (``field``, ``view``): the reply the unary stub would return, or the client exception of its
+    StreamError; a malformed reply fails that call alone."""
+    try:
+        if field == protocol.STREAM_ERROR_FIELD:
+            err = pb.StreamError.FromString(bytes(view))
+            raise from_status(err.code, err.message, address, what, err.kind)
+        future.set_result(_reply(field, view))
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the call
+        future.set_exception(e)
+
+
 class _Item:
     __slots__ = ("future", "method", "request", "sent_at")
 
@@ -211,16 +224,7 @@ class Lane:
                 with self._cv:
                     item = self._unacked.popleft()
                 self._answered = True
-                if field == protocol.STREAM_ERROR_FIELD:
-                    err = pb.StreamError.FromString(bytes(view))
-                    item.future.set_exception(from_status(err.code, err.message, self.address, item.method, err.kind))
-                    continue
-                try:
-                    reply = _reply(field, view)
-                except BaseException as e:  # noqa: BLE001 - a malformed reply fails its call alone
-                    item.future.set_exception(e)
-                    continue
-                item.future.set_result(reply)
+                resolve(item.future, self.address, item.method, field, view)
         except grpc.RpcError as e:
             error = e
         finally:
@@ -368,7 +372,7 @@ class Transport:
             from shardps_client.data_plane import DataLane
 
             self.lanes = [DataLane(lane, functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest()),
-                                   _host(a), client_id, token, _reply, functools.partial(_stream_error, a),
+                                   _host(a), client_id, token, functools.partial(resolve, address=a),
                                    functools.partial(_timed_out, a), functools.partial(_unavailable, a),
                                    timeout, retry_timeout)
                           for i, (lane, a) in enumerate(zip(self.lanes, self.addresses))]
@@ -387,7 +391,6 @@ class Transport:
             out.append("zmq" if mode == "zmq" else "" if mode is None else
                        "grpc-stream" if grpc_lane.streaming else "grpc-unary")
         return out
-
 
     def call(self, shard: int, method: str, request: Any, retry: bool = True) -> Any:
         """One RPC with a deadline, retried with backoff while the shard is UNAVAILABLE."""
@@ -444,10 +447,6 @@ class Transport:
             lane.close()
         for ch in self._channels:
             ch.close()
-
-
-def _stream_error(address: str, code: int, message: str, kind: str, method: str) -> ShardpsError:
-    return from_status(code, message, address, method, kind)
 
 
 def _timed_out(address: str, message: str) -> ShardpsError:

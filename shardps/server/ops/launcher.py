@@ -28,6 +28,14 @@ from shardps.server.ops.certs import DevCerts, make_dev_certs
 log = logging.getLogger(__name__)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc): a shard's, say, for the benchmarks and
+    the examples' reports."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now: a rendezvous for processes started on this machine
     (torch.distributed's MASTER_PORT, say)."""

@@ -110,7 +110,7 @@ class CallChain:
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
             code, message, kind = self.status(e, name)
         self.slow_refusal(peer, code, len(request))
-        return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()
+        return stream_error(code, message, kind)
 
     def status(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str, str]:
         """The status code, message and kind (shardps.core.status) of an error in ``method``
@@ -145,6 +145,11 @@ def caller_limits(peer: str, grant: Optional[Grant], per_connection: int,
     if grant is not None:
         limits.append((grant.key, getattr(grant.limits, token_limit)))
     return limits
+
+
+def stream_error(code: grpc.StatusCode, message: str, kind: str) -> bytes:
+    """A refused call's answer on a stream (or the data plane): a StreamResponse holding its StreamError."""
+    return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()
 
 
 def _size(reply: Any) -> int:

@@ -30,13 +30,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import grpc
 import zmq
 
 from shardps.core.errors import Unauthenticated
 from shardps.core.tokens import bearer
 from shardps.server.rpc.auth import Grant, Tokens
-from shardps.server.rpc.chain import CallChain
-from shardps.v1 import shardps_pb2 as pb
+from shardps.server.rpc.chain import CallChain, stream_error
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class DataPlane:
     def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[list]:
         peer = f"{_peer(parts[-1])}#{rid.hex()}"  # a connection, as gRPC's peer names one (address and port)
         if len(parts) < 3:
-            self.chain.slow_refusal(peer, _refusal(), sum(len(p) for p in parts))
+            self.chain.slow_refusal(peer, grpc.StatusCode.INVALID_ARGUMENT, sum(len(p) for p in parts))
             return None  # not a request: no request id to answer
         request_id = parts[1].bytes
         if not request_id:
@@ -151,7 +151,7 @@ class DataPlane:
                 error = Unauthenticated("data plane: this connection has not presented its credentials (hello)")
                 code, message, kind = self.chain.status(error, "Stream")
                 self.chain.slow_refusal(peer, code, len(parts[2]))
-                return [rid, request_id, _stream_error(code, message, kind)]
+                return [rid, request_id, stream_error(code, message, kind)]
             conn = self._remember(rid, _Connection(None, peer, 1.0, peer), connections)
         role = conn.grant.role if conn.grant is not None else None
         reply = self.chain.frame(self.frames, parts[2].buffer, role, conn.key, conn.weight, conn.peer)
@@ -173,7 +173,7 @@ class DataPlane:
         except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED, answered
             code, message, kind = self.chain.status(e, "Stream")
             self.chain.slow_refusal(peer, code)
-            return [b"error", _stream_error(code, message, kind)]
+            return [b"error", stream_error(code, message, kind)]
 
     @staticmethod
     def _remember(rid: bytes, conn: _Connection, connections: dict[bytes, _Connection]) -> _Connection:
@@ -190,13 +190,3 @@ def _peer(frame: Any) -> str:
         return f"ipv4:{frame.get('Peer-Address')}"
     except (zmq.ZMQError, AttributeError):
         return "zmq"
-
-
-def _refusal() -> Any:
-    import grpc
-
-    return grpc.StatusCode.INVALID_ARGUMENT
-
-
-def _stream_error(code: Any, message: str, kind: str) -> bytes:
-    return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()
