@@ -43,6 +43,8 @@ spec:
   selector: {{app.kubernetes.io/name: shardps, app.kubernetes.io/component: shard}}
   ports:
     - {{name: grpc, port: 7000, targetPort: grpc}}
+    - {{name: data-0, port: 7100, targetPort: data-0}}
+    - {{name: data-1, port: 7101, targetPort: data-1}}
     - {{name: metrics, port: 9100, targetPort: metrics}}
 ---
 apiVersion: apps/v1
@@ -80,9 +82,15 @@ spec:
             - {{name: SHARDPS_DURABILITY, value: log}}
             - {{name: SHARDPS_CHECKPOINT_INTERVAL, value: "300"}}
             - {{name: SHARDPS_METRICS_PORT, value: "9100"}}
+            # The data plane (pulls and pushes over ZeroMQ): 2 sockets on fixed ports, so that network
+            # policies can name them; the gRPC health the probes ask covers them.
+            - {{name: SHARDPS_DATA_PORT, value: "7100"}}
+            - {{name: SHARDPS_DATA_THREADS, value: "2"}}
             # The tables' memory budget follows the container's limit (half of it by default).
           ports:
             - {{name: grpc, containerPort: 7000}}
+            - {{name: data-0, containerPort: 7100}}
+            - {{name: data-1, containerPort: 7101}}
             - {{name: metrics, containerPort: 9100}}
           startupProbe:  # a restart replays the log: up to 5 minutes before liveness applies
             grpc: {{port: 7000}}

@@ -213,6 +213,7 @@ def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(
         acked = 0
         stop = threading.Event()
         errors: list[BaseException] = []
+        transports: list[str] = []
 
         def pusher() -> None:
             nonlocal acked
@@ -221,6 +222,7 @@ def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(
                     while not stop.is_set():
                         c.push("canary", canary_ids, torch.full((64, 2), -1.0), wait=True)
                         acked += 1
+                    transports.extend(c.transport.data_planes())
             except BaseException as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -248,6 +250,7 @@ def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(
         stop.set()
         thread.join(120)
         assert not errors, errors
+        assert transports == ["zmq"] * SHARDS  # the data plane on its fixed ports, through the crash too
         assert dep.inspect("shard-1")["RestartCount"] > restarts and "replayed" in dep.run("logs", "shard-1")
 
         # The trainer finishes, having gone through the crash.

@@ -56,7 +56,7 @@ def _pull_frame(n: int = 3) -> bytes:
                             ).SerializeToString()
 
 
-def test_clients_asking_for_the_data_plane_use_it_and_grpc_streams_without_one(tmp_path):
+def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_path, monkeypatch):
     with_plane = start_shard(0, 1, tmp_path)
     without = start_shard(0, 1, tmp_path, extra=["--data-threads", "0"])
     try:
@@ -67,7 +67,14 @@ def test_clients_asking_for_the_data_plane_use_it_and_grpc_streams_without_one(t
                 assert c.pull("t", torch.arange(3)).shape == (3, 2)
                 assert c.transport.data_planes() == [expected]
                 assert len(c.shard_info()[0].data_ports) == (2 if expected == "zmq" else 0)
-        with Client([with_plane.address]) as c:  # the default: gRPC streams
+        with Client([with_plane.address]) as c:  # the default: the data plane
+            c.pull("t", torch.arange(3))
+            assert c.transport.data_planes() == ["zmq"]
+        with Client([with_plane.address], data_plane="grpc") as c:  # asked for gRPC streams
+            c.pull("t", torch.arange(3))
+            assert c.transport.data_planes() == ["grpc-stream"]
+        monkeypatch.setenv("SHARDPS_DATA_PLANE", "grpc")  # the same, from the environment
+        with Client([with_plane.address]) as c:
             c.pull("t", torch.arange(3))
             assert c.transport.data_planes() == ["grpc-stream"]
     finally:
@@ -209,3 +216,71 @@ def test_kill9_of_shards_under_a_data_plane_client_loses_nothing_and_applies_not
         stop.set()
         for s in shards:
             s.kill()
+
+
+def test_a_waiting_call_hands_its_socket_over_and_its_connection_keeps_order(tmp_path):
+    """Three workers of a synchronous table on a shard with one data-plane socket: each worker's step waits
+    for the others', so the socket's thread must not wait with it (it did: the step never completed). Worker
+    0's pull, sent after its push, waits behind it on its connection and sees the step applied."""
+    from shardps_client import SGD, SyncPolicy
+
+    from shardps.core.specs import Initializer
+    from tests.conftest import run_workers
+
+    shard = start_shard(0, 1, tmp_path, extra=["--data-threads", "1"])
+    ids = torch.arange(4)
+    try:
+        with Client([shard.address]) as c:
+            c.create_table("s", dim=2, num_embeddings=4, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           sync=SyncPolicy(workers=3, aggregator="sum", timeout_s=60, on_timeout="fail"))
+        seen: dict[int, torch.Tensor] = {}
+
+        def body(c: Client, rank: int) -> None:
+            for step in range(3):
+                c.push("s", ids, torch.full((4, 2), float(rank + 1)))  # not waited for
+                seen[step] = c.pull("s", ids) if rank == 0 else seen.get(step)  # behind the push, on its lane
+                c.flush()
+            assert c.transport.data_planes() == ["zmq"]
+
+        assert not run_workers([shard.address], 3, body, timeout=30, retry_timeout=5)
+        for step in range(3):  # each step subtracts the sum of the three workers' gradients (1 + 2 + 3)
+            torch.testing.assert_close(seen[step], torch.full((4, 2), -6.0 * (step + 1)), rtol=0, atol=0)
+        with Client([shard.address], data_plane="grpc") as c:
+            info = c.shard_info()[0]
+        assert info.data_plane_handoffs >= 3  # every step's completing pushes waited off the socket's thread
+        assert sorted(d.transport for d in info.data_clients) == ["zmq"] * 3
+        from shardps.server.ops.report import collect, render
+
+        rows = collect([shard.address], interval=0)  # shardps stats: each client's transport
+        assert [c["transport"] for c in rows[0]["clients"]] == ["zmq"] * 3
+        assert "clients in the last minute: 3 over zmq; data plane on port " in render(rows)
+        assert shard.proc.poll() is None and "Traceback" not in shard.log()
+    finally:
+        shard.terminate()
+
+
+def test_health_covers_the_data_plane():
+    """A data-plane socket that no thread serves any more (here a failure injected into its thread) turns the
+    shard's gRPC health NOT_SERVING, so the probes of Compose and Kubernetes restart it."""
+    from shardps.probe import check
+    from shardps.server.rpc import ServerConfig, ShardServer
+    from shardps.server.shard.facade import ShardConfig
+
+    server = ShardServer(ShardConfig(0, 1), ServerConfig()).start()
+    try:
+        assert check(server.address) == "SERVING" and server.data_plane.healthy() == ""
+
+        def broken(st):
+            raise RuntimeError("injected")
+
+        server.data_plane._receive = broken
+        with pytest.raises(zmq.Again):  # its thread fails on this request: no answer
+            data_plane_call(server.data_plane.ports[0], _pull_frame(), hello=False, timeout_ms=1000)
+        assert "injected" in server.data_plane.healthy()
+        deadline = time.monotonic() + 20
+        while check(server.address) == "SERVING":
+            assert time.monotonic() < deadline, "still SERVING"
+            time.sleep(0.1)
+        assert check(server.address) == "NOT_SERVING"
+    finally:
+        server.stop()

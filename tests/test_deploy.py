@@ -171,7 +171,9 @@ def test_cluster_described_by_compose_trains(compose, tmp_path):
     try:
         for name, svc in sorted(_shards(compose).items()):
             ready = tmp_path / f"{name}.ready"
+            assert svc["environment"]["SHARDPS_DATA_PORT"] == "7100"  # fixed inside its container's network
             env = {**os.environ, **svc["environment"], "SHARDPS_HOST": "127.0.0.1", "SHARDPS_PORT": "0",
+                   "SHARDPS_DATA_PORT": "0",
                    "SHARDPS_DATA_DIR": str(tmp_path / name), "SHARDPS_READY_FILE": str(ready)}
             log = open(tmp_path / f"{name}.log", "w")
             procs.append((subprocess.Popen([sys.executable, "-m", "shardps", "serve"], env=env, stdout=log,
@@ -235,6 +237,7 @@ def test_cluster_command_reports_and_restarts_a_dead_shard(tmp_path):
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
     assert "shard 1" in out and "died with exit code -9" in out and "restarted" in out
+    assert re.search(r"shard 0: 127\.0\.0\.1:\d+, data plane on ports \d+, \d+", out), out
     assert proc.returncode == 0
 
 
@@ -297,7 +300,10 @@ def test_kubernetes_statefulset_runs_one_shard_per_ordinal_with_probes_volume_an
                     durability=args.durability)
         assert args.data_dir == "/data" and args.port == 7000
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": args.port, "metrics": args.metrics_port}
+    assert args.data_port == 7100 and args.data_threads == 2
+    assert ports == {"grpc": args.port, "metrics": args.metrics_port, "data-0": 7100, "data-1": 7101}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 7000, "metrics": 9100, "data-0": 7100,
+                                                                    "data-1": 7101}
     annotations = sts["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and int(annotations["prometheus.io/port"]) == args.metrics_port
     for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -42,10 +42,10 @@ def test_pipelined_pushes_and_pulls_follow_program_order(client2):
 
 
 def test_unary_fallback_when_a_shard_refuses_streams(tmp_path):
-    """`shardps serve --max-streams 0`: the client falls back to unary calls, with the same results."""
+    """`shardps serve --max-streams 0`: a gRPC client falls back to unary calls, with the same results."""
     procs = [start_shard(i, 2, tmp_path, extra=["--max-streams", "0"]) for i in range(2)]
     try:
-        with Client([p.address for p in procs], timeout=10, retry_timeout=5) as c:
+        with Client([p.address for p in procs], timeout=10, retry_timeout=5, data_plane="grpc") as c:
             _interleaved_adam_matches_torch(c)
             assert not any(lane.streaming for lane in c.transport.lanes)
     finally:

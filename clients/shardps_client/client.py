@@ -91,10 +91,9 @@ class Client(ClusterMethods, DenseMethods):
             SHARDPS_TLS_CA / SHARDPS_TLS_CLIENT_CERT / SHARDPS_TLS_CLIENT_KEY when set, else plaintext.
         token: the bearer token every call carries; None: the file SHARDPS_TOKEN_FILE names, else
             SHARDPS_TOKEN, else no token (what shards without ``--tokens-file`` expect).
-        data_plane: how pulls and pushes travel: "grpc" (the default; SHARDPS_DATA_PLANE sets another): on a
-            gRPC stream per shard; "zmq": over a shard's data plane (ZeroMQ) when it has one, else on a gRPC
-            stream. Not yet the default: a socket thread of the data plane serves one call at a time, so
-            synchronous steps, which wait for other workers' calls, need gRPC streams.
+        data_plane: how pulls and pushes travel: "zmq" (the default; SHARDPS_DATA_PLANE sets another): over
+            a shard's data plane (ZeroMQ) when it has one, else on a gRPC stream; "grpc": on a gRPC stream per
+            shard. Both keep the same order, retries and errors.
     """
 
     def __init__(
@@ -115,7 +114,7 @@ class Client(ClusterMethods, DenseMethods):
         transport = Transport(addresses, timeout, retry_timeout, max_message_bytes,
                               tls if tls is not None else TLS.from_environment(),
                               token if token is not None else token_from_environment(),
-                              data_plane or os.environ.get("SHARDPS_DATA_PLANE") or "grpc", client_id)
+                              data_plane or os.environ.get("SHARDPS_DATA_PLANE") or "zmq", client_id)
         n = len(addresses)
         pool = ThreadPoolExecutor(max_workers=max(4, 4 * n), thread_name_prefix="shardps-client")
         self._session = Session(

@@ -337,7 +337,7 @@ class Transport:
     """
 
     def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int,
-                 tls: Optional[TLS] = None, token: Optional[str] = None, data_plane: str = "grpc",
+                 tls: Optional[TLS] = None, token: Optional[str] = None, data_plane: str = "zmq",
                  client_id: str = "") -> None:
         if data_plane not in ("zmq", "grpc"):
             raise ValueError(f"data_plane must be 'grpc' or 'zmq', got {data_plane!r}")

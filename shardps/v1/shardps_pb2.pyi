@@ -551,7 +551,7 @@ class ShardStats(_message.Message):
     def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket")
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket", "data_clients", "data_plane_handoffs")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -566,6 +566,8 @@ class ShardInfoResponse(_message.Message):
     DATA_PORTS_FIELD_NUMBER: _ClassVar[int]
     DATA_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -580,7 +582,25 @@ class ShardInfoResponse(_message.Message):
     data_ports: _containers.RepeatedScalarFieldContainer[int]
     data_public_key: str
     data_ticket: bytes
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ...) -> None: ...
+    data_clients: _containers.RepeatedCompositeFieldContainer[DataClient]
+    data_plane_handoffs: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ...) -> None: ...
+
+class DataClient(_message.Message):
+    __slots__ = ("peer", "transport", "caller", "calls", "bytes", "idle_s")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    transport: str
+    caller: str
+    calls: int
+    bytes: int
+    idle_s: float
+    def __init__(self, peer: _Optional[str] = ..., transport: _Optional[str] = ..., caller: _Optional[str] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class ServingInfo(_message.Message):
     __slots__ = ("directory", "base", "delta", "applied_age_s", "error", "deltas_applied", "last_apply_s")

@@ -258,7 +258,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     cluster.write_cluster_file(args.cluster_file)
     print(f"shardps cluster: {args.shards} shards healthy (logs in {cluster.log_dir})", flush=True)
     for i, a in enumerate(cluster.addresses):
-        print(f"  shard {i}: {a}", flush=True)
+        print(f"  shard {i}: {a}{_data_ports(a, cluster.tls_files)}", flush=True)
     print(f"cluster file: {args.cluster_file}   (Client.from_file({args.cluster_file!r}))", flush=True)
     code = 0
     try:
@@ -277,6 +277,17 @@ def run_cluster(args: argparse.Namespace) -> int:
         codes = cluster.stop()
         print(f"shardps cluster: stopped (exit codes {codes})", flush=True)
     return code
+
+
+def _data_ports(address: str, tls: Optional[dict]) -> str:
+    """How a shard's data plane is reached, as ``shardps cluster`` prints it (its health covers it)."""
+    from shardps.server.ops.report import collect
+
+    try:
+        ports = collect([address], interval=0, tls=tls)[0]["data_ports"]
+    except RuntimeError as e:
+        return f" (data plane unknown: {e})"
+    return f", data plane on port{'s' if len(ports) > 1 else ''} {', '.join(map(str, ports))}" if ports else ""
 
 
 def run_reshard(args: argparse.Namespace) -> int:

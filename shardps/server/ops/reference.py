@@ -53,8 +53,8 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
          "on a command line, which `ps` shows to every user"),
         ("SHARDPS_TOKEN", "the same", "the bearer token itself, when `SHARDPS_TOKEN_FILE` is not set"),
         ("SHARDPS_DATA_PLANE", "`Client` (when `data_plane=None`)",
-         "`grpc` (default: pulls and pushes on a gRPC stream per shard) or `zmq` (over a shard's data plane, "
-         "ZeroMQ, when it has one, else on a gRPC stream; not with synchronous tables yet)"),
+         "`zmq` (default: pulls and pushes over a shard's data plane, ZeroMQ, when it has one, else on a gRPC "
+         "stream) or `grpc` (on a gRPC stream per shard)"),
         ("SHARDPS_SHARDS", "`shardps cluster`", "default of `--shards` (2)"),
         ("RANK", "`Client` (when `rank=None`)", "this worker's rank, as torchrun sets it"),
         ("WORLD_SIZE", "`Client` (when `world_size=None`)", "the number of workers, as torchrun sets it"),

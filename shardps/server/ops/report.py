@@ -87,6 +87,9 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
             "max_staleness": st.max_staleness, "mean_staleness": round(st.mean_staleness, 3),
             "stale_rejected": st.stale_rejected, "duplicates": st.duplicates, "errors": st.errors,
             "tables": tables, "server_version": info.server_version, "export_floor": info.export_floor,
+            "data_ports": list(info.data_ports), "data_plane_handoffs": info.data_plane_handoffs,
+            "clients": [{"peer": c.peer, "transport": c.transport, "caller": c.caller, "calls": c.calls,
+                         "bytes": c.bytes, "idle_s": round(c.idle_s, 1)} for c in info.data_clients],
         })
         if info.HasField("serving"):
             sv = info.serving
@@ -114,6 +117,15 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{_si(r['rows_pushed_rate']):>10} {_si(r['rows_pulled_rate']):>10} "
             f"{str(r['max_staleness']) + '/' + str(r['mean_staleness']):>15} {r['uptime_s']:>7.0f}s"
         )
+        if r.get("clients") or r.get("data_ports"):
+            by: dict[str, int] = {}
+            for c in r["clients"]:
+                by[c["transport"]] = by.get(c["transport"], 0) + 1
+            using = ", ".join(f"{n} over {t}" for t, n in sorted(by.items())) or "none"
+            plural = "s" if len(r["data_ports"]) > 1 else ""
+            ports = (f"data plane on port{plural} {', '.join(map(str, r['data_ports']))}" if r["data_ports"]
+                     else "no data plane")
+            lines.append(f"{'':>5}   clients in the last minute: {using}; {ports}")
         if "serving" in r:
             sv = r["serving"]
             lines.append(f"{'':>5}   serving {sv['directory']}: base {sv['base']} + delta {sv['delta']} "

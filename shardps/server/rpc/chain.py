@@ -24,6 +24,7 @@ from shardps.core.wire import parse
 from shardps.server.rpc import fair
 from shardps.server.rpc.auth import ALLOWED, Grant, Tokens
 from shardps.server.rpc.fair import Callers, FairScheduler
+from shardps.server.rpc.peers import Peers
 from shardps.server.shard.facade import Shard
 from shardps.v1 import shardps_pb2 as pb
 
@@ -49,6 +50,7 @@ class CallChain:
         self.scheduler = scheduler
         self.callers = callers
         self._local = threading.local()  # the grant of the call this handler thread serves
+        self.peers = Peers()  # the data path's connections and their transports (shardps stats)
 
     def grant(self) -> Optional[Grant]:
         """The token grant of the call this thread serves (None without tokens)."""
@@ -76,7 +78,9 @@ class CallChain:
                 if grant is not None:
                     self.callers.exit("calls", [grant.key])
             if gated:
-                self.scheduler.charge(key, weight, 0.0, len(request) + _size(result))
+                nbytes = len(request) + _size(result)
+                self.scheduler.charge(key, weight, 0.0, nbytes)
+                self.peers.seen(peer, "grpc-unary", key, nbytes)
         except Exception as e:  # noqa: BLE001 - every error becomes a status (see status)
             code, message, kind = self.status(e, name)
             self.slow_refusal(peer, code, len(request))
@@ -87,9 +91,10 @@ class CallChain:
         return result
 
     def frame(self, frames: dict[str, Callable[[memoryview, int], bytes]], request: bytes, role: Optional[str],
-              key: str, weight: float, peer: str) -> bytes:
+              key: str, weight: float, peer: str, transport: str = "grpc-stream") -> bytes:
         """One stream frame of a caller (``key``, its fair-share weight; ``peer``, its connection), answered; a
-        refused frame is answered with a StreamError and the stream goes on."""
+        refused frame is answered with a StreamError and the stream goes on. ``transport``: what carried it
+        ("grpc-stream" or "zmq", the data plane)."""
         started, name = time.perf_counter(), "Stream"
         try:
             field, view = wire.unframe(request)
@@ -104,7 +109,9 @@ class CallChain:
                 reply = frames[name](view, field)  # framed as the StreamResponse field of that number
             finally:
                 fair.release()
-            self.scheduler.charge(key, weight, 0.0, len(request) + len(reply))
+            nbytes = len(request) + len(reply)
+            self.scheduler.charge(key, weight, 0.0, nbytes)
+            self.peers.seen(peer, transport, key, nbytes)
             self._measure(name, started, len(request), len(reply))
             return reply
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
@@ -130,6 +137,7 @@ class CallChain:
         if code in PENALIZED:
             delay = self.callers.failed(connection, nbytes)
             if delay:
+                fair.waiting()
                 time.sleep(delay)
 
     def _measure(self, name: str, started: float, request_bytes: int, reply_bytes: int) -> None:

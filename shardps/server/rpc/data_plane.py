@@ -6,6 +6,13 @@ ROUTER sockets (a port each) is served by one thread of its own, which receives 
 the same call chain as a frame of the gRPC ``Stream`` call (role, fair turn, status, metrics; the handlers of
 ``DataPath``) and sends the answer: libzmq does the I/O in C, and no message changes threads in Python.
 
+A call that waits (a synchronous step's last part waits for the other workers', an fsync under
+``--fsync always``, a throttled or refused caller's pause) must not hold up the other connections of its
+socket: the other workers' parts may be behind it. Before it waits (``fair.waiting``) its thread hands the
+socket to a new thread (leader/followers: one thread uses a socket at a time) and finishes the call alone;
+its answer goes back through the socket's leader, which meanwhile holds the connection's later requests and
+serves them after it, in order. Calls that do not wait never change threads.
+
 Protocol (multipart messages; a client connects one DEALER to one of the ports, chosen by its client id):
 
 - ``[request id, frame]``: ``frame`` is a ``StreamRequest`` as the gRPC stream carries it; the answer is
@@ -27,14 +34,17 @@ import hmac
 import logging
 import os
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import grpc
 import zmq
 
-from shardps.core.errors import Unauthenticated
+from shardps.core.errors import ResourceExhausted, Unauthenticated
 from shardps.core.tokens import bearer
+from shardps.server.rpc import fair
 from shardps.server.rpc.auth import Grant, Tokens
 from shardps.server.rpc.chain import CallChain, stream_error
 
@@ -43,6 +53,44 @@ log = logging.getLogger(__name__)
 HELLO = b"hello"
 POLL_MS = 50  # how soon a stopping shard's data-plane threads notice
 MAX_CONNECTIONS = 4096  # connections whose credentials a socket remembers (the oldest are forgotten first)
+MAX_WAITING = 256  # calls waiting off their socket's thread at once (beyond: they wait on it)
+MAX_QUEUED = 1024  # requests of one connection held behind its waiting call (beyond: RESOURCE_EXHAUSTED)
+RECEIVE_BATCH = 64  # requests served per turn of the poll loop
+
+
+class _SocketState:
+    """A ROUTER socket and what its leader thread keeps: connections' credentials, connections with a call
+    waiting off the socket's thread (and their requests held behind it), and finished calls to answer."""
+
+    def __init__(self, sock: zmq.Socket, port: int) -> None:
+        self.sock, self.port = sock, port
+        self.leader: Optional[threading.Thread] = None  # the thread serving the socket now
+        self.connections: dict[bytes, _Connection] = {}
+        self.busy: dict[bytes, deque] = {}
+        self.done: deque = deque()  # (connection, answer or None) of calls that waited, appended by their thread
+        self.wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # full (the leader will read it) or closed (the shard stopped)
+
+    def drain_wake(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close_wake(self) -> None:
+        for fd in (self.wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 @dataclass
@@ -98,44 +146,155 @@ class DataPlane:
             self._sockets.append(sock)
             self.ports.append(port)
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._serve, args=(sock,), name=f"data-plane-{port}", daemon=True)
-                         for sock, port in zip(self._sockets, self.ports)]
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()  # every thread serving or finishing a call
+        self.waiting = 0  # calls waiting off their socket's thread now
+        self.handoffs = 0  # calls that handed their socket to another thread, since start
+        self.failure = ""  # why a socket stopped being served (empty: every one is)
+        self._states = [_SocketState(sock, port) for sock, port in zip(self._sockets, self.ports)]
+
+    def healthy(self) -> str:
+        """Empty while every socket is served; else why one is not (the shard's health turns NOT_SERVING)."""
+        if self.failure:
+            return self.failure
+        for st in self._states:
+            if st.leader is None or not st.leader.is_alive():
+                # A handover starts the next leader before the old one stops: read again before concluding.
+                time.sleep(0.05)
+                if st.leader is None or not st.leader.is_alive():
+                    return f"data-plane port {st.port}: no thread serves it"
+        return ""
 
     def start(self) -> DataPlane:
-        for t in self._threads:
-            t.start()
+        for st in self._states:
+            self._spawn(st)
         return self
 
     def stop(self) -> None:
         """Stop serving (requests not answered are resent by their clients to the next shard process)."""
         self._stop.set()
-        for t in self._threads:
-            t.join(5.0)
-        for sock in self._sockets:
-            sock.close(0)
+        deadline = time.monotonic() + 5.0
+        while True:
+            with self._lock:
+                alive = [t for t in self._threads if t.is_alive()]
+            if not alive or time.monotonic() > deadline:
+                break
+            alive[0].join(max(0.0, deadline - time.monotonic()))
+        for st in self._states:
+            st.sock.close(0)
+            st.close_wake()
         self._ctx.term()
 
-    # ---- one socket's thread ----------------------------------------------------------------
+    # ---- serving a socket: one leader thread at a time ----------------------------------------
 
-    def _serve(self, sock: zmq.Socket) -> None:
-        connections: dict[bytes, _Connection] = {}
+    def _spawn(self, st: _SocketState) -> None:
+        t = threading.Thread(target=self._lead, args=(st,), name=f"data-plane-{st.port}", daemon=True)
+        with self._lock:
+            self._threads = {x for x in self._threads if x.is_alive()}
+            self._threads.add(t)
+        t.start()
+
+    def _lead(self, st: _SocketState) -> None:
+        """Serve ``st``'s socket until the shard stops or this thread hands the socket over (a call it serves
+        is about to wait: the call finishes here, its answer goes back through the socket's next leader)."""
+        st.leader = threading.current_thread()
+        try:
+            self._lead_until_handed_over(st)
+        except Exception as e:  # noqa: BLE001 - the socket has no server now: health says so (NOT_SERVING)
+            if not self._stop.is_set():
+                log.exception("data plane: the thread of port %d failed", st.port)
+                self.failure = f"data-plane port {st.port}: {e!r}"
+
+    def _lead_until_handed_over(self, st: _SocketState) -> None:
+        poller = zmq.Poller()
+        poller.register(st.sock, zmq.POLLIN)
+        poller.register(st.wake_r, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not sock.poll(POLL_MS):
-                    continue
-                parts = sock.recv_multipart(copy=False)
+                ready = dict(poller.poll(POLL_MS))
             except zmq.ZMQError:
                 if self._stop.is_set():
                     return
                 raise
-            rid = parts[0].bytes
+            if st.wake_r in ready:
+                st.drain_wake()
+            while st.done:  # calls finished off the socket's thread: answer, then their connection's next
+                rid, reply = st.done.popleft()
+                if reply is not None:
+                    st.sock.send_multipart(reply, copy=False)
+                if not self._resume(st, rid):
+                    return
+            if st.sock in ready and not self._receive(st):
+                return
+
+    def _receive(self, st: _SocketState) -> bool:
+        """Serve the requests waiting on the socket; False once this thread handed the socket over."""
+        for _ in range(RECEIVE_BATCH):
             try:
-                reply = self._one(rid, parts, connections)
-            except Exception:  # noqa: BLE001 - a bug must not stop the socket: logged, the request unanswered
-                log.exception("data plane: request from %s failed", rid.hex())
+                parts = st.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            rid = parts[0].bytes
+            queued = st.busy.get(rid)
+            if queued is not None:  # its connection's earlier call is waiting: this one goes after it
+                if len(queued) >= MAX_QUEUED:
+                    self._refuse_queued(st, rid, parts)
+                else:
+                    queued.append(parts)
                 continue
-            if reply is not None:
-                sock.send_multipart(reply, copy=False)
+            if not self._serve(st, rid, parts):
+                return False
+        return True
+
+    def _resume(self, st: _SocketState, rid: bytes) -> bool:
+        """Serve what a connection sent while its call waited, in order; False once this thread handed over."""
+        queued = st.busy[rid]
+        while queued:
+            if not self._serve(st, rid, queued.popleft()):
+                return False  # a queued call waits in turn: the rest stay queued behind it
+        del st.busy[rid]
+        return True
+
+    def _serve(self, st: _SocketState, rid: bytes, parts: list[Any]) -> bool:
+        """One request, answered; False if it waited off the socket's thread (this thread no longer leads)."""
+        handed = False
+
+        def hand_off() -> None:
+            nonlocal handed
+            with self._lock:
+                if self.waiting >= MAX_WAITING or self._stop.is_set():
+                    return  # too many waiting already: this one waits on the socket's thread
+                self.waiting += 1
+                self.handoffs += 1
+            handed = True
+            st.busy.setdefault(rid, deque())
+            self._spawn(st)
+
+        fair.on_wait(hand_off)
+        reply = None
+        try:
+            reply = self._one(rid, parts, st.connections)
+        except Exception:  # noqa: BLE001 - a bug must not stop the socket: logged, the request unanswered
+            log.exception("data plane: request from %s failed", rid.hex())
+        finally:
+            fair.on_wait(None)
+        if handed:
+            with self._lock:
+                self.waiting -= 1
+            st.done.append((rid, reply))
+            st.wake()
+            return False
+        if reply is not None:
+            st.sock.send_multipart(reply, copy=False)
+        return True
+
+    def _refuse_queued(self, st: _SocketState, rid: bytes, parts: list[Any]) -> None:
+        if len(parts) < 3 or not parts[1].bytes:
+            return  # not a request (or a hello): nothing to answer
+        error = ResourceExhausted(f"data plane: over {MAX_QUEUED} requests of this connection wait behind "
+                                  "its waiting call")
+        code, message, kind = self.chain.status(error, "Stream")
+        st.sock.send_multipart([rid, parts[1].bytes, stream_error(code, message, kind)], copy=False)
 
     def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[list]:
         peer = f"{_peer(parts[-1])}#{rid.hex()}"  # a connection, as gRPC's peer names one (address and port)
@@ -154,7 +313,7 @@ class DataPlane:
                 return [rid, request_id, stream_error(code, message, kind)]
             conn = self._remember(rid, _Connection(None, peer, 1.0, peer), connections)
         role = conn.grant.role if conn.grant is not None else None
-        reply = self.chain.frame(self.frames, parts[2].buffer, role, conn.key, conn.weight, conn.peer)
+        reply = self.chain.frame(self.frames, parts[2].buffer, role, conn.key, conn.weight, conn.peer, "zmq")
         return [rid, request_id, reply]
 
     def _hello(self, rid: bytes, fields: list[Any], peer: str, connections: dict[bytes, _Connection]) -> list:

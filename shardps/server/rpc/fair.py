@@ -31,7 +31,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from shardps.core.errors import ResourceExhausted
 
@@ -138,6 +138,7 @@ class FairScheduler:
         with self._lock:
             delay = self._throttle(caller, time.monotonic())
         if delay:
+            waiting()
             time.sleep(delay)
         with self._lock:
             estimate = self._cost.get(caller, DEFAULT_COST_S) / weight
@@ -195,6 +196,22 @@ def leave_slot() -> None:
     """The current call is about to wait (a log flush, a synchronous step, a checkpoint's hold): give
     its slot to the next caller now. The call finishes without one (what is left of it is small)."""
     release()
+    waiting()
+
+
+def on_wait(hook: Optional[Callable[[], None]]) -> None:
+    """What the current thread calls (once) if its call is about to wait; None: nothing. The data plane's
+    socket threads set it to hand their socket to another thread, so a call that waits (a synchronous step,
+    an fsync, a throttled or refused caller's pause) never holds up the other connections of its socket."""
+    _local.on_wait = hook
+
+
+def waiting() -> None:
+    """The current call is about to wait: its thread's ``on_wait`` hook, if one is set, runs (once)."""
+    hook = getattr(_local, "on_wait", None)
+    if hook is not None:
+        _local.on_wait = None
+        hook()
 
 
 @dataclass(frozen=True)

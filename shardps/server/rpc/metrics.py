@@ -21,7 +21,9 @@ Counters and histograms (all prefixed ``shardps_``):
 - ``sync_wait_seconds`` (histogram): how long a synchronous step's completing push waited for the
   step; ``sync_missing_workers_total``: workers a step went on without (gone, dropped from it).
 
-Read at each scrape: ``version``, ``uptime_seconds``, ``table_rows{table}`` and
+Read at each scrape: ``clients{transport}`` (connections that pulled or pushed in the last minute, by
+transport: zmq, grpc-stream, grpc-unary), ``data_plane_handoffs_total`` (data-plane calls that waited off
+their socket's thread), ``version``, ``uptime_seconds``, ``table_rows{table}`` and
 ``table_bytes{table}`` (stored rows and bytes of memory), ``live_workers``, ``gone_workers``; for bounded
 tables ``table_admitted_total{table}``, ``table_rejected_total{table}`` (pushed rows of ids not admitted),
 ``table_evicted_total{table,cause}`` (cause: ttl, capacity) and ``table_sketch_bytes{table}``.
@@ -33,6 +35,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from shardps.server.rpc.peers import Peers
 from shardps.server.shard.metrics import NullMetrics
 
 if TYPE_CHECKING:
@@ -141,6 +144,10 @@ class Metrics(NullMetrics):
         """Add the values read at each scrape (version, tables, workers) of ``shard``."""
         self.registry.register(_ShardCollector(shard))
 
+    def watch_transports(self, peers: Peers, data_plane: Optional[Any]) -> None:
+        """Add the data path's connections by transport (and the data plane's handoffs, when it has one)."""
+        self.registry.register(_TransportCollector(peers, data_plane))
+
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` (0: a free port) in a daemon thread; the port."""
         from prometheus_client import start_http_server
@@ -154,6 +161,27 @@ class Metrics(NullMetrics):
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _TransportCollector:
+    """The data path's connections by transport, read when Prometheus scrapes."""
+
+    def __init__(self, peers: Peers, data_plane: Optional[Any]) -> None:
+        self.peers, self.data_plane = peers, data_plane
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        clients = GaugeMetricFamily("shardps_clients", "Connections that pulled or pushed in the last minute, "
+                                    "by transport", labels=["transport"])
+        for transport, n in self.peers.by_transport().items():
+            clients.add_metric([transport], n)
+        yield clients
+        yield CounterMetricFamily("shardps_data_plane_handoffs", "Data-plane calls that waited off their "
+                                  "socket's thread", value=self.data_plane.handoffs if self.data_plane else 0)
 
 
 class _ShardCollector:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "shardps.v1.Shard"
 SWEEP_INTERVAL_S = 1.0
+DATA_PLANE_WATCH_S = 1.0
 IDLE_TRIM_S = 1.0  # a shard quiet this long after traffic returns its free heap pages to the OS
 
 
@@ -166,6 +167,7 @@ class ShardServer:
             self.data_plane.start()
         if isinstance(self.metrics, Metrics):
             self.metrics.watch(self.shard)
+            self.metrics.watch_transports(self._servicer.chain.peers, self.data_plane)
             assert self.config.metrics_port is not None
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
             log.info("shard %d: metrics on http://%s:%d/metrics", self.shard.index, self.config.host, self.metrics_port)
@@ -177,6 +179,8 @@ class ShardServer:
             self._ckpt_thread.start()
         self._trim_thread.start()
         self._sweep_thread.start()
+        if self.data_plane is not None:
+            threading.Thread(target=self._watch_data_plane, name="data-plane-watch", daemon=True).start()
         if self.follower is not None:
             self._follow_thread.start()
         log.info("shard %d of %d serving on %s%s; %s", self.shard.index, self.shard.num_shards, self.address,
@@ -224,6 +228,18 @@ class ShardServer:
                 self.shard.sweep()
             except Exception:
                 log.exception("eviction sweep failed")
+
+    def _watch_data_plane(self) -> None:
+        """Health covers the data plane: a socket no thread serves any more turns the shard NOT_SERVING (its
+        probes then restart it), since clients would time out on it rather than fall back to gRPC."""
+        assert self.data_plane is not None
+        while not self._stop.wait(DATA_PLANE_WATCH_S):
+            why = self.data_plane.healthy()
+            if why and not self._stop.is_set():
+                log.error("shard %d: not serving: %s", self.shard.index, why)
+                for name in ("", SERVICE_NAME):
+                    self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
 
     def _follow_loop(self) -> None:
         """A serving shard: apply the export's next deltas as they appear."""

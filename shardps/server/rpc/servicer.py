@@ -184,6 +184,10 @@ class ShardServicer(pb_grpc.ShardServicer):
             info.data_ports.extend(self.data_plane.ports)
             info.data_public_key = self.data_plane.public_key
             info.data_ticket = self.data_plane.ticket
+            info.data_plane_handoffs = self.data_plane.handoffs
+        for p, idle in self.chain.peers.recent():
+            info.data_clients.add(peer=p.peer, transport=p.transport, caller=p.caller, calls=p.calls, bytes=p.bytes,
+                                  idle_s=idle)
         return info
 
     @_rpc
