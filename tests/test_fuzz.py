@@ -1,4 +1,5 @@
-"""Bounded fuzzing of a real shard process: every method, raw bytes, and a kill -9 after malicious pushes.
+"""Bounded fuzzing of a real shard process: every method, the data plane's raw multipart messages, raw bytes,
+and a kill -9 after malicious pushes.
 
 The generators and the harness are in tests/fuzz/. Each call must get a
 status a client may legitimately get (never INTERNAL or UNKNOWN); a refused call
@@ -33,7 +34,7 @@ def test_every_method_survives_fuzzing(tmp_path):
     if report.failures or not report.restart_ok:
         pytest.fail(report.format(), pytrace=False)
     # The fuzzing reached the shard's logic, not only its parser: valid pushes were applied.
-    for method in ("Push", "PushDense", "PushBatch", "Stream"):
+    for method in ("Push", "PushDense", "PushBatch", "Stream", "DataPlane"):
         assert report.counts[(method, "OK")] > 0, f"no {method} was accepted:\n{report.format()}"
 
 

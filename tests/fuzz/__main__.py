@@ -21,7 +21,7 @@ from tests.fuzz.crash import crash_roundtrip
 from tests.fuzz.regressions import regression_calls
 from tests.fuzz.report import Failure
 from tests.fuzz.runner import run_fuzz, server_code_path
-from tests.fuzz.target import METHOD_NAMES
+from tests.fuzz.target import TARGETS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,8 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m] or None
     for m in methods or []:
-        if m not in METHOD_NAMES:
-            p.error(f"unknown method {m}; known: {', '.join(METHOD_NAMES)}")
+        if m not in TARGETS:
+            p.error(f"unknown method {m}; known: {', '.join(TARGETS)}")
     with tempfile.TemporaryDirectory(prefix="shardps-fuzz-") as tmp:
         workdir = pathlib.Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)

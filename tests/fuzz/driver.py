@@ -46,6 +46,7 @@ class ShardDriver:
         self.baseline: Optional[State] = None  # the state last seen
         self._incarnation = 0
         self._calls: dict[str, Any] = {}
+        self.data_port = 0
 
     # ---- process ----------------------------------------------------------------------
 
@@ -61,6 +62,9 @@ class ShardDriver:
         if setup:
             setup_tables(self.shard.address)
         self.baseline = self.state()
+        code, info, _ = self.unary("ShardInfo", b"")
+        assert code == grpc.StatusCode.OK and info is not None
+        self.data_port = pb.ShardInfoResponse.FromString(info).data_ports[0]  # the data plane (fuzzed too)
 
     def _connect(self) -> None:
         if self.channel is not None:

@@ -17,7 +17,7 @@ from tests.fuzz.driver import ProbeError, ShardDriver
 from tests.fuzz.memory import GiB
 from tests.fuzz.oracle import CODE_OF, allowed_codes, exception_line, push_entries, replay_suspect
 from tests.fuzz.report import Failure
-from tests.fuzz.target import PUSH_METHODS, STREAMING, setup_tables
+from tests.fuzz.target import DATA_PLANE, PUSH_METHODS, STREAMING, setup_tables
 
 # A call that ends with one of these may have been cut short by a crash or hang of the shard.
 _CUT_SHORT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -92,7 +92,9 @@ class Harness(ShardDriver):
         if not self.alive():
             self.restart_fresh()
         log_pos = self._log_size()
-        if method in STREAMING:
+        if method == DATA_PLANE:
+            codes, may_change = self._send_data_plane(list(payload), log_pos)  # type: ignore[arg-type]
+        elif method in STREAMING:
             codes, may_change = self._send_stream(method, list(payload), log_pos)  # type: ignore[arg-type]
         else:
             codes, may_change = self._send_unary(method, payload, log_pos)  # type: ignore[arg-type]
@@ -143,6 +145,42 @@ class Harness(ShardDriver):
             self.counts[(method, code.name)] += 1
             codes.append(code)
         return codes, may_change
+
+    def _send_data_plane(self, messages: list[bytes], log_pos: int) -> tuple[list[grpc.StatusCode], bool]:
+        """Multipart messages on a fresh data-plane connection: (each answer's code; whether the shard may have
+        changed). A message that expected an answer and got none within the deadline is a failure."""
+        from tests.fuzz.data_plane import exchange
+
+        codes: list[grpc.StatusCode] = []
+        may_change = False
+        results, _ = exchange(self.data_port, messages, self.deadline)
+        for parts, answer in results:
+            if answer is None:
+                f = Failure(DATA_PLANE, "stream", f"no answer to a {len(parts)}-part message in {self.deadline}s",
+                            messages)
+                self._pending.append((grpc.StatusCode.DEADLINE_EXCEEDED, f))
+                codes.append(grpc.StatusCode.DEADLINE_EXCEEDED)
+                continue
+            if not parts[0]:  # a control message: [b"", b"ok"] or [b"", b"error", StreamError]
+                code = self._control_answer(messages, answer, log_pos)
+            else:
+                if len(answer) != 2:
+                    self.fail(DATA_PLANE, "stream", f"an answer of {len(answer)} parts", messages)
+                    continue
+                code, changed = self._stream_answer(DATA_PLANE, messages, parts[1], answer[1], log_pos)
+                may_change = may_change or changed
+            if code is not None:
+                self.counts[(DATA_PLANE, code.name)] += 1
+                codes.append(code)
+        return codes, may_change
+
+    def _control_answer(self, messages: list[bytes], answer: list[bytes], log_pos: int) -> Optional[grpc.StatusCode]:
+        if answer[1:] == [b"ok"]:
+            return grpc.StatusCode.OK
+        if len(answer) == 3 and answer[1] == b"error":
+            return self._stream_answer(DATA_PLANE, messages, b"", answer[2], log_pos)[0]
+        self.fail(DATA_PLANE, "stream", f"a control answer {[p[:32] for p in answer]}", messages)
+        return None
 
     def _stream_answer(
         self, method: str, frames: list[bytes], frame: bytes, answer: bytes, log_pos: int

@@ -25,7 +25,9 @@ ALLOWED = {
 }
 # The few codes only some methods may answer: a two-phase COMMIT that was not prepared is
 # UNAVAILABLE; a heartbeat may legitimately wait (wait_s is capped at 1 s here).
-ALLOWED_FOR = {"Checkpoint": {grpc.StatusCode.UNAVAILABLE}, "Heartbeat": {grpc.StatusCode.DEADLINE_EXCEEDED}}
+# A data-plane control message that is not a well-formed hello is UNAUTHENTICATED.
+ALLOWED_FOR = {"Checkpoint": {grpc.StatusCode.UNAVAILABLE}, "Heartbeat": {grpc.StatusCode.DEADLINE_EXCEEDED},
+               "DataPlane": {grpc.StatusCode.UNAUTHENTICATED}}
 
 
 def allowed_codes(method: str) -> set:

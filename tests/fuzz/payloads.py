@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from shardps.v1 import shardps_pb2 as pb
 from tests.fuzz.generators import serialized
 from tests.fuzz.mutations import mutated, random_value
-from tests.fuzz.target import INPUT_TYPES, STREAMING
+from tests.fuzz.target import DATA_PLANE, INPUT_TYPES, STREAMING
 from tests.fuzz.values import weighted
 from tests.fuzz.wire import EGROUP, I32, I64, LEN, SGROUP, VARINT, Field, serialize
 
@@ -45,6 +45,11 @@ def request_bytes(cls: type) -> st.SearchStrategy[bytes]:
 
 @functools.cache
 def method_payloads(method: str) -> st.SearchStrategy:
-    """What one call of ``method`` sends: bytes, or for a streaming method a list of 1..4 frames."""
+    """What one call of ``method`` sends: bytes, or for a streaming method a list of 1..4 frames (for the data
+    plane, of 0..4 multipart messages, ``tests.fuzz.data_plane``)."""
+    if method == DATA_PLANE:
+        from tests.fuzz import data_plane
+
+        return data_plane.payloads()
     one = request_bytes(INPUT_TYPES[method])
     return st.lists(one, min_size=1, max_size=4) if method in STREAMING else one

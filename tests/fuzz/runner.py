@@ -16,7 +16,7 @@ from tests.fuzz.harness import Harness
 from tests.fuzz.memory import GiB
 from tests.fuzz.payloads import method_payloads
 from tests.fuzz.report import Report
-from tests.fuzz.target import METHOD_NAMES, PUSH_METHODS
+from tests.fuzz.target import PUSH_METHODS, TARGETS
 
 
 def stateful_settings(examples: int, seed: int) -> Callable[[Any], Any]:
@@ -72,7 +72,7 @@ def run_fuzz(
     """Fuzz every method (setup tables first; DropTable last) against one shard process; a report."""
     t0 = time.monotonic()
     h = Harness(pathlib.Path(workdir), deadline=deadline, rss_limit=rss_limit, log=log)
-    order = sorted(methods or METHOD_NAMES, key=lambda m: (m == "DropTable", METHOD_NAMES.index(m)))
+    order = sorted(methods or TARGETS, key=lambda m: (m == "DropTable", TARGETS.index(m)))
     restart_ok: Optional[bool] = None
     try:
         h.start()

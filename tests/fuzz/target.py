@@ -13,8 +13,11 @@ _METHODS = list(pb.DESCRIPTOR.services_by_name["Shard"].methods)
 METHOD_NAMES: list[str] = [m.name for m in _METHODS]
 INPUT_TYPES: dict[str, type] = {m.name: getattr(pb, m.input_type.name) for m in _METHODS}
 STREAMING: set[str] = {m.name for m in _METHODS if m.client_streaming}
+# The data plane (ZeroMQ), fuzzed as a method of its own (tests/fuzz/data_plane.py).
+DATA_PLANE = "DataPlane"
+TARGETS: list[str] = [*METHOD_NAMES, DATA_PLANE]
 # Methods that may legitimately change the shard's version or the values of t and d.
-PUSH_METHODS = {"Push", "PushDense", "PushBatch", "Stream"}
+PUSH_METHODS = {"Push", "PushDense", "PushBatch", "Stream", DATA_PLANE}
 
 # The tables the setup creates; generated requests mostly target them.
 TABLE, DENSE = "t", "d"
