@@ -1,4 +1,4 @@
-"""Fuzzing of the security paths: authentication metadata, and TLS handshakes with bad certificates
+"""Fuzzing of the security paths: authentication metadata (and the data plane's hello), and TLS handshakes with bad certificates
 and bytes that are no handshake at all, against real shard processes.
 
 Same assertions as tests/test_fuzz.py: every call gets a status a client may legitimately get (here:
@@ -10,6 +10,7 @@ what it holds. ``SHARDPS_FUZZ_EXAMPLES`` / ``SHARDPS_FUZZ_SEED`` scale and vary 
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import socket
@@ -34,6 +35,7 @@ from tests.fuzz.regressions import valid_push_bytes
 from tests.fuzz.runner import stateful_settings
 from tests.fuzz.tensors import int64_tensor
 from tests.procs import start_shard
+from tests.test_data_plane import data_plane_call
 
 EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50"))
 SEED = int(os.environ.get("SHARDPS_FUZZ_SEED", "0"))
@@ -133,6 +135,8 @@ class AuthHarness:
         self.rss.start()
         self.initial = self.rows()
         self.version0 = self.version()
+        raw = self.channel.unary_unary("/shardps.v1.Shard/ShardInfo")(b"", metadata=self.admin(), timeout=10)
+        self.data_port = pb.ShardInfoResponse.FromString(raw).data_ports[0]
         self.applied = 0  # pushes to t acknowledged
         self.failures: list[str] = []
         self.counts: dict[tuple[str, str], int] = {}
@@ -152,7 +156,13 @@ class AuthHarness:
         return pb.ShardInfoResponse.FromString(raw).version
 
     def call(self, method: str, metadata: list[tuple[str, Any]]) -> tuple[grpc.StatusCode, bytes]:
-        """One call; for Stream, one Push frame (its answer's StreamError code, if any)."""
+        """One call; for Stream, one Push frame (its answer's StreamError code, if any); for DataPlane, the Push
+        frame on a fresh data-plane connection whose hello carries the first authorization value's token."""
+        if method == "DataPlane":
+            reply = data_plane_call(self.data_port, STREAM_FRAME, token=data_plane_token(metadata))
+            if reply.HasField("error"):
+                return CODE_OF[reply.error.code], reply.error.message.encode()
+            return grpc.StatusCode.OK, b""
         try:
             if method == "Stream":
                 frames: queue.Queue = queue.Queue()
@@ -170,6 +180,8 @@ class AuthHarness:
             return e.code(), (e.details() or "").encode()
 
     def exercise(self, method: str, metadata: list[tuple[str, Any]], role: Optional[str]) -> None:
+        if method == "DataPlane":  # the hello's token alone decides
+            role = next((r for r, t in TOKENS.items() if t == data_plane_token(metadata)), None)
         before_rows, before_version = self.rows(), self.version()
         code, detail = self.call(method, metadata)
         self.counts[(method, code.name)] = self.counts.get((method, code.name), 0) + 1
@@ -177,16 +189,16 @@ class AuthHarness:
             # No valid token: refused before anything is decoded. A metadata set over gRPC's 8 KiB limit
             # is refused by gRPC itself.
             allowed = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        elif method not in ALLOWED[role] and method != "Stream":
+        elif method not in ALLOWED[role] and method not in ("Stream", "DataPlane"):
             allowed = {grpc.StatusCode.PERMISSION_DENIED}
-        elif method == "Stream" and "Push" not in ALLOWED[role]:
+        elif method in ("Stream", "DataPlane") and "Push" not in ALLOWED[role]:
             allowed = {grpc.StatusCode.PERMISSION_DENIED}
         else:
             allowed = allowed_codes(method)
         if code not in allowed:
             self.failures.append(f"{method} with {role or 'no valid token'} ({_short(metadata)}): "
                                  f"{code.name} {detail[:200]!r}, expected one of {sorted(c.name for c in allowed)}")
-        self.applied += code == grpc.StatusCode.OK and method in ("Push", "Stream")
+        self.applied += code == grpc.StatusCode.OK and method in ("Push", "Stream", "DataPlane")
         after_rows, after_version = self.rows(), self.version()
         if code != grpc.StatusCode.OK and (after_version != before_version or not np.array_equal(after_rows, before_rows)):
             self.failures.append(f"{method} was refused ({code.name}) but changed the shard")
@@ -206,6 +218,12 @@ class AuthHarness:
         self.shard.terminate()
 
 
+def data_plane_token(metadata: list[tuple[str, Any]]) -> str:
+    """The token a data-plane hello carries for ``metadata``: its first authorization value, less "Bearer "."""
+    value = next((str(v) for k, v in metadata if k == "authorization"), "")
+    return value[len("Bearer "):] if value.startswith("Bearer ") else value
+
+
 def _short(metadata: list[tuple[str, Any]]) -> str:
     return ", ".join(f"{k}={str(v)[:40]!r}{'...' if len(str(v)) > 40 else ''}" for k, v in metadata) or "none"
 
@@ -215,12 +233,15 @@ def _short(metadata: list[tuple[str, Any]]) -> str:
 def test_authentication_metadata_survives_fuzzing(tmp_path):
     h = AuthHarness(tmp_path)
     try:
-        methods = [*REQUESTS, "Stream"]
+        methods = [*REQUESTS, "Stream", "DataPlane"]
 
-        @stateful_settings(EXAMPLES * 2, SEED)
-        @given(st.sampled_from(methods), metadata_sets())
-        def run(method: str, meta: tuple[list[tuple[str, Any]], Optional[str]]) -> None:
-            h.exercise(method, *meta)
+        turn = itertools.count()
+
+        # Methods in turn (a drawn method favours the first ones: 100 examples once never reached Stream).
+        @stateful_settings(max(EXAMPLES * 2, 2 * len(methods)), SEED)
+        @given(metadata_sets())
+        def run(meta: tuple[list[tuple[str, Any]], Optional[str]]) -> None:
+            h.exercise(methods[next(turn) % len(methods)], *meta)
 
         run()
         assert h.shard.proc.poll() is None, f"the shard died:\n{h.shard.log()[-3000:]}"
