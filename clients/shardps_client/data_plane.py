@@ -138,6 +138,9 @@ class DataLane:
         failing_since: Optional[float] = None
         delay = 0.05
         while True:
+            with self._lock:
+                if self._closed and not unacked and not self._queue:
+                    return  # closed with nothing left to answer: no reconnecting (the shard may be gone)
             try:
                 conn = self._connect(ctx)
             except ShardpsError as e:

@@ -71,12 +71,17 @@ class _SocketState:
         self.wake_r, self._wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()
+        self._closed = False
 
     def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # full (the leader will read it) or closed (the shard stopped)
+        with self._wake_lock:  # never after close_wake: the descriptor's number may belong to another file then
+            if self._closed:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:
+                pass  # full: the leader will read it
 
     def drain_wake(self) -> None:
         try:
@@ -86,11 +91,10 @@ class _SocketState:
             pass
 
     def close_wake(self) -> None:
-        for fd in (self.wake_r, self._wake_w):
-            try:
+        with self._wake_lock:
+            self._closed = True
+            for fd in (self.wake_r, self._wake_w):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 @dataclass
