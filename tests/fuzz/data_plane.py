@@ -4,7 +4,8 @@
 A message is the generated Stream frames the gRPC ``Stream`` method is fuzzed with, as ``[request id, frame]``,
 or one of: extra parts after the frame, a hello with random credentials, a control message that is not a
 hello, random parts, a single part (no request id: never answered), and last of all sometimes a frame over
-the size limit (its connection is closed: never answered). Every other message must be answered (a request
+the size limit (its connection is closed: never answered; sent once the others are answered, since answers
+still on their way when the connection closes are lost with it, and a client resends those). Every other message must be answered (a request
 with its id, a control message with an empty id), each answer with a status a client may get; the harness
 then checks, as for every method, that refused calls changed nothing and that the shard is alive and answering.
 
@@ -71,6 +72,8 @@ def exchange(port: int, messages: list[bytes], deadline: float) -> tuple[list[tu
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sent: list[list[bytes]] = []
+    closing: list[list[bytes]] = []  # over the size limit: sent once the others are answered (it closes the
+    # connection, and answers not yet delivered on it would be lost with it: the client resends those)
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
         for k, message in enumerate(messages):
@@ -79,8 +82,11 @@ def exchange(port: int, messages: list[bytes], deadline: float) -> tuple[list[tu
                 continue
             if parts[0]:
                 parts[0] = b"fz" + k.to_bytes(6, "big")  # unique: answers name their request
+            if sum(map(len, parts)) >= OVERSIZED:
+                closing.append(parts)
+                continue
             sock.send_multipart(parts)
-            if len(parts) >= 2 and sum(map(len, parts)) < OVERSIZED:
+            if len(parts) >= 2:
                 sent.append(parts)
         waiting = {p[0]: p for p in sent if p[0]}
         controls = [p for p in sent if not p[0]]
@@ -95,6 +101,9 @@ def exchange(port: int, messages: list[bytes], deadline: float) -> tuple[list[tu
                 answers[reply[0]] = reply
             else:
                 control_answers.append(reply)
+        for parts in closing:
+            sock.send_multipart(parts)
+            sock.setsockopt(zmq.LINGER, int(deadline * 1000))  # closing waits until it has gone out
         out: list[tuple[list[bytes], Any]] = [(p, answers.get(p[0])) for p in sent if p[0]]
         out += [(p, control_answers[i] if i < len(control_answers) else None) for i, p in enumerate(controls)]
         return out, len(sent)
