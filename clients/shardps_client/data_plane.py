@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import random
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from shardps.core import wire
+from shardps.core.wake import WakePipe
 from shardps_client.errors import ShardpsError
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class DataLane:
         self._closed = False
         self._ids = 0
         self._thread: Optional[threading.Thread] = None
-        self._wake_r, self._wake_w = os.pipe()
+        self._wake = WakePipe()  # callers wake the lane's thread (which owns the socket) through it
         self.mode: Optional[str] = None  # "zmq" or "grpc" once known
         self._reached = False  # a connection of this lane got its hello answered
         self.endpoint = ""
@@ -112,7 +112,7 @@ class DataLane:
         if item is None:
             return self.fallback.submit(method, request)
         if wake:
-            os.write(self._wake_w, b"x")
+            self._wake.wake()
         return item.future
 
     def close(self, timeout: float = 30.0) -> None:
@@ -120,15 +120,11 @@ class DataLane:
         with self._lock:
             self._closed = True
             thread = self._thread
-        os.write(self._wake_w, b"x")
+        self._wake.wake()
         if thread is not None:
             thread.join(timeout)
         self.fallback.close(timeout)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake.close()
 
     # ---- the lane's thread ----------------------------------------------------------------------
 
@@ -204,7 +200,7 @@ class DataLane:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake.fd, zmq.POLLIN)
         retries = 0
         try:
             for item in unacked.values():  # resent in order (the shard drops pushes it applied)
@@ -212,8 +208,8 @@ class DataLane:
                 sock.send_multipart([item.rid, item.request], copy=False)
             while True:
                 events = dict(poller.poll(250))
-                if self._wake_r in events:
-                    os.read(self._wake_r, 4096)
+                if self._wake.fd in events:
+                    self._wake.drain()
                 with self._lock:
                     items = list(self._queue)
                     self._queue.clear()
@@ -284,12 +280,19 @@ class DataLane:
             return
         self._resolve(item.future, what=item.method, field=field, view=view)
 
-    def _fail(self, unacked: collections.OrderedDict, exc: ShardpsError) -> None:
+    def _take_all(self, unacked: collections.OrderedDict, mode: Optional[str] = None) -> list[_Item]:
+        """Every call not answered yet (sent first, then queued), in order; both emptied (and, in the same
+        step, ``mode`` set if given: no call submitted after it can overtake them)."""
         with self._lock:
+            if mode is not None:
+                self.mode = mode
             items = list(unacked.values()) + list(self._queue)
             self._queue.clear()
         unacked.clear()
-        for item in items:
+        return items
+
+    def _fail(self, unacked: collections.OrderedDict, exc: ShardpsError) -> None:
+        for item in self._take_all(unacked):
             if not item.future.done():
                 item.future.set_exception(exc)
 
@@ -301,14 +304,10 @@ class DataLane:
                     return True
                 if self._closed:
                     return False
-            os.read(self._wake_r, 4096)
+            self._wake.wait()
 
     def _hand_over(self, unacked: collections.OrderedDict) -> None:
-        with self._lock:
-            self.mode = "grpc"
-            items = list(unacked.values()) + list(self._queue)
-            self._queue.clear()
-        for item in items:
+        for item in self._take_all(unacked, mode="grpc"):  # from now on submit goes to the gRPC lane
             f = self.fallback.submit(item.method, item.request)
             f.add_done_callback(lambda f, item=item: _chain(f, item.future))
 

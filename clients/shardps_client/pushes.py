@@ -122,13 +122,7 @@ class PushPipeline:
 
     def dispatch(self, key: str, calls: list[planner.Call], wait: bool) -> None:
         """Send (or, while held, queue) the framed push calls of one table or dense tensor."""
-        with self._lock:
-            if self._holds and not wait:
-                self._deferred.append((key, calls))
-                return
-        if self._deferred:
-            self.send()  # keep this client's pushes in order
-        self._submit([([key], call) for call in calls], wait)
+        self.dispatch_many([(key, calls)], wait)
 
     def dispatch_many(self, calls: list[tuple[str, list[planner.Call]]], wait: bool) -> None:
         """``dispatch`` of several tables' calls (key, calls) at once, in that order."""
@@ -137,7 +131,7 @@ class PushPipeline:
                 self._deferred.extend(calls)
                 return
         if self._deferred:
-            self.send()
+            self.send()  # keep this client's pushes in order
         self._submit([([key], call) for key, cs in calls for call in cs], wait)
 
     def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:

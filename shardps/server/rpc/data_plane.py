@@ -44,6 +44,7 @@ import zmq
 
 from shardps.core.errors import ResourceExhausted, Unauthenticated
 from shardps.core.tokens import bearer
+from shardps.core.wake import WakePipe
 from shardps.server.rpc import fair
 from shardps.server.rpc.auth import Grant, Tokens
 from shardps.server.rpc.chain import CallChain, stream_error
@@ -68,33 +69,7 @@ class _SocketState:
         self.connections: dict[bytes, _Connection] = {}
         self.busy: dict[bytes, deque] = {}
         self.done: deque = deque()  # (connection, answer or None) of calls that waited, appended by their thread
-        self.wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._wake_lock = threading.Lock()
-        self._closed = False
-
-    def wake(self) -> None:
-        with self._wake_lock:  # never after close_wake: the descriptor's number may belong to another file then
-            if self._closed:
-                return
-            try:
-                os.write(self._wake_w, b"x")
-            except BlockingIOError:
-                pass  # full: the leader will read it
-
-    def drain_wake(self) -> None:
-        try:
-            while os.read(self.wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def close_wake(self) -> None:
-        with self._wake_lock:
-            self._closed = True
-            for fd in (self.wake_r, self._wake_w):
-                os.close(fd)
+        self.wake = WakePipe()  # a thread that finished a waiting call wakes the leader through it
 
 
 @dataclass
@@ -186,7 +161,7 @@ class DataPlane:
             alive[0].join(max(0.0, deadline - time.monotonic()))
         for st in self._states:
             st.sock.close(0)
-            st.close_wake()
+            st.wake.close()
         self._ctx.term()
 
     # ---- serving a socket: one leader thread at a time ----------------------------------------
@@ -212,7 +187,7 @@ class DataPlane:
     def _lead_until_handed_over(self, st: _SocketState) -> None:
         poller = zmq.Poller()
         poller.register(st.sock, zmq.POLLIN)
-        poller.register(st.wake_r, zmq.POLLIN)
+        poller.register(st.wake.fd, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll(POLL_MS))
@@ -220,8 +195,8 @@ class DataPlane:
                 if self._stop.is_set():
                     return
                 raise
-            if st.wake_r in ready:
-                st.drain_wake()
+            if st.wake.fd in ready:
+                st.wake.drain()
             while st.done:  # calls finished off the socket's thread: answer, then their connection's next
                 rid, reply = st.done.popleft()
                 if reply is not None:
@@ -286,7 +261,7 @@ class DataPlane:
             with self._lock:
                 self.waiting -= 1
             st.done.append((rid, reply))
-            st.wake()
+            st.wake.wake()
             return False
         if reply is not None:
             st.sock.send_multipart(reply, copy=False)
