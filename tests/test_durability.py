@@ -208,6 +208,32 @@ def test_duplicated_push_is_applied_once(tmp_path):
         assert server.shard.version == 2
 
 
+def test_a_push_held_back_by_a_checkpoint_is_not_in_the_checkpoints_exactly_once_record(tmp_path):
+    """A push claimed (client id, seq) but held back at a prepared checkpoint's gate is not applied in the copy, so
+    the copy must not remember it as applied: after a crash before it applies, its resend is applied, not taken
+    for a duplicate (it was: one acknowledged push lost)."""
+    config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="log")
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        _counter_table(c)
+        stub = pb_grpc.ShardStub(grpc.insecure_channel(server.address))
+        req = pb.PushRequest(table="cnt", ids=codec.encode(np.arange(8)), grads=codec.encode(np.ones((8, 4), np.float32)),
+                             client_id="trainer-9", seq=1, shard_map=pb.ShardMap(shard_index=0, num_shards=1))
+        assert not stub.Push(req).duplicate
+        shard = server.shard
+        shard.prepare_checkpoint(hold_s=10)
+        req.seq = 2
+        held = stub.Push.future(req)
+        deadline = time.monotonic() + 10
+        while "trainer-9" not in shard.updates.seen._in_flight:  # claimed, waiting at the gate
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        meta, _, _ = shard.snapshot()
+        assert meta["seen"]["trainer-9"] == [1, []]  # seq 2 is not in this copy
+        shard.checkpoint("cut", prepared=True)
+        assert not held.result().duplicate and shard.version == 2
+        assert shard.snapshot()[0]["seen"]["trainer-9"] == [2, []]
+
+
 def test_two_phase_checkpoint_holds_pushes_until_commit(tmp_path):
     with running_cluster(2, data_dir=str(tmp_path)) as servers, Client([s.address for s in servers]) as c:
         _counter_table(c)

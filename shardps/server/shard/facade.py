@@ -309,6 +309,7 @@ class Shard:
         try:
             if sync is not None:
                 step = self.sync.push(t, ids, grads, sync)
+                self.updates.seen.settle(client_id, seq)  # in its step's buffer, as a crash finds it
                 if step.late or step.recorded_only:
                     return PushResult(self.version, 0, False, late=step.late)
                 return PushResult(step.version, 0, False, missing_ranks=step.missing_ranks)
@@ -316,7 +317,7 @@ class Shard:
             if self.durability.wants_records:
                 row_start = int(ids[0]) if t.is_dense else None
                 record = durability.record_push(t.spec.name, ids, grads, client_id, seq, row_start, raw)
-            version, staleness = self.updates.apply(t, ids, grads, pulled_version, record)
+            version, staleness = self.updates.apply(t, ids, grads, pulled_version, record, claim=(client_id, seq))
         except BaseException as e:
             self.updates.release(client_id, seq, e)
             raise

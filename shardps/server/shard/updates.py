@@ -29,14 +29,17 @@ from shardps.server.storage.table import Table, now_ticks
 class SeenPushes:
     """Remembers which (client id, sequence number) pushes were applied.
 
-    Per client: every seq <= ``low`` and every seq in ``above`` was applied.
-    Gaps (pushes that failed) are forgotten once more than ``max_pending`` seqs
-    wait above them; the ``max_clients`` least recently seen clients are dropped.
+    Per client: every seq <= ``low`` and every seq in ``above`` was claimed (``begin``). A claim stays *in flight*
+    until the push is applied (``settle``, under its table's lock) or fails (``abort``): a copy of the state
+    (``to_json``, a checkpoint's) leaves in-flight claims out, so a push held back by the checkpoint and lost in a
+    crash before it applied is applied when its client resends it. Gaps (pushes that failed) are forgotten once
+    more than ``max_pending`` seqs wait above them; the ``max_clients`` least recently seen clients are dropped.
     """
 
     def __init__(self, max_clients: int = 10_000, max_pending: int = 65_536) -> None:
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[int, set[int]]] = {}
+        self._in_flight: dict[str, set[int]] = {}
         self._max_clients = max_clients
         self._max_pending = max_pending
 
@@ -48,6 +51,7 @@ class SeenPushes:
             if seq <= low or seq in above:
                 return False
             above.add(seq)
+            self._in_flight.setdefault(client, set()).add(seq)
             while low + 1 in above:
                 low += 1
                 above.discard(low)
@@ -56,23 +60,48 @@ class SeenPushes:
                 above = {s for s in above if s > low}
             self._clients[client] = (low, above)
             if len(self._clients) > self._max_clients:
-                del self._clients[next(iter(self._clients))]
+                gone = next(iter(self._clients))
+                del self._clients[gone]
+                self._in_flight.pop(gone, None)
             return True
+
+    def settle(self, client: str, seq: int) -> None:
+        """The claimed push was applied (callers hold the lock of the table it changed)."""
+        with self._lock:
+            self._done(client, seq)
+
+    def _done(self, client: str, seq: int) -> None:
+        flying = self._in_flight.get(client)
+        if flying is not None:
+            flying.discard(seq)
+            if not flying:
+                del self._in_flight[client]
 
     def abort(self, client: str, seq: int) -> None:
         """Forget a seq whose push failed, so a retry is applied."""
         with self._lock:
+            self._done(client, seq)
             entry = self._clients.get(client)
             if entry is not None:
                 entry[1].discard(seq)
 
     def to_json(self) -> dict[str, list]:
+        """The applied pushes (claims in flight left out), as ``load_json`` reads them."""
         with self._lock:
-            return {c: [low, sorted(above)] for c, (low, above) in self._clients.items()}
+            out = {}
+            for c, (low, above) in self._clients.items():
+                flying = self._in_flight.get(c)
+                if flying:
+                    new_low = min(low, min(flying) - 1)
+                    out[c] = [new_low, sorted((set(range(new_low + 1, low + 1)) | above) - flying)]
+                else:
+                    out[c] = [low, sorted(above)]
+            return out
 
     def load_json(self, d: dict[str, list]) -> None:
         with self._lock:
             self._clients = {c: (int(v[0]), set(int(s) for s in v[1])) for c, v in d.items()}
+            self._in_flight = {}
 
 
 @dataclass
@@ -162,13 +191,15 @@ class UpdatePath:
 
     def apply(self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int] = None,
               record: Record = (0, b""), replayed_staleness: Optional[int] = None,
-              replayed_per_row: Optional[np.ndarray] = None, replayed_ticks: Optional[int] = None) -> tuple[int, int]:
+              replayed_per_row: Optional[np.ndarray] = None, replayed_ticks: Optional[int] = None,
+              claim: tuple[str, int] = ("", 0)) -> tuple[int, int]:
         """Apply one update; returns (version after it, staleness: the largest row's, with per-row staleness).
 
         Live updates pass ``pulled_version`` (staleness is measured against it and
         bounded by the table's ``max_staleness``) and their ``record``, which is
         appended for durability and waited on before returning, after the records of
-        the evictions it caused. Replay passes the staleness the log recorded instead
+        the evictions it caused, and their exactly-once ``claim`` (client id, seq), settled with the change.
+        Replay passes the staleness the log recorded instead
         (and the per-row staleness and the time, if any), and no record; it evicts nothing by
         itself (the log holds the evictions). Tables with ``ttl_seconds`` log the time of each push,
         so a replayed row keeps its live last push time.
@@ -187,6 +218,8 @@ class UpdatePath:
             done = t.apply(uniq, summed, policy.lr_scale(staleness), scales, stamp - 1, stamp,
                            evict=not replaying, now=now)
             version = self._advance()
+            if claim[0]:
+                self.seen.settle(*claim)
             name = t.spec.name
             if done.expired.size:
                 self.durability.append(record_evict(name, done.expired, CAUSE_TTL))
