@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_transport --repeat $(REPEAT)
 	$(BIN)/python -m benchmarks.bench_bounded --repeat $(REPEAT)
 	$(BIN)/python -m benchmarks.bench_serving
+	$(BIN)/python -m benchmarks.bench_tiered
 	$(BIN)/python -m benchmarks.bench_fairness
 
 # Images built offline: a base from Debian's mirror (where python:3.11-slim cannot be pulled) and a

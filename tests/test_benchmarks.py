@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("bench_serving", "serving", []),
     ("bench_fairness", "fairness", ["--kinds", "waiting"]),
     ("bench_collection", "collection", []),
+    ("bench_tiered", "tiered", ["--no-stores"]),  # make bench runs the stores' comparison
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, extra):
     out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path), *extra],
@@ -64,6 +65,11 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         parts = {p: [r for r in data["results"] if r["part"] == p] for p in ("export", "delta", "apply")}
         assert all(len(rs) == 2 and rs[1]["x_baseline"] == 1.0 and rs[0]["x_baseline"] > 0 for rs in parts.values())
         assert parts["apply"][0]["rows"] == data["meta"]["args"]["rows"] and parts["apply"][0]["pulls"] > 0
+    if name == "tiered":  # the table with a disk tier beside the same table in RAM, from the same run
+        ram, disk = data["results"]
+        assert ram["table"] == "all in RAM" and ram["x_ram_zipf"] == 1.0 and disk["x_ram_zipf"] > 0
+        assert disk["hot_rows"] < data["meta"]["args"]["rows"] and disk["disk_bytes_per_row"] > 0
+        assert 0 < disk["zipf_hit_rate"] <= 1 and disk["restart_s"] > 0
     if name == "e2e":  # local baseline first, then 1 worker through the shards in each variant, with its ratio
         local, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0

@@ -1,7 +1,7 @@
 """shardps_client: the PyTorch client of the shardps parameter server."""
 
 from shardps.core.optim import SGD, Adagrad, Adam
-from shardps.core.policies import Admission, Eviction, Staleness, SyncPolicy
+from shardps.core.policies import Admission, DiskTier, Eviction, Staleness, SyncPolicy
 from shardps.core.specs import Initializer
 from shardps_client.client import Client, Versions
 from shardps_client.collection import (
@@ -16,6 +16,7 @@ from shardps_client.errors import (
     ExportGapError,
     IdOutOfRangeError,
     InvalidArgumentError,
+    NotPrimaryError,
     PermissionDeniedError,
     ReadOnlyError,
     RequestTooLargeError,
@@ -37,8 +38,8 @@ from shardps_client.transport import TLS
 __all__ = [
     "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "RemoteEmbeddingBagCollection",
     "RemoteEmbeddingCollection", "EmbeddingBagConfig", "EmbeddingConfig", "PoolingType", "KeyedJaggedTensor",
-    "JaggedTensor", "KeyedTensor", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "SyncPolicy", "SyncStepError",
+    "JaggedTensor", "KeyedTensor", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "DiskTier", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
-    "TLS", "AuthenticationError", "PermissionDeniedError", "ReadOnlyError", "ExportGapError",
+    "TLS", "AuthenticationError", "PermissionDeniedError", "ReadOnlyError", "ExportGapError", "NotPrimaryError",
 ]

@@ -20,6 +20,7 @@ from shardps.core.errors import InvalidArgument as _ServerInvalidArgument
 from shardps.core.exporter import Exporter
 from shardps.core.exports import ExportResult
 from shardps.core.optim import SGD, Optimizer
+from shardps.core.policies import DiskTier
 from shardps.core.routing import name_hash
 from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy, TableSpec, table_spec_to_pb
 from shardps.v1 import shardps_pb2 as pb
@@ -50,14 +51,18 @@ class ClusterOps:
 
     def create_table(self, name: str, dim: int, num_embeddings: Optional[int], optimizer: Optional[Optimizer],
                      initializer: Optional[Initializer], staleness: Optional[Staleness], allow_nonfinite: bool,
-                     sync: Optional[SyncPolicy], admission: Optional[Admission], eviction: Optional[Eviction]) -> bool:
+                     sync: Optional[SyncPolicy], admission: Optional[Admission], eviction: Optional[Eviction],
+                     storage: Union[str, DiskTier] = "memory") -> bool:
         """``Client.create_table``."""
         try:
+            if not isinstance(storage, DiskTier) and storage not in ("memory", "disk"):
+                raise _ServerInvalidArgument(f"storage must be 'memory', 'disk' or a DiskTier, got {storage!r}")
             spec = TableSpec(
                 name=name, dim=dim, num_embeddings=num_embeddings, optimizer=optimizer or SGD(),
                 initializer=initializer or Initializer(kind="normal", std=1.0, seed=name_hash(name) >> 1),
                 staleness=staleness or Staleness(), allow_nonfinite=allow_nonfinite, sync=sync,
                 admission=admission, eviction=eviction,
+                disk=storage if isinstance(storage, DiskTier) else DiskTier() if storage == "disk" else None,
             )
         except _ServerInvalidArgument as e:
             raise InvalidArgumentError(str(e)) from None
@@ -163,18 +168,20 @@ class ClusterMethods:
         self, name: str, dim: int, num_embeddings: Optional[int] = None, optimizer: Optional[Optimizer] = None,
         initializer: Optional[Initializer] = None, staleness: Optional[Staleness] = None,
         allow_nonfinite: bool = False, sync: Optional[SyncPolicy] = None, admission: Optional[Admission] = None,
-        eviction: Optional[Eviction] = None,
+        eviction: Optional[Eviction] = None, storage: Union[str, DiskTier] = "memory",
     ) -> bool:
         """Create a table on every shard; True if created, False if an equal one existed.
 
         ``num_embeddings=None`` makes an unbounded table (any int64 id). The
         default initializer is normal(0, 1), like ``torch.nn.Embedding``, seeded
         from the table name. ``admission`` and ``eviction`` bound the table's
-        memory (see ``Admission``, ``Eviction``). A table of the same name with
-        another spec (policies included) raises TableExistsError.
+        memory by dropping rows (see ``Admission``, ``Eviction``); ``storage="disk"``
+        (or a ``DiskTier(memory_mb=..., policy=...)``) keeps only the hot rows in
+        memory and the others on the shards' local disk, losing none. A table of
+        the same name with another spec (policies included) raises TableExistsError.
         """
         return self._cluster.create_table(name, dim, num_embeddings, optimizer, initializer, staleness,
-                                          allow_nonfinite, sync, admission, eviction)
+                                          allow_nonfinite, sync, admission, eviction, storage)
 
     def describe_table(self, name: str) -> list[pb.TableInfo]:
         """What each shard holds of a table or dense tensor (rows, bytes)."""

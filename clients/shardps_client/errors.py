@@ -68,6 +68,13 @@ class ShardUnavailableError(ShardpsError):
     """A shard could not be reached within the retry window."""
 
 
+class NotPrimaryError(ShardUnavailableError):
+    """The member of a replica group that was called is not its primary (a backup, or an election is under way);
+    ``primary`` is the primary's address when the member knows it. The client follows it by itself."""
+
+    primary: str = ""
+
+
 class ShardTimeoutError(ShardpsError):
     """A call did not finish within its deadline."""
 
@@ -97,8 +104,12 @@ for _s in status.TABLE:
     _BY_CODE.setdefault(_s.code, _BY_KIND[_s.kind])
 
 
-def error_of(code: Any, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
-    """The client exception of a status (``code``: a grpc.StatusCode) of call ``what`` to ``address``."""
+def error_of(code: Any, details: str, address: str, what: str, kind: str = "", redirect: str = "") -> ShardpsError:
+    """The client exception of a status (``code``: a grpc.StatusCode) of call ``what`` to ``address``; ``redirect``:
+    the primary a replica group's member named."""
     cls = _BY_KIND.get(kind) or _BY_CODE.get(code.name, ShardpsError)
-    return cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)
+    err = cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)
+    if isinstance(err, NotPrimaryError):
+        err.primary = redirect
+    return err
 

@@ -67,12 +67,13 @@ def from_rpc_error(e: grpc.RpcError, address: str, what: str) -> ShardpsError:
     details = e.details() if hasattr(e, "details") else str(e)
     trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
     kind = next((v for k, v in trailing or () if k == status.KIND_METADATA), "")
-    return error_of(code, details, address, what, kind)
+    redirect = next((v for k, v in trailing or () if k == status.REDIRECT_METADATA), "")
+    return error_of(code, details, address, what, kind, redirect)
 
 
-def from_status(code: int, details: str, address: str, what: str, kind: str = "") -> ShardpsError:
+def from_status(code: int, details: str, address: str, what: str, kind: str = "", redirect: str = "") -> ShardpsError:
     """The client exception of a status carried in a message (a StreamError of a call stream)."""
-    return error_of(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, address, what, kind)
+    return error_of(_CODES.get(code, grpc.StatusCode.UNKNOWN), details, address, what, kind, redirect)
 
 
 def _reply(field: int, view: memoryview) -> Any:
@@ -90,7 +91,7 @@ def resolve(future: Future, address: str, what: str, field: int, view: memoryvie
     try:
         if field == protocol.STREAM_ERROR_FIELD:
             err = pb.StreamError.FromString(bytes(view))
-            raise from_status(err.code, err.message, address, what, err.kind)
+            raise from_status(err.code, err.message, address, what, err.kind, err.redirect)
         future.set_result(_reply(field, view))
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the call
         future.set_exception(e)

@@ -41,6 +41,15 @@ class Unavailable(ShardError):
     """The shard is not ready (restoring, shutting down)."""
 
 
+class NotPrimary(Unavailable):
+    """This member of a replica group is not its primary (a backup, or an election is under way): writes go to
+    ``redirect``, the primary's address (empty while unknown)."""
+
+    def __init__(self, message: str, redirect: str = "") -> None:
+        super().__init__(message)
+        self.redirect = redirect
+
+
 class SyncStepFailed(ShardError):
     """A synchronous step failed (its straggler policy is "fail")."""
 

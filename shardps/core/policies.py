@@ -1,5 +1,5 @@
 """A table's policies: what it does with stale pushes (``Staleness``), which new ids get a row
-(``Admission``), which rows it drops (``Eviction``) and how workers' gradients meet in a synchronous step
+(``Admission``), which rows it drops (``Eviction``), which rows live on disk (``DiskTier``) and how workers' gradients meet in a synchronous step
 (``SyncPolicy``). Plain frozen dataclasses that check their arguments; ``shardps.core.specs`` puts them in
 a ``TableSpec`` and turns them into protobuf."""
 
@@ -142,6 +142,33 @@ class Eviction:
             raise InvalidArgument(f"eviction ttl_seconds must be > 0, got {self.ttl_seconds}")
         if not (self.sample == 0 or 2 <= self.sample <= 1024):
             raise InvalidArgument(f"eviction sample must be 0 (exact) or in [2, 1024], got {self.sample}")
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """Rows beyond RAM: a table's hot rows stay in memory, at most ``memory_mb`` of them on each shard, and
+    every other row, with its optimizer state and metadata, in the shard's disk tier (RocksDB on local disk,
+    ``shardps serve --disk-dir``). A pull or push of a cold row brings it back into memory (one batched read
+    per request); a row leaving memory is written back first, so nothing a table learned is dropped.
+
+    Args:
+        memory_mb: RAM for the table's hot rows on each shard, MiB (values, optimizer state, metadata, index).
+        policy: which hot rows go back to disk first: "lru" (least recently pulled or pushed) or "lfu" (fewest
+            pushes; ties: least recently used).
+        sample: rows sampled per victim, as Redis does (0: the exact victims, a scan of the hot rows per miss).
+    """
+
+    memory_mb: float = 256.0
+    policy: str = "lru"
+    sample: int = 8
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.memory_mb) and 1 <= self.memory_mb <= 1 << 30):
+            raise InvalidArgument(f"disk tier memory_mb must be in [1, 2^30] MiB, got {self.memory_mb}")
+        if self.policy not in EVICTION_POLICIES:
+            raise InvalidArgument(f"disk tier policy must be one of {EVICTION_POLICIES}, got {self.policy!r}")
+        if not (self.sample == 0 or 2 <= self.sample <= 1024):
+            raise InvalidArgument(f"disk tier sample must be 0 (exact) or in [2, 1024], got {self.sample}")
 
 
 AGGREGATORS = ("mean", "sum", "median", "trimmed_mean")

@@ -53,6 +53,16 @@ def shard_of_ids_numpy(ids: np.ndarray, num_shards: int) -> np.ndarray:
     return ((hi * np.uint64(num_shards)) >> np.uint64(32)).astype(np.int64)
 
 
+NUM_SLOTS = 1 << 14  # hash slots: the top 14 bits of an id's routing hash
+_SLOT_SHIFT = np.uint64(64 - 14)
+
+
+def slot_of_ids(ids: np.ndarray) -> np.ndarray:
+    """The hash slot (in [0, NUM_SLOTS)) of each id: the top bits of the same hash that places ids on shards, so
+    with a power-of-two shard count a shard owns whole slots (``shard = slot * num_shards // NUM_SLOTS``)."""
+    return (mix64(ids) >> _SLOT_SHIFT).astype(np.int64)
+
+
 def name_hash(name: str) -> int:
     """A stable 64-bit hash of a string (FNV-1a, then mixed)."""
     h = 0xCBF29CE484222325

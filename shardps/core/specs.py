@@ -14,7 +14,7 @@ import numpy as np
 from shardps.core import kernels
 from shardps.core.errors import InvalidArgument, clip
 from shardps.core.optim import SGD, Adagrad, Adam, Optimizer
-from shardps.core.policies import Admission, Eviction, Staleness, SyncPolicy
+from shardps.core.policies import Admission, DiskTier, Eviction, Staleness, SyncPolicy
 from shardps.core.routing import SPLITMIX_GOLDEN, SPLITMIX_M1, SPLITMIX_M2, mix64
 from shardps.v1 import shardps_pb2 as pb
 
@@ -168,6 +168,7 @@ class TableSpec:
         sync: synchronous training policy (None: asynchronous).
         admission: feature admission (None: every id gets a row on first touch).
         eviction: TTL and capacity eviction (None: rows stay until the table is dropped).
+        disk: a disk tier (``DiskTier``: hot rows in RAM, the others on local disk); None: every row in RAM.
 
     A table with admission or eviction is *bounded*: pulls never create rows (an id
     without a row reads its initial value), and a row's last push (version, time) and
@@ -184,6 +185,7 @@ class TableSpec:
     sync: Optional[SyncPolicy] = None
     admission: Optional[Admission] = None
     eviction: Optional[Eviction] = None
+    disk: Optional[DiskTier] = None
 
     @property
     def bounded(self) -> bool:
@@ -195,6 +197,9 @@ class TableSpec:
             raise InvalidArgument(f"table {self.name!r}: dim must be in [1, {MAX_DIM}], got {self.dim}")
         if self.num_embeddings is not None and not 1 <= self.num_embeddings < 2**63:
             raise InvalidArgument(f"table {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}")
+        if self.disk is not None and self.bounded:
+            raise InvalidArgument(f"table {self.name!r}: a disk tier keeps every row (the cold ones on disk); "
+                                  "admission and eviction drop rows instead: choose one")
 
 
 @dataclass(frozen=True)
@@ -354,6 +359,17 @@ _AGG_PB = {"mean": pb.SyncPolicy.MEAN, "sum": pb.SyncPolicy.SUM, "median": pb.Sy
 _TIMEOUT_PB = {"wait": pb.SyncPolicy.WAIT, "proceed": pb.SyncPolicy.PROCEED, "fail": pb.SyncPolicy.FAIL}
 
 
+def disk_to_pb(d: DiskTier) -> pb.DiskTierPolicy:
+    return pb.DiskTierPolicy(memory_mb=d.memory_mb, policy=_EVICT_PB[d.policy], sample=d.sample)
+
+
+def disk_from_pb(msg: pb.DiskTierPolicy) -> DiskTier:
+    names = {v: k for k, v in _EVICT_PB.items()}
+    if msg.policy not in names:
+        raise InvalidArgument(f"unknown disk tier policy {msg.policy}")
+    return DiskTier(memory_mb=msg.memory_mb, policy=names[msg.policy], sample=msg.sample)
+
+
 def sync_to_pb(p: SyncPolicy) -> pb.SyncPolicy:
     return pb.SyncPolicy(workers=p.workers, aggregator=_AGG_PB[p.aggregator], trim_fraction=p.trim_fraction,
                          timeout_s=p.timeout_s, on_timeout=_TIMEOUT_PB[p.on_timeout])
@@ -382,6 +398,8 @@ def table_spec_to_pb(spec: TableSpec) -> pb.TableSpec:
         msg.admission.CopyFrom(admission_to_pb(spec.admission))
     if spec.eviction is not None:
         msg.eviction.CopyFrom(eviction_to_pb(spec.eviction))
+    if spec.disk is not None:
+        msg.disk.CopyFrom(disk_to_pb(spec.disk))
     return msg
 
 
@@ -394,6 +412,7 @@ def table_spec_from_pb(msg: pb.TableSpec) -> TableSpec:
         sync=sync_from_pb(msg.sync) if msg.HasField("sync") else None,
         admission=admission_from_pb(msg.admission) if msg.HasField("admission") else None,
         eviction=eviction_from_pb(msg.eviction) if msg.HasField("eviction") else None,
+        disk=disk_from_pb(msg.disk) if msg.HasField("disk") else None,
     )
 
 

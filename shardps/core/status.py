@@ -16,6 +16,7 @@ from typing import Optional
 from shardps.core import errors
 
 KIND_METADATA = "shardps-error-kind"
+REDIRECT_METADATA = "shardps-redirect"  # a NotPrimary refusal's primary address (StreamError.redirect on streams)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ TABLE: tuple[Status, ...] = (
     Status("sync_step_failed", "ABORTED", errors.SyncStepFailed, "SyncStepError"),
     Status("resource_exhausted", "RESOURCE_EXHAUSTED", errors.ResourceExhausted, "RequestTooLargeError"),
     Status("unavailable", "UNAVAILABLE", errors.Unavailable, "ShardUnavailableError"),
+    Status("not_primary", "UNAVAILABLE", errors.NotPrimary, "NotPrimaryError"),
     Status("unauthenticated", "UNAUTHENTICATED", errors.Unauthenticated, "AuthenticationError"),
     Status("permission_denied", "PERMISSION_DENIED", errors.PermissionDenied, "PermissionDeniedError"),
     Status("read_only", "FAILED_PRECONDITION", errors.ReadOnly, "ReadOnlyError"),

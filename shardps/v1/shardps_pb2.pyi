@@ -166,6 +166,16 @@ class EvictionPolicy(_message.Message):
     sample: int
     def __init__(self, max_rows: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy.Policy, str]] = ..., ttl_steps: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., sample: _Optional[int] = ...) -> None: ...
 
+class DiskTierPolicy(_message.Message):
+    __slots__ = ("memory_mb", "policy", "sample")
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    memory_mb: float
+    policy: EvictionPolicy.Policy
+    sample: int
+    def __init__(self, memory_mb: _Optional[float] = ..., policy: _Optional[_Union[EvictionPolicy.Policy, str]] = ..., sample: _Optional[int] = ...) -> None: ...
+
 class SyncPolicy(_message.Message):
     __slots__ = ("workers", "aggregator", "trim_fraction", "timeout_s", "on_timeout")
     class Aggregator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -211,7 +221,7 @@ class SyncPart(_message.Message):
     def __init__(self, step: _Optional[int] = ..., rank: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "num_embeddings", "dim", "optimizer", "initializer", "staleness", "allow_nonfinite", "sync", "admission", "eviction")
+    __slots__ = ("name", "num_embeddings", "dim", "optimizer", "initializer", "staleness", "allow_nonfinite", "sync", "admission", "eviction", "disk")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +232,7 @@ class TableSpec(_message.Message):
     SYNC_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_embeddings: int
     dim: int
@@ -232,7 +243,8 @@ class TableSpec(_message.Message):
     sync: SyncPolicy
     admission: AdmissionPolicy
     eviction: EvictionPolicy
-    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., sync: _Optional[_Union[SyncPolicy, _Mapping]] = ..., admission: _Optional[_Union[AdmissionPolicy, _Mapping]] = ..., eviction: _Optional[_Union[EvictionPolicy, _Mapping]] = ...) -> None: ...
+    disk: DiskTierPolicy
+    def __init__(self, name: _Optional[str] = ..., num_embeddings: _Optional[int] = ..., dim: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., staleness: _Optional[_Union[StalenessPolicy, _Mapping]] = ..., allow_nonfinite: _Optional[bool] = ..., sync: _Optional[_Union[SyncPolicy, _Mapping]] = ..., admission: _Optional[_Union[AdmissionPolicy, _Mapping]] = ..., eviction: _Optional[_Union[EvictionPolicy, _Mapping]] = ..., disk: _Optional[_Union[DiskTierPolicy, _Mapping]] = ...) -> None: ...
 
 class DenseSpec(_message.Message):
     __slots__ = ("name", "shape", "optimizer", "staleness", "chunk_rows", "allow_nonfinite", "sync")
@@ -273,7 +285,7 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("spec", "dense", "num_rows", "bytes", "bytes_per_row", "payload_bytes", "admitted", "rejected", "evicted_ttl", "evicted_capacity", "sketch_bytes")
+    __slots__ = ("spec", "dense", "num_rows", "bytes", "bytes_per_row", "payload_bytes", "admitted", "rejected", "evicted_ttl", "evicted_capacity", "sketch_bytes", "hot_rows", "disk_rows", "disk_bytes", "tier_hits", "tier_misses", "promoted", "written_back")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +297,13 @@ class TableInfo(_message.Message):
     EVICTED_TTL_FIELD_NUMBER: _ClassVar[int]
     EVICTED_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SKETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BACK_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     dense: DenseSpec
     num_rows: int
@@ -296,7 +315,14 @@ class TableInfo(_message.Message):
     evicted_ttl: int
     evicted_capacity: int
     sketch_bytes: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., num_rows: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., evicted_ttl: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., sketch_bytes: _Optional[int] = ...) -> None: ...
+    hot_rows: int
+    disk_rows: int
+    disk_bytes: int
+    tier_hits: int
+    tier_misses: int
+    promoted: int
+    written_back: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., num_rows: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes: _Optional[int] = ..., admitted: _Optional[int] = ..., rejected: _Optional[int] = ..., evicted_ttl: _Optional[int] = ..., evicted_capacity: _Optional[int] = ..., sketch_bytes: _Optional[int] = ..., hot_rows: _Optional[int] = ..., disk_rows: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_misses: _Optional[int] = ..., promoted: _Optional[int] = ..., written_back: _Optional[int] = ...) -> None: ...
 
 class DropTableRequest(_message.Message):
     __slots__ = ("name",)
@@ -497,14 +523,16 @@ class StreamRequest(_message.Message):
     def __init__(self, push: _Optional[_Union[PushRequest, _Mapping]] = ..., push_dense: _Optional[_Union[PushDenseRequest, _Mapping]] = ..., push_batch: _Optional[_Union[PushBatchRequest, _Mapping]] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., pull_dense: _Optional[_Union[PullDenseRequest, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchRequest, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
-    __slots__ = ("code", "message", "kind")
+    __slots__ = ("code", "message", "kind", "redirect")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    REDIRECT_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     kind: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    redirect: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., kind: _Optional[str] = ..., redirect: _Optional[str] = ...) -> None: ...
 
 class StreamResponse(_message.Message):
     __slots__ = ("push", "push_dense", "push_batch", "pull", "pull_dense", "pull_batch", "error")
@@ -551,7 +579,7 @@ class ShardStats(_message.Message):
     def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket", "data_clients", "data_plane_handoffs")
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket", "data_clients", "data_plane_handoffs", "replica")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -568,6 +596,7 @@ class ShardInfoResponse(_message.Message):
     DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -584,7 +613,99 @@ class ShardInfoResponse(_message.Message):
     data_ticket: bytes
     data_clients: _containers.RepeatedCompositeFieldContainer[DataClient]
     data_plane_handoffs: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ...) -> None: ...
+    replica: ReplicaInfo
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ..., replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("member", "role", "epoch", "lsn", "primary", "group", "ack", "backups", "etcd_age_s")
+    class BackupsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LSN_FIELD_NUMBER: _ClassVar[int]
+    PRIMARY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    ETCD_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    role: str
+    epoch: int
+    lsn: int
+    primary: str
+    group: int
+    ack: str
+    backups: _containers.ScalarMap[str, int]
+    etcd_age_s: float
+    def __init__(self, member: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., lsn: _Optional[int] = ..., primary: _Optional[str] = ..., group: _Optional[int] = ..., ack: _Optional[str] = ..., backups: _Optional[_Mapping[str, int]] = ..., etcd_age_s: _Optional[float] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("hello", "lsn")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    LSN_FIELD_NUMBER: _ClassVar[int]
+    hello: ReplicaHello
+    lsn: int
+    def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., lsn: _Optional[int] = ...) -> None: ...
+
+class ReplicaHello(_message.Message):
+    __slots__ = ("cluster", "shard_map", "member", "lsn", "last_epoch", "epoch")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    LSN_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    shard_map: ShardMap
+    member: str
+    lsn: int
+    last_epoch: int
+    epoch: int
+    def __init__(self, cluster: _Optional[str] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., member: _Optional[str] = ..., lsn: _Optional[int] = ..., last_epoch: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReplicaRecord(_message.Message):
+    __slots__ = ("lsn", "epoch", "kind", "payload")
+    LSN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    lsn: int
+    epoch: int
+    kind: int
+    payload: bytes
+    def __init__(self, lsn: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaFile(_message.Message):
+    __slots__ = ("name", "offset", "data", "last")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    data: bytes
+    last: bool
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class ReplicaFrame(_message.Message):
+    __slots__ = ("epoch", "records", "file", "copied", "history")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    records: _containers.RepeatedCompositeFieldContainer[ReplicaRecord]
+    file: ReplicaFile
+    copied: int
+    history: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., records: _Optional[_Iterable[_Union[ReplicaRecord, _Mapping]]] = ..., file: _Optional[_Union[ReplicaFile, _Mapping]] = ..., copied: _Optional[int] = ..., history: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DataClient(_message.Message):
     __slots__ = ("peer", "transport", "caller", "calls", "bytes", "idle_s")

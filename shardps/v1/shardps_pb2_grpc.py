@@ -115,6 +115,11 @@ class ShardStub:
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.AssignRequest.SerializeToString,
                 response_deserializer=shardps_dot_v1_dot_shardps__pb2.AssignResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_stream(
+                '/shardps.v1.Shard/Replicate',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.ReplicaAck.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.ReplicaFrame.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -234,6 +239,14 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """A backup follows its group's primary: it sends its hello and then acknowledges what it stores; the primary
+        sends its log's records (or first a whole copy). Needs an admin token where tokens are on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +329,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Assign,
                     request_deserializer=shardps_dot_v1_dot_shardps__pb2.AssignRequest.FromString,
                     response_serializer=shardps_dot_v1_dot_shardps__pb2.AssignResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.ReplicaAck.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.ReplicaFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -751,6 +769,33 @@ class Shard:
             '/shardps.v1.Shard/Assign',
             shardps_dot_v1_dot_shardps__pb2.AssignRequest.SerializeToString,
             shardps_dot_v1_dot_shardps__pb2.AssignResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shardps.v1.Shard/Replicate',
+            shardps_dot_v1_dot_shardps__pb2.ReplicaAck.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.ReplicaFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,10 +85,11 @@ class Follower:
                 f"{path} was written by a cluster of {n} shards, but this shard is {s.index} of {s.num_shards}: serve "
                 f"it with {n} shards, or reshard it first: shardps compact {self.root} --to NEW_DIR --shards {s.num_shards}")
 
-    def _table(self, entry: dict[str, Any], arrays: dict[str, np.ndarray], path: str) -> Table:
+    def _table(self, entry: dict[str, Any], arrays: dict[str, np.ndarray], path: str, seq: int) -> Table:
         spec = spec_from_entry(entry)
         owns, expected = self.shard.ownership(spec)
-        t = self.shard.registry.build(spec, owns, max(expected if entry["kind"] == "dense" else 0, arrays["ids"].shape[0]))
+        t = self.shard.registry.build(spec, owns, max(expected if entry["kind"] == "dense" else 0, arrays["ids"].shape[0]),
+                                      tier_key=f"{spec.name}@{seq}")
         t.read_only = True
         self._verify(t, arrays["ids"], arrays["values"], path)
         if arrays["ids"].size:
@@ -130,7 +131,7 @@ class Follower:
             where = str(self.root / part["file"])
             existing = self.shard.registry.lookup(entry["name"])
             if kind == "base" or part.get("full", entry["full"]) or existing is None:
-                changes.append(_Change(entry["name"], table=self._table(entry, arrays, where)))
+                changes.append(_Change(entry["name"], table=self._table(entry, arrays, where, seq)))
                 continue
             spec = spec_from_entry(entry)
             if existing.spec != spec:

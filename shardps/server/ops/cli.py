@@ -14,6 +14,7 @@ import sys
 from typing import Callable, Mapping, Optional, Sequence
 
 from shardps.probe import add_tls_args
+from shardps.server.replica.member import ReplicaConfig
 from shardps.server.rpc.auth import TLSFiles, Tokens
 from shardps.server.rpc.fair import FairConfig
 from shardps.server.rpc.server import ServerConfig, serve
@@ -42,6 +43,22 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
                                         "on SIGTERM)"),
     ("checkpoint-log-mb", int, 256, "checkpoint once this many MiB of log were written since the last "
                                     "checkpoint, bounding the replay on restart (0: never by size)"),
+    ("disk-dir", str, None, "where tables with a disk tier keep their cold rows (RocksDB; local disk; default: "
+     "<data-dir>/disk, none without --data-dir)"),
+    ("disk-cache-mb", int, 32, "RocksDB's block cache of the disk tier in MiB, shared by its tables (memory beyond "
+     "--max-memory-mb)"),
+    ("disk-min-free-mb", int, 256, "free space the disk tier keeps on its file system: a write back that would leave "
+     "less is refused (the request, with nothing applied)"),
+    ("replicas", int, 1, "members of this shard's replica group (one primary, the others backups); with more than "
+     "one, --etcd and --member are needed"),
+    ("member", str, None, "this process's member id in its replica group (unique in the group)"),
+    ("etcd", str, None, "etcd's client URL (http://host:2379): where a replica group elects its primary"),
+    ("cluster-name", str, "shardps", "the cluster's name in etcd (the prefix of its keys)"),
+    ("ack", str, "quorum", "with replicas, when a write is acknowledged: quorum (a majority of the group has it in its "
+     "log) or primary (this member has it; a failover may lose the last writes)"),
+    ("lease-ttl", int, 2, "seconds of a member's etcd lease: a primary silent this long is replaced"),
+    ("advertise", str, None, "the address clients and the other members reach this shard at (host:port; default: the "
+     "bound host and port, or the machine's name when bound to every interface)"),
     ("worker-timeout", float, 10.0, "seconds of silence after which a training worker counts as gone"),
     ("workers", int, 8, "gRPC handler threads"),
     ("max-streams", int, 64, "call streams open at once (one per client); each holds a handler thread"),
@@ -388,6 +405,16 @@ def _tls(args: argparse.Namespace) -> Optional[TLSFiles]:
     return TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
+def _replica(args: argparse.Namespace) -> Optional[ReplicaConfig]:
+    """A replica group's member, from --replicas, --member, --etcd, --cluster-name and --lease-ttl."""
+    if args.replicas <= 1:
+        return None
+    if not args.etcd or not args.member:
+        raise ValueError("--replicas needs --etcd (where the group elects its primary) and --member (this process's "
+                         "id in the group)")
+    return ReplicaConfig(args.cluster_name, args.member, args.etcd, lease_ttl=args.lease_ttl)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     if args.shard_index is None or args.num_shards is None:
         raise SystemExit("shardps serve: --shard-index and --num-shards are required (or SHARDPS_SHARD_INDEX / SHARDPS_NUM_SHARDS)")
@@ -396,7 +423,8 @@ def run_serve(args: argparse.Namespace) -> int:
             shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
             durability=args.durability, fsync=args.fsync, fsync_interval_s=args.fsync_interval,
             worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
-            serve_from=args.serve_from,
+            serve_from=args.serve_from, disk_dir=args.disk_dir, disk_cache_mb=args.disk_cache_mb,
+            disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack,
             limits=Limits(
                 max_memory_mb=args.max_memory_mb, max_tables=args.max_tables, max_table_rows=args.max_table_rows,
                 max_ids_per_request=args.max_ids_per_request, max_name_length=args.max_name_length,
@@ -408,7 +436,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_message_mb=args.max_message_mb, data_threads=args.data_threads, data_port=args.data_port,
             checkpoint_interval_s=args.checkpoint_interval, checkpoint_log_mb=args.checkpoint_log_mb,
             grace_s=args.grace, metrics_port=args.metrics_port,
-            delta_poll_s=args.delta_poll,
+            delta_poll_s=args.delta_poll, replica=_replica(args), advertise=args.advertise or "",
             tls=_tls(args), tokens=Tokens.load(args.tokens_file) if args.tokens_file else None,
             fairness=FairConfig(slots=args.fair_slots, calls_per_connection=args.max_calls_per_connection,
                                 streams_per_connection=args.max_streams_per_connection,
@@ -421,10 +449,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from shardps.core.exports import CorruptExport
     from shardps.server.exports.serving import ServeMismatch
     from shardps.server.shard.facade import LogReplayError, ShardMapMismatch
+    from shardps.server.storage.disk import DiskTierError
 
     try:
         return serve(shard_config, server_config, ready_file=args.ready_file)
-    except (ShardMapMismatch, LogReplayError, CorruptExport, ServeMismatch) as e:
+    except (ShardMapMismatch, LogReplayError, CorruptExport, ServeMismatch, DiskTierError) as e:
         raise SystemExit(f"shardps serve: {e}") from None
 
 

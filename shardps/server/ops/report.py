@@ -76,6 +76,11 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
             if getattr(spec, "bounded", False):
                 entry.update(admitted=t.admitted, rejected=t.rejected, evicted_ttl=t.evicted_ttl,
                              evicted_capacity=t.evicted_capacity, sketch_bytes=t.sketch_bytes)
+            if getattr(spec, "disk", None) is not None:
+                looked = t.tier_hits + t.tier_misses
+                entry.update(hot_rows=t.hot_rows, disk_rows=t.disk_rows, disk_bytes=t.disk_bytes,
+                             hit_rate=round(t.tier_hits / looked, 4) if looked else None, promoted=t.promoted,
+                             written_back=t.written_back)
             tables.append(entry)
         out.append({
             "address": a, "shard_index": info.shard_index, "num_shards": info.num_shards, "version": info.version,
@@ -138,6 +143,13 @@ def render(rows: list[dict[str, Any]]) -> str:
                 f"{'':>5}   {t['kind']} {t['name']:<24} rows {_si(t['rows']):>7}  bytes {_si(t['bytes']):>7}B "
                 f"({t['bytes_per_row']} B/row)  {t['optimizer']} {t['mode']}"
             )
+            if "hot_rows" in t:
+                rate = "-" if t["hit_rate"] is None else f"{100 * t['hit_rate']:.1f}%"
+                lines.append(
+                    f"{'':>5}     in memory {_si(t['hot_rows'])}  on disk {_si(t['disk_rows'])} "
+                    f"({_si(t['disk_bytes'])}B)  hit rate {rate}  read back {_si(t['promoted'])}  "
+                    f"written back {_si(t['written_back'])}"
+                )
             if "admitted" in t:
                 lines.append(
                     f"{'':>5}     admitted {_si(t['admitted'])}  rejected {_si(t['rejected'])}  evicted ttl "

@@ -19,9 +19,11 @@ import numpy as np
 
 from shardps.core.ids import unique_ids
 from shardps.core.routing import dense_rows_owned, shard_of_ids
-from shardps.core.specs import DenseSpec
+from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.durability import checkpoints
 from shardps.server.shard.facade import Shard, ShardConfig
+from shardps.server.storage.disk import DiskTiers, RecordCodec
+from shardps.server.storage.tiered import read_spill, write_spill
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
     for i, d in enumerate(dirs):
         shard = Shard(ShardConfig(i, old_n, data_dir=str(d), durability="checkpoint"))
         meta, arrays, _ = shard.snapshot()
+        if meta.get("disk_tier"):  # tables with a disk tier: their rows on disk join the hot ones
+            _add_disk_rows(shard, meta, arrays)
         snapshots.append((meta, arrays))
         shard.close()
     # Every shard knows every table's spec; check they agree.
@@ -113,8 +117,82 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
             summary["tables"][name]["per_shard"][j] = int(mine.sum())
         d = dst / f"shard-{j}"
         d.mkdir(parents=True, exist_ok=True)
-        checkpoints.write(d / checkpoints.file_name(1, stamp), meta_j, arrays_j)
+        name = checkpoints.file_name(1, stamp)
+        tiered = [(i, checkpoints.spec_of(e)) for i, e in enumerate(meta_j["tables"]) if _tiered(e)]
+        if tiered:  # every row of a table with a disk tier goes to the new shard's disk tier (default --disk-dir)
+            meta_j["disk_tier"] = name.removesuffix(checkpoints.SUFFIX)
+            _write_disk_tier(DiskTiers(d / "disk", j, num_shards), meta_j["disk_tier"], tiered, arrays_j)
+        checkpoints.write(d / name, meta_j, arrays_j)
     for name, t in summary["tables"].items():
         assert sum(t["per_shard"]) == t["rows"], f"{name}: rows lost or duplicated"
     log.info("resharded %s (%d shards) into %s (%d shards)", src, old_n, dst, num_shards)
     return summary
+
+
+def _tiered(entry: dict[str, Any]) -> bool:
+    spec = checkpoints.spec_of(entry)
+    return isinstance(spec, TableSpec) and spec.disk is not None
+
+
+def _codec(spec: TableSpec) -> RecordCodec:
+    return RecordCodec(spec.dim, list(spec.optimizer.state_names()))
+
+
+def _add_disk_rows(shard: Shard, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Add to a snapshot's arrays every row of its tables with a disk tier: the hot ones spilled into the tier's
+    checkpoint of the snapshot, then those only on disk (the checkpoint is removed afterwards)."""
+    tiers = shard.registry.tiers
+    assert tiers is not None
+    reader = tiers.open_checkpoint(meta["disk_tier"])
+    try:
+        for i, entry in enumerate(meta["tables"]):
+            if not _tiered(entry):
+                continue
+            spec = checkpoints.spec_of(entry)
+            assert isinstance(spec, TableSpec)
+            codec = _codec(spec)
+            hot, _ = read_spill(tiers.checkpoint_root / meta["disk_tier"], spec.name, codec.describe())
+            parts = [{k: np.asarray(v) for k, v in hot.items() if k != "meta.on_disk"}]
+            hot_ids = np.sort(parts[0]["ids"])
+            for ids, rec in reader.scan(spec.name, codec):
+                keep = ~np.isin(ids, hot_ids, assume_unique=True)
+                part = {"ids": ids[keep], "rows": rec["rows"][keep], "steps": rec["steps"][keep]}
+                part.update({"meta." + f: rec[f][keep] for f in ("last_version", "last_time", "touches")})
+                part.update({"state." + n: rec["state." + n][keep] for n in spec.optimizer.state_names()})
+                parts.append(part)
+            p = f"t{i}."
+            for k in parts[0]:
+                arrays[p + k] = np.concatenate([part[k] for part in parts])
+            arrays.pop(p + "table.disk_rows", None)
+    finally:
+        reader.close()
+        tiers.remove_checkpoint(meta["disk_tier"])
+
+
+def _write_disk_tier(tiers: DiskTiers, name: str, tiered: list[tuple[int, Any]], arrays: dict[str, np.ndarray]) -> None:
+    """Write every row of the tables with a disk tier to a new shard's disk tier and checkpoint it as ``name``, none
+    of them in memory; their entries in ``arrays`` become the count of rows on disk."""
+    spilled: list[tuple[TableSpec, int, list[tuple[str, np.ndarray]]]] = []
+    try:
+        tiers.reset()
+        for i, spec in tiered:
+            p = f"t{i}."
+            store = tiers.create(spec.name, _codec(spec))
+            n = arrays[p + "ids"].shape[0]
+            fields = {"rows": arrays[p + "rows"], "steps": arrays[p + "steps"]}
+            fields.update({k: arrays[p + "meta." + k] for k in ("last_version", "last_time", "touches")})
+            fields.update({"state." + s: arrays[p + "state." + s] for s in spec.optimizer.state_names()})
+            for lo in range(0, n, 65536):
+                store.put(arrays[p + "ids"][lo:lo + 65536], {k: v[lo:lo + 65536] for k, v in fields.items()})
+            empty = [(k[len(p):], arrays[k][:0]) for k in arrays if k.startswith(p)]
+            empty.sort(key=lambda e: e[0] != "ids")  # the ids first, as a spill has them
+            spilled.append((spec, n, empty + [("meta.on_disk", np.zeros(0, np.uint8))]))
+            for k in [k for k in arrays if k.startswith(p)]:
+                del arrays[k]
+            arrays[p + "table.disk_rows"] = np.array([n], np.int64)
+        tier_dir = tiers.checkpoint(name)
+        for spec, n, empty in spilled:  # every row on disk, none in memory
+            write_spill(tier_dir, spec.name, spec.name, _codec(spec).describe(), n, empty)
+        tiers.sync_checkpoint(name)
+    finally:
+        tiers.close()

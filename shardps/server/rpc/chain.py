@@ -85,7 +85,9 @@ class CallChain:
             code, message, kind = self.status(e, name)
             self.slow_refusal(peer, code, len(request))
             if kind:
-                context.set_trailing_metadata(((status.KIND_METADATA, kind),))
+                redirect = getattr(e, "redirect", "")
+                context.set_trailing_metadata(((status.KIND_METADATA, kind),) +
+                                              (((status.REDIRECT_METADATA, redirect),) if redirect else ()))
             context.abort(code, message)
         self._measure(name, started, len(request), _size(result))
         return result
@@ -116,8 +118,9 @@ class CallChain:
             return reply
         except Exception as e:  # noqa: BLE001 - answered with a StreamError; the stream goes on
             code, message, kind = self.status(e, name)
+            redirect = getattr(e, "redirect", "")
         self.slow_refusal(peer, code, len(request))
-        return stream_error(code, message, kind)
+        return stream_error(code, message, kind, redirect)
 
     def status(self, e: Exception, method: str) -> tuple[grpc.StatusCode, str, str]:
         """The status code, message and kind (shardps.core.status) of an error in ``method``
@@ -155,9 +158,10 @@ def caller_limits(peer: str, grant: Optional[Grant], per_connection: int,
     return limits
 
 
-def stream_error(code: grpc.StatusCode, message: str, kind: str) -> bytes:
+def stream_error(code: grpc.StatusCode, message: str, kind: str, redirect: str = "") -> bytes:
     """A refused call's answer on a stream (or the data plane): a StreamResponse holding its StreamError."""
-    return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind)).SerializeToString()
+    return pb.StreamResponse(error=pb.StreamError(code=code.value[0], message=message, kind=kind,
+                                                  redirect=redirect)).SerializeToString()
 
 
 def _size(reply: Any) -> int:

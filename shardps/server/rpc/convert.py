@@ -50,7 +50,9 @@ def table_info(info: TableInfo) -> pb.TableInfo:
     out = pb.TableInfo(num_rows=info.num_rows, bytes=info.bytes, bytes_per_row=info.bytes_per_row,
                        payload_bytes=info.payload_bytes, admitted=info.admitted, rejected=info.rejected,
                        evicted_ttl=info.evicted_ttl, evicted_capacity=info.evicted_capacity,
-                       sketch_bytes=info.sketch_bytes)
+                       sketch_bytes=info.sketch_bytes, hot_rows=info.hot_rows, disk_rows=info.disk_rows,
+                       disk_bytes=info.disk_bytes, tier_hits=info.tier_hits, tier_misses=info.tier_misses,
+                       promoted=info.promoted, written_back=info.written_back)
     set_spec(out, info.spec)
     return out
 
@@ -85,8 +87,7 @@ def shard_info(info: ShardInfo) -> pb.ShardInfoResponse:
 def export_begun(version: int, copies: dict[str, ExportedCopy]) -> pb.ExportResponse:
     out = pb.ExportResponse(version=version)
     for copy in copies.values():
-        entry = out.tables.add(rows=copy.arrays["ids"].shape[0], full=copy.full,
-                               tombstones=copy.arrays["tombstones"].shape[0] if "tombstones" in copy.arrays else 0)
+        entry = out.tables.add(rows=copy.rows, full=copy.full, tombstones=copy.tombstones.shape[0])
         set_spec(entry, copy.spec)
     return out
 

@@ -26,7 +26,10 @@ transport: zmq, grpc-stream, grpc-unary), ``data_plane_handoffs_total`` (data-pl
 their socket's thread), ``version``, ``uptime_seconds``, ``table_rows{table}`` and
 ``table_bytes{table}`` (stored rows and bytes of memory), ``live_workers``, ``gone_workers``; for bounded
 tables ``table_admitted_total{table}``, ``table_rejected_total{table}`` (pushed rows of ids not admitted),
-``table_evicted_total{table,cause}`` (cause: ttl, capacity) and ``table_sketch_bytes{table}``.
+``table_evicted_total{table,cause}`` (cause: ttl, capacity) and ``table_sketch_bytes{table}``; tables with a disk
+tier ``table_tier_rows{table,tier}`` (memory, disk), ``table_disk_bytes{table}``,
+``table_tier_lookups_total{table,result}`` (hit, miss) and ``table_tier_rows_moved_total{table,direction}``
+(promoted, written_back).
 """
 
 from __future__ import annotations
@@ -210,8 +213,25 @@ class _ShardCollector:
                                       labels=["table", "cause"])
         sketch = GaugeMetricFamily("shardps_table_sketch_bytes", "Memory of a table's admission sketch",
                                    labels=["table"])
+        tier_rows = GaugeMetricFamily("shardps_table_tier_rows", "Rows of a table with a disk tier, by tier (memory: "
+                                      "rows held in RAM; disk: rows the disk tier holds)", labels=["table", "tier"])
+        disk_bytes = GaugeMetricFamily("shardps_table_disk_bytes", "Bytes a table's rows take on disk",
+                                       labels=["table"])
+        lookups = CounterMetricFamily("shardps_table_tier_lookups", "Rows requests looked for in memory since start, "
+                                      "by result (hit, miss)", labels=["table", "result"])
+        moved = CounterMetricFamily("shardps_table_tier_rows_moved", "Rows moved between memory and disk since start "
+                                    "(promoted: read back; written_back: written as they left memory)",
+                                    labels=["table", "direction"])
         for t in info.tables:
             rows.add_metric([t.spec.name], t.num_rows)
+            if getattr(t.spec, "disk", None) is not None:
+                tier_rows.add_metric([t.spec.name, "memory"], t.hot_rows)
+                tier_rows.add_metric([t.spec.name, "disk"], t.disk_rows)
+                disk_bytes.add_metric([t.spec.name], t.disk_bytes)
+                lookups.add_metric([t.spec.name, "hit"], t.tier_hits)
+                lookups.add_metric([t.spec.name, "miss"], t.tier_misses)
+                moved.add_metric([t.spec.name, "promoted"], t.promoted)
+                moved.add_metric([t.spec.name, "written_back"], t.written_back)
             nbytes.add_metric([t.spec.name], t.bytes)
             if getattr(t.spec, "bounded", False):
                 admitted.add_metric([t.spec.name], t.admitted)
@@ -219,7 +239,7 @@ class _ShardCollector:
                 evicted.add_metric([t.spec.name, "ttl"], t.evicted_ttl)
                 evicted.add_metric([t.spec.name, "capacity"], t.evicted_capacity)
                 sketch.add_metric([t.spec.name], t.sketch_bytes)
-        yield from (rows, nbytes, admitted, rejected, evicted, sketch)
+        yield from (rows, nbytes, admitted, rejected, evicted, sketch, tier_rows, disk_bytes, lookups, moved)
         _, live, gone = self.shard.membership.status()
         yield GaugeMetricFamily("shardps_live_workers", "Training workers heard from recently", value=len(live))
         yield GaugeMetricFamily("shardps_gone_workers", "Workers silent for longer than --worker-timeout",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import signal
+import socket
 import threading
 import time
 from concurrent import futures
@@ -23,10 +24,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shardps.core import kernels
 from shardps.core.memory import release_free_memory, tune_malloc
 from shardps.server.exports.serving import Follower
+from shardps.server.replica.member import ReplicaConfig, ReplicaMember
 from shardps.server.rpc import fair
 from shardps.server.rpc.auth import TLSFiles, Tokens
 from shardps.server.rpc.fair import FairConfig
 from shardps.server.rpc.metrics import Metrics
+from shardps.server.rpc.replication import GrpcStream
 from shardps.server.rpc.servicer import ShardServicer, add_to_server
 from shardps.server.shard.facade import Shard, ShardConfig
 from shardps.server.shard.metrics import NO_METRICS, NullMetrics
@@ -68,6 +71,10 @@ class ServerConfig:
         data_threads: sockets (and threads) of the data plane, pulls and pushes over ZeroMQ
             (``shardps.server.rpc.data_plane``); 0: none, clients use gRPC streams.
         data_port: the first data-plane port (the others follow it); 0: free ports.
+        replica: this shard's place in a replica group (``shardps.server.replica.member.ReplicaConfig``; the shard
+            config's ``replicas`` is the group's size); None: no replicas.
+        advertise: the address clients and the group's other members reach this shard at ("host:port"; default:
+            the bound host and port, or this machine's name when bound to every interface).
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +92,8 @@ class ServerConfig:
     delta_poll_s: float = 1.0
     data_threads: int = 2
     data_port: int = 0
+    replica: Optional[ReplicaConfig] = None
+    advertise: str = ""
 
 
 class ShardServer:
@@ -145,6 +154,10 @@ class ShardServer:
                         "read it and write to it" if tokens is None else "read the traffic")
         if self.port == 0:
             raise OSError(f"could not bind {server_config.host}:{server_config.port}")
+        self.replica: Optional[ReplicaMember] = None
+        if server_config.replica is not None:
+            self.replica = ReplicaMember(self.shard, server_config.replica, self.advertised, GrpcStream)
+            self._servicer.replica = self.replica
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self._ckpt_thread: Optional[threading.Thread] = None
@@ -156,6 +169,14 @@ class ShardServer:
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    @property
+    def advertised(self) -> str:
+        """The address others reach this shard at."""
+        if self.config.advertise:
+            return self.config.advertise
+        host = self.config.host if self.config.host not in ("0.0.0.0", "::", "") else socket.gethostname()
+        return f"{host}:{self.port}"
 
     def start(self) -> ShardServer:
         """Start serving (idempotent); returns self."""
@@ -183,6 +204,8 @@ class ShardServer:
             threading.Thread(target=self._watch_data_plane, name="data-plane-watch", daemon=True).start()
         if self.follower is not None:
             self._follow_thread.start()
+        if self.replica is not None:
+            self.replica.start()
         log.info("shard %d of %d serving on %s%s; %s", self.shard.index, self.shard.num_shards, self.address,
                  f" (data plane: ports {', '.join(map(str, self.data_plane.ports))})" if self.data_plane else "",
                  self._keeps())
@@ -201,8 +224,10 @@ class ShardServer:
         policy = shard.config.fsync
         machine = {"always": "nothing", "none": "what the OS had not written",
                    "interval": f"at most the last {shard.config.fsync_interval_s:g} s"}[policy]
+        group = (f"; member {self.replica.config.member} of a group of {shard.config.replicas} (--ack "
+                 f"{shard.config.ack}), coordinated by etcd at {self.replica.config.etcd}") if self.replica else ""
         return (f"durability log in {shard.data_dir} (fsync {policy}): a process crash loses nothing acknowledged, "
-                f"a machine crash {machine}")
+                f"a machine crash {machine}{group}")
 
     def _checkpoint_loop(self) -> None:
         """Automatic checkpoints: every ``checkpoint_interval_s``, and whenever the log since the last checkpoint
@@ -224,6 +249,8 @@ class ShardServer:
         """Reclaim the memory of expired rows (TTL eviction), a slice of each table per second; the rows
         already read as their initial value, so this only frees memory."""
         while not self._stop.wait(SWEEP_INTERVAL_S):
+            if self.replica is not None and not self.replica.is_primary:
+                continue  # a backup's evictions are its primary's records
             try:
                 self.shard.sweep()
             except Exception:
@@ -266,6 +293,8 @@ class ShardServer:
         if self._stopped.is_set():
             return
         self._stop.set()
+        if self.replica is not None:  # a primary gives its key back: its backups elect at once
+            self.replica.stop()
         self._health.enter_graceful_shutdown()
         if self.data_plane is not None:
             self.data_plane.stop()

@@ -15,7 +15,8 @@ import grpc
 
 from shardps.core import protocol, status
 from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
-from shardps.server.rpc import convert
+from shardps.core.wire import parse
+from shardps.server.rpc import convert, replication
 from shardps.server.rpc.auth import Grant, Tokens
 from shardps.server.rpc.chain import CallChain, caller_limits
 from shardps.server.rpc.data_path import DataPath
@@ -56,6 +57,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         self._streams_lock = threading.Lock()
         self._stopping = False
         self.data_plane: Any = None  # the shard's DataPlane, when it has one (ShardInfo tells clients)
+        self.replica: Any = None  # this shard's ReplicaMember, in a replica group (shardps.server.replica)
 
     def _may_create(self) -> bool:
         """Whether this call may create a table or dense tensor (an admin's token, or no tokens at all)."""
@@ -149,6 +151,21 @@ class ShardServicer(pb_grpc.ShardServicer):
         finally:
             self.callers.exit("streams", entered)
 
+    def Replicate(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[pb.ReplicaFrame]:
+        """A backup follows this member, its group's primary (``shardps.server.rpc.replication``); an admin's call."""
+        try:
+            if self.tokens is not None:
+                self.tokens.check(context.invocation_metadata(), "Replicate")
+            yield from replication.serve(self.replica, (parse(pb.ReplicaAck, r) for r in requests), context)
+        except Exception as e:  # noqa: BLE001 - every error becomes a status (the chain's table)
+            if not context.is_active():
+                return
+            code, message, kind = self.chain.status(e, "Replicate")
+            redirect = getattr(e, "redirect", "")
+            context.set_trailing_metadata(((status.KIND_METADATA, kind),) +
+                                          (((status.REDIRECT_METADATA, redirect),) if redirect else ()))
+            context.abort(code, message)
+
     def _open_stream(self, context: grpc.ServicerContext) -> None:
         with self._streams_lock:
             if self._stopping:
@@ -188,6 +205,8 @@ class ShardServicer(pb_grpc.ShardServicer):
         for p, idle in self.chain.peers.recent():
             info.data_clients.add(peer=p.peer, transport=p.transport, caller=p.caller, calls=p.calls, bytes=p.bytes,
                                   idle_s=idle)
+        if self.replica is not None:
+            info.replica.CopyFrom(pb.ReplicaInfo(**self.replica.info()))
         return info
 
     @_rpc

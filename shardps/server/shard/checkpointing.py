@@ -21,6 +21,7 @@ from shardps.core.errors import InvalidArgument, Unavailable
 from shardps.server.durability import checkpoints
 from shardps.server.durability.gate import CheckpointGate
 from shardps.server.durability.modes import Durability
+from shardps.server.durability.replication import ReplicatedLog
 from shardps.server.shard.metrics import NullMetrics
 from shardps.server.shard.registry import TableRegistry
 from shardps.server.shard.updates import UpdatePath
@@ -102,16 +103,27 @@ class Checkpointer:
                 stack.enter_context(t.lock)
             yield tables, t0
 
-    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
-        """Copy every table at one consistent version: (checkpoint header, arrays, seconds pushes waited)."""
+    def snapshot(self, tier_name: str = "") -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
+        """Copy every table at one consistent version: (checkpoint header, arrays, seconds pushes waited). Tables with
+        a disk tier give their hot rows; the rows on disk are in a checkpoint of the disk tier taken at the same
+        cut, ``tier_name`` (default: a new name), which the header names as ``disk_tier``."""
         with self.all_locked() as (tables, t0):
             meta: dict[str, Any] = {
                 "shard_index": self.index, "num_shards": self.num_shards, "version": self.updates.version,
                 "seen": self.updates.seen.to_json(), "tables": [], "wal_segment": self.durability.cut(),
             }
+            if isinstance(self.durability, ReplicatedLog):  # a replica group's member: where its log ends
+                meta["lsn"], meta["epochs"] = self.durability.lsn, self.durability.history
+            tier_dir = None
+            if self.registry.tiers is not None and self.registry.tiered():
+                meta["disk_tier"] = tier_name or f"snapshot-{uuid.uuid4().hex[:12]}"
+                tier_dir = self.registry.tiers.checkpoint(meta["disk_tier"])
             arrays: dict[str, np.ndarray] = {}
             for i, (_, t) in enumerate(tables):
                 meta["tables"].append(checkpoints.spec_entry(t.spec))
+                if t.hot is not None:
+                    assert tier_dir is not None
+                    t.hot.spill(tier_dir)
                 for k, v in t.snapshot().items():
                     arrays[f"t{i}.{k}"] = v
             pause = time.perf_counter() - t0
@@ -138,13 +150,22 @@ class Checkpointer:
             raise InvalidArgument(f"invalid checkpoint id {checkpoint_id!r}: use up to 64 of [A-Za-z0-9_-]")
         started = time.perf_counter()
         with self.lock:
+            name = checkpoints.file_name(self.files.seqno + 1, checkpoint_id)
             with self.phase_two(f"checkpoint {checkpoint_id}", prepared):
-                meta, arrays, pause = self.snapshot()
+                meta, arrays, pause = self.snapshot(tier_name=name.removesuffix(checkpoints.SUFFIX))
             meta["checkpoint_id"] = checkpoint_id
             self.files.seqno += 1
             meta["seqno"] = self.files.seqno
-            size = checkpoints.write(data_dir / checkpoints.file_name(self.files.seqno, checkpoint_id), meta, arrays)
+            try:
+                if "disk_tier" in meta:  # the tier's checkpoint durable before the file that names it
+                    assert self.registry.tiers is not None
+                    self.registry.tiers.sync_checkpoint(meta["disk_tier"])
+                size = checkpoints.write(data_dir / name, meta, arrays)
+            except BaseException:
+                self._prune_tiers(data_dir)
+                raise
             checkpoints.prune(data_dir, self.keep)
+            self._prune_tiers(data_dir)
             # Records are kept back to the previous checkpoint, the fallback if this one breaks.
             self.durability.checkpointed(self.files.previous_cut)
             self.files.previous_cut = meta["wal_segment"]
@@ -153,6 +174,26 @@ class Checkpointer:
         log.info("shard %d: checkpoint %s at version %d (%d bytes, pause %.3fs)",
                  self.index, checkpoint_id, meta["version"], size, pause)
         return checkpoint_id, meta["version"], size, pause
+
+    def rebase(self, checkpoint_id: str) -> None:
+        """Checkpoint the state as it is now and remove every older checkpoint and log record: they hold another
+        history (a replica group's backup installed a whole copy of its primary)."""
+        data_dir = self.require_data_dir()
+        self.checkpoint(checkpoint_id)
+        with self.lock:
+            checkpoints.prune(data_dir, 1)
+            self._prune_tiers(data_dir)
+            self.durability.checkpointed(self.files.previous_cut)
+
+    def _prune_tiers(self, data_dir: pathlib.Path) -> None:
+        """Remove the disk tier's checkpoints that no checkpoint file names any more."""
+        tiers = self.registry.tiers
+        if tiers is None:
+            return
+        kept = {p.name.removesuffix(checkpoints.SUFFIX) for p in checkpoints.list_checkpoints(data_dir)}
+        for name in tiers.checkpoints():
+            if name.startswith("ckpt-") and name not in kept:
+                tiers.remove_checkpoint(name)
 
     def restored(self, meta: dict[str, Any]) -> int:
         """A checkpoint was loaded on start: continue its numbering; returns the log segment replay starts at."""

@@ -30,16 +30,19 @@ from shardps.core.errors import AlreadyExists, InvalidArgument, NotFound, OutOfR
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.durability import modes as durability
 from shardps.server.durability.gate import CheckpointGate
+from shardps.server.durability.replication import ACKS, ReplicatedLog
 from shardps.server.durability.wal import FSYNC_POLICIES
 from shardps.server.shard.checkpointing import Checkpointer
+from shardps.server.shard.cuts import ShardCuts
 from shardps.server.shard.export_sessions import ExportedCopy, ExportSessions
 from shardps.server.shard.limits import Limits
 from shardps.server.shard.metrics import NO_METRICS, NullMetrics
-from shardps.server.shard.recovery import LogReplayError, Recovery, ShardMapMismatch, load_state
+from shardps.server.shard.recovery import LogReplayError, Recovery, ShardMapMismatch
 from shardps.server.shard.registry import TableRegistry
 from shardps.server.shard.sync import Membership, SyncCoordinator, SyncPart, check_sync
 from shardps.server.shard.updates import Counters, PushResult, UpdatePath
 from shardps.server.shard.validation import Validator
+from shardps.server.storage.disk import DiskTiers
 from shardps.server.storage.table import Table
 
 __all__ = ["Shard", "ShardConfig", "ShardInfo", "TableInfo", "ExportedCopy", "LogReplayError", "ShardMapMismatch"]
@@ -81,6 +84,15 @@ class ShardConfig:
             moved aside to a ``.corrupt`` file, logged as lost, and the shard starts).
         serve_from: an export directory: the shard serves it read-only and follows its deltas
             (``shardps.server.exports.serving``); pushes and table changes are refused.
+        disk_dir: where tables with a disk tier keep their cold rows (``shardps.server.storage.disk``; default:
+            ``<data_dir>/disk``, none without a data dir).
+        disk_cache_mb: RocksDB's block cache of the disk tier, MiB (beyond the tables' memory budget).
+        disk_min_free_mb: free space the disk tier keeps on its file system: a write that would leave less is
+            refused (RocksDB stops after a write that fails for want of space).
+        replicas: members of this shard's replica group (1: no replicas); with more, its changes are numbered and
+            shipped (``shardps.server.durability.replication``) and ``shardps.server.replica`` runs the group.
+        ack: with replicas, when a write is acknowledged: "quorum" (a majority of the group has it in its log) or
+            "primary" (this member has it; a failover may lose the last writes).
     """
 
     shard_index: int = 0
@@ -95,6 +107,11 @@ class ShardConfig:
     limits: Limits = Limits()
     wal_recovery: str = "fail"
     serve_from: Optional[str] = None
+    disk_dir: Optional[str] = None
+    disk_cache_mb: int = 32
+    disk_min_free_mb: int = 256
+    replicas: int = 1
+    ack: str = "quorum"
 
     def __post_init__(self) -> None:
         if self.serve_from is not None and self.data_dir is not None:
@@ -111,6 +128,19 @@ class ShardConfig:
             raise ValueError(f"wal_recovery must be one of {WAL_RECOVERY}, got {self.wal_recovery!r}")
         if self.keep_checkpoints < 2:
             raise ValueError("keep_checkpoints must be >= 2 (the previous good one is kept)")
+        if self.disk_cache_mb < 1:
+            raise ValueError(f"disk_cache_mb must be >= 1, got {self.disk_cache_mb}")
+        if self.replicas < 1 or self.ack not in ACKS:
+            raise ValueError(f"replicas must be >= 1 and ack one of {ACKS}, got {self.replicas}, {self.ack!r}")
+        if self.replicas > 1 and (self.serve_from or (self.data_dir and self.durability == "checkpoint")):
+            raise ValueError("a replica group's members log every change they store: --durability log (or none "
+                             "without a data dir), and no --serve-from")
+
+    def disk_tiers(self) -> Optional[DiskTiers]:
+        """The shard's disk tier (opened on first use), or None when it has neither a disk dir nor a data dir."""
+        root = self.disk_dir or (str(pathlib.Path(self.data_dir) / "disk") if self.data_dir else None)
+        return DiskTiers(pathlib.Path(root), self.shard_index, self.num_shards, self.disk_cache_mb,
+                         self.disk_min_free_mb) if root else None
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,13 @@ class TableInfo:
     evicted_ttl: int = 0
     evicted_capacity: int = 0
     sketch_bytes: int = 0
+    hot_rows: int = 0  # a table with a disk tier: rows in memory (num_rows counts those on disk too)
+    disk_rows: int = 0
+    disk_bytes: int = 0
+    tier_hits: int = 0
+    tier_misses: int = 0
+    promoted: int = 0
+    written_back: int = 0
 
     @property
     def bytes_per_row(self) -> float:
@@ -148,9 +185,9 @@ class ShardInfo:
     serving: Optional[Any] = None  # a serving shard's ServingState (shardps.server.exports.serving)
 
 
-class Shard:
+class Shard(ShardCuts):
     """Tables and dense tensors owned by one shard, with its version counter: a thin facade that hands each
-    call to the collaborator whose job it is."""
+    call to the collaborator whose job it is (its cuts, checkpoints and exports, in ``ShardCuts``)."""
 
     def __init__(self, config: ShardConfig, metrics: NullMetrics = NO_METRICS,
                  before_wait: Callable[[], None] = lambda: None) -> None:
@@ -164,11 +201,14 @@ class Shard:
         self.data_dir = pathlib.Path(config.data_dir) if config.data_dir else None
         # Lock order: checkpointer.lock -> registry.lock -> Table.lock -> the update path's version lock
         # -> durability.
-        self.registry = TableRegistry(self.index, config.limits)
+        self.registry = TableRegistry(self.index, config.limits, config.disk_tiers(), config.disk_dir is not None)
         self.metrics = metrics
         self.durability = durability.make(config.durability, self.data_dir,
                                           metrics.wal_flush if metrics.enabled else None, before_wait,
                                           config.fsync, config.fsync_interval_s)
+        if config.replicas > 1:  # numbered, kept for backups, and acknowledged by the group
+            self.durability = ReplicatedLog(self.durability, config.replicas, config.ack, before_wait=before_wait,
+                                            epochs_path=self.data_dir / "replica-epochs.json" if self.data_dir else None)
         self.gate = CheckpointGate(f"shard {self.index}")
         self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5, metrics,
                                   before_wait)
@@ -187,6 +227,8 @@ class Shard:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._recovery().restore()
             self.durability.open()
+        elif isinstance(self.durability, ReplicatedLog):  # a member in memory only: records shipped all the same
+            self.durability.open()
 
     def _recovery(self) -> Recovery:
         assert self.data_dir is not None
@@ -194,8 +236,9 @@ class Shard:
                         self.config.wal_recovery)
 
     def close(self) -> None:
-        """Release files (the write-ahead log); the shard must not be used afterwards."""
+        """Release files (the write-ahead log, the disk tier); the shard must not be used afterwards."""
         self.durability.close()
+        self.registry.close()
 
     @property
     def version(self) -> int:
@@ -406,53 +449,17 @@ class Shard:
             export_floor=self.exports.delta_floor(), serving=self.serving,
         )
 
-    # ---- cuts: checkpoints and exports (shard.checkpointing, shard.export_sessions) -------
-
-    def prepare_checkpoint(self, hold_s: Optional[float] = None) -> None:
-        """Phase 1 of a cluster-wide checkpoint: hold new pushes back, let running ones finish.
-
-        The hold ends with ``checkpoint`` (phase 2), ``abort_checkpoint``, or by
-        itself after ``hold_s`` (default ``config.checkpoint_hold_s``) so a
-        coordinator that died cannot stall training.
-        """
-        self.checkpointer.require_data_dir()
-        self.checkpointer.hold_pushes(hold_s)
-
-    def hold_pushes(self, hold_s: Optional[float] = None) -> None:
-        self.checkpointer.hold_pushes(hold_s)
-
-    def abort_checkpoint(self) -> None:
-        self.checkpointer.abort()
-
-    def checkpoint(self, checkpoint_id: str = "", prepared: bool = False) -> tuple[str, int, int, float]:
-        return self.checkpointer.checkpoint(checkpoint_id, prepared)
-
-    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray], float]:
-        return self.checkpointer.snapshot()
-
-    def load_state(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
-        """Replace everything with a snapshot's contents (the rows must be owned by this shard)."""
-        load_state(self, meta, arrays)
-
-    def delta_floor(self) -> int:
-        return self.exports.delta_floor()
-
-    def export_begin(self, export_id: str, names: list[str], optimizer_state: bool, since: Optional[int],
-                     prepared: bool = False) -> tuple[int, dict[str, ExportedCopy]]:
-        return self.exports.begin(export_id, names, optimizer_state, since, prepared)
-
-    def export_read(self, export_id: str, name: str, offset: int, max_rows: int,
-                    tombstones: bool = False) -> dict[str, np.ndarray]:
-        return self.exports.read(export_id, name, offset, max_rows, tombstones)
-
-    def export_end(self, export_id: str) -> None:
-        self.exports.end(export_id)
-
 
 def _info(t: Table) -> TableInfo:
     with t.lock:
         n, nbytes, c = t.n, t.nbytes(), t.counts
+        tier: dict[str, int] = {}
+        if t.hot is not None:
+            h = t.hot
+            tier = dict(hot_rows=n, disk_rows=h.disk_rows, disk_bytes=h.store.disk_bytes(), tier_hits=h.counts.hits,
+                        tier_misses=h.counts.misses, promoted=h.counts.promoted, written_back=h.counts.written_back)
+            n = h.total_rows
         return TableInfo(spec=t.spec, num_rows=n, bytes=nbytes, payload_bytes=n * t.dim * 4,
                          admitted=c.admitted, rejected=c.rejected, evicted_ttl=c.evicted_ttl,
                          evicted_capacity=c.evicted_capacity,
-                         sketch_bytes=t.sketch.nbytes if t.sketch is not None else 0)
+                         sketch_bytes=t.sketch.nbytes if t.sketch is not None else 0, **tier)

@@ -16,9 +16,11 @@ from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.durability import checkpoints, wal
 from shardps.server.durability import modes as durability
 from shardps.server.durability.modes import Durability
+from shardps.server.durability.replication import ReplicatedLog
 from shardps.server.shard.checkpointing import Checkpointer
 from shardps.server.shard.registry import TableRegistry
 from shardps.server.shard.updates import UpdatePath
+from shardps.server.storage.disk import DiskTierError, RecordCodec
 from shardps.server.storage.table import Table
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class Recovery:
     def restore(self) -> None:
         """Load the newest valid checkpoint, then replay the records written after it."""
         first_segment = 0
+        restored_meta: dict[str, Any] = {}
+        tier_error: Optional[DiskTierError] = None
         for loaded in checkpoints.load_newest(self.data_dir):
             meta = loaded.meta
             if (meta["shard_index"], meta["num_shards"]) != (self.index, self.num_shards):
@@ -74,11 +78,20 @@ class Recovery:
                     f"but this shard is {self.index} of {self.num_shards}; reshard it with "
                     f"`shardps reshard` or point --data-dir elsewhere"
                 )
-            load_state(self.shard, meta, loaded.arrays)
+            try:
+                load_state(self.shard, meta, loaded.arrays)
+            except DiskTierError as e:  # the log reaches back to the previous checkpoint: fall back to it
+                log.error("shard %d: checkpoint %s cannot be restored: %s", self.index, loaded.path, e)
+                tier_error = tier_error or e
+                continue
+            tier_error = None
+            restored_meta = meta
             first_segment = self.checkpointer.restored(meta)
             log.info("shard %d: restored checkpoint %s (version %d, %d tables)",
                      self.index, loaded.path.name, self.shard.updates.version, len(self.shard.registry))
             break
+        if tier_error is not None:  # no checkpoint could be restored: the log alone no longer holds every change
+            raise tier_error
         replayed = 0
         try:
             for record in self.durability.records(first_segment):
@@ -93,6 +106,9 @@ class Recovery:
         if replayed:
             log.info("shard %d: replayed %d write-ahead log records (version %d)", self.index, replayed,
                      self.shard.updates.version)
+        if isinstance(self.durability, ReplicatedLog):  # a replica group's member: where its log ends
+            epochs = restored_meta.get("epochs", []) + self.durability.saved_epochs()
+            self.durability.restored(int(restored_meta.get("lsn", 0)) + replayed, epochs)
 
     def _unreplayable(self, record: wal.Record, error: Exception) -> None:
         """A record that cannot be replayed: stop the start (the default), or with ``wal_recovery="truncate"``
@@ -111,40 +127,47 @@ class Recovery:
 
     def replay(self, change: durability.Change) -> None:
         """Re-apply one stored change during restore, through the same paths as live requests."""
-        shard, updates = self.shard, self.shard.updates
-        if isinstance(change, durability.CreateTable):
-            shard.create_table(change.spec)
-        elif isinstance(change, durability.RegisterDense):
-            shard.register_dense(change.spec, change.row_start, change.values)
-        elif isinstance(change, durability.Drop):
-            shard.drop(change.name)
-        elif isinstance(change, durability.Assign):
-            found = self._table(change.name, "assigns to")
-            found.check_ids(change.ids)
-            updates.assign(found, change.ids, change.values, replaying=True)
-        elif isinstance(change, durability.Evict):
-            updates.evict(self._table(change.name, "evicts from"), change.ids, change.cause)
-        else:
-            d = change.push
-            assert d.grads is not None
-            if change.dense:
-                t, ids = shard.validate_push_dense(d.name, d.row_start, d.grads)
-            else:  # rows of a table, or of a dense tensor (a synchronous step's update)
-                assert d.ids is not None
-                t, ids = self._table(d.name, "for"), d.ids
-                if ids.size:
-                    t.check_ids(ids)
-                t.check_grads(ids, d.grads)
-            if d.client_id:  # remembered, not counted: the snapshot may already hold it
-                updates.seen.begin(d.client_id, d.seq)
-            updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row,
-                          replayed_ticks=change.ticks)
+        replay(self.shard, change)
 
-    def _table(self, name: str, what: str) -> Table:
-        found = self.shard.registry.find(name)
-        if found is None:
-            raise NotFound(f"log record {what} unknown table {name!r}")
-        return found
+
+def replay(shard: Replayable, change: durability.Change) -> None:
+    """Re-apply one stored change through the same paths as live requests: a restore's log replay, and a backup's
+    records from its primary."""
+    updates = shard.updates
+    if isinstance(change, durability.CreateTable):
+        shard.create_table(change.spec)
+    elif isinstance(change, durability.RegisterDense):
+        shard.register_dense(change.spec, change.row_start, change.values)
+    elif isinstance(change, durability.Drop):
+        shard.drop(change.name)
+    elif isinstance(change, durability.Assign):
+        found = _table(shard, change.name, "assigns to")
+        found.check_ids(change.ids)
+        updates.assign(found, change.ids, change.values, replaying=True)
+    elif isinstance(change, durability.Evict):
+        updates.evict(_table(shard, change.name, "evicts from"), change.ids, change.cause)
+    else:
+        d = change.push
+        assert d.grads is not None
+        if change.dense:
+            t, ids = shard.validate_push_dense(d.name, d.row_start, d.grads)
+        else:  # rows of a table, or of a dense tensor (a synchronous step's update)
+            assert d.ids is not None
+            t, ids = _table(shard, d.name, "for"), d.ids
+            if ids.size:
+                t.check_ids(ids)
+            t.check_grads(ids, d.grads)
+        if d.client_id:  # remembered, not counted: the snapshot may already hold it
+            updates.seen.begin(d.client_id, d.seq)
+        updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row,
+                      replayed_ticks=change.ticks, claim=(d.client_id, d.seq))
+
+
+def _table(shard: Replayable, name: str, what: str) -> Table:
+    found = shard.registry.find(name)
+    if found is None:
+        raise NotFound(f"log record {what} unknown table {name!r}")
+    return found
 
 
 def load_state(shard: Replayable, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
@@ -152,6 +175,14 @@ def load_state(shard: Replayable, meta: dict[str, Any], arrays: dict[str, np.nda
     registry = shard.registry
     with registry.lock:
         registry.clear()
+        tier = meta.get("disk_tier")
+        if tier:  # the rows on disk as of the cut: the live disk tier is rebuilt from that checkpoint first
+            if registry.tiers is None:
+                raise DiskTierError(f"the checkpoint keeps rows in the disk tier {tier!r}, but this shard has no "
+                                    "--disk-dir (nor --data-dir)")
+            specs = [checkpoints.spec_of(e) for e in meta["tables"]]
+            registry.tiers.restore(tier, {s.name: RecordCodec(s.dim, list(s.optimizer.state_names()))
+                                          for s in specs if isinstance(s, TableSpec) and s.disk is not None})
         for i, entry in enumerate(meta["tables"]):
             spec = checkpoints.spec_of(entry)
             if isinstance(spec, DenseSpec):
@@ -162,6 +193,9 @@ def load_state(shard: Replayable, meta: dict[str, Any], arrays: dict[str, np.nda
             t = registry.find(spec.name)
             assert t is not None
             t.load({k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)})
+            if t.hot is not None:
+                assert registry.tiers is not None and tier
+                t.hot.restore(registry.tiers.checkpoint_root / tier)
         shard.updates.version = int(meta["version"])
         shard.updates.seen.load_json(meta.get("seen", {}))
         for t in registry.tables():

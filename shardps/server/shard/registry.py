@@ -9,18 +9,24 @@ from shardps.core.errors import InvalidArgument, NotFound, clip
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.shard.limits import Limits
 from shardps.server.storage.budget import MemoryBudget
+from shardps.server.storage.disk import DiskTiers
 from shardps.server.storage.table import Table
 
 
 class TableRegistry:
     """Name -> Table, with the limits on names and counts, and the memory budget new tables charge.
 
-    ``lock`` orders changes to the set of tables; it comes before any table's lock.
+    ``lock`` orders changes to the set of tables; it comes before any table's lock. ``tiers``: the shard's disk
+    tier, where tables with a ``DiskTier`` keep their cold rows (None: such tables are refused).
     """
 
-    def __init__(self, shard_index: int, limits: Limits) -> None:
+    def __init__(self, shard_index: int, limits: Limits, tiers: Optional[DiskTiers] = None,
+                 explicit_disk_dir: bool = False) -> None:
         self.shard_index = shard_index
         self.limits = limits
+        self.tiers = tiers
+        if tiers is not None and explicit_disk_dir:  # a --disk-dir that is not this shard's stops the start
+            tiers.check_root(create=False)
         self.budget = MemoryBudget(limits.memory_bytes)
         self.lock = threading.RLock()
         self._tables: dict[str, Table] = {}
@@ -55,12 +61,14 @@ class TableRegistry:
         self._tables[spec.name] = t
         return t
 
-    def build(self, spec: Union[TableSpec, DenseSpec], owns: Any, expected_rows: int) -> Table:
-        """A table charged to the budget, not added (``put`` adds it: a serving shard swaps tables in whole)."""
+    def build(self, spec: Union[TableSpec, DenseSpec], owns: Any, expected_rows: int, tier_key: str = "") -> Table:
+        """A table charged to the budget, not added (``put`` adds it: a serving shard swaps tables in whole, each
+        generation's disk tier under its own ``tier_key``)."""
         self.check_name(spec.name)
         if spec.sync is not None:
             self.limits.check(f"{spec.name}: sync workers", spec.sync.workers, "max_workers")
-        return Table(spec, owns, expected_rows, budget=self.budget, max_rows=self.limits.max_table_rows)
+        return Table(spec, owns, expected_rows, budget=self.budget, max_rows=self.limits.max_table_rows,
+                     tiers=self.tiers, tier_key=tier_key)
 
     def put(self, t: Table) -> Optional[Table]:
         """Add ``t``, replacing the table of its name (callers hold ``lock``); the one replaced, or None."""
@@ -86,6 +94,16 @@ class TableRegistry:
                 with t.lock:
                     t.release()
             self._tables.clear()
+
+    def tiered(self) -> bool:
+        """Whether a table keeps rows in the disk tier (a cut then checkpoints the tier too)."""
+        with self.lock:
+            return any(t.hot is not None for t in self._tables.values())
+
+    def close(self) -> None:
+        """Close the disk tier (the shard is closing)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def __len__(self) -> int:
         return len(self._tables)

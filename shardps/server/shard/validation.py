@@ -28,12 +28,15 @@ class Validator:
         self.registry = registry
         self.limits = limits
         self.serve_from = serve_from
+        self.guard: Optional[Callable[[str], None]] = None  # a replica group's member: refuses unless primary
 
     def writable(self, what: str) -> None:
-        """Refuse a change on a serving shard."""
+        """Refuse a change on a serving shard, and on a replica group's member that is not its primary."""
         if self.serve_from is not None:
             raise ReadOnly(f"shard {self.index} serves the export {self.serve_from} read-only (--serve-from): "
                            f"{what} refused; send it to the training cluster")
+        if self.guard is not None:
+            self.guard(what)
 
     def check_shard_map(self, shard_index: int, num_shards: int) -> None:
         """Refuse requests addressed to another (index, count) than this shard's (count 0: not given)."""

@@ -40,14 +40,17 @@ def capacity_victims(store: RowStore, e: Optional[Eviction], stamp: int) -> np.n
 
 
 def row_staleness(store: RowStore, history: Optional[PushHistory], ids: np.ndarray, pulled: int,
-                  version: int) -> np.ndarray:
+                  version: int, elsewhere: bool = False) -> np.ndarray:
     """Per-row staleness of a push of the sorted unique ``ids`` pulled at ``pulled`` (shard now at
     ``version``): the pushes since ``pulled`` that updated each row, or the shard's staleness for
-    rows updated since then when the history no longer covers it."""
+    rows updated since then when the history no longer covers it. ``elsewhere``: rows absent from ``store`` may
+    exist (on disk, for a table with a disk tier), so the history is asked about them too."""
     out = np.zeros(ids.shape[0], np.int64)
     slots = store.index.lookup(ids)
     present = np.flatnonzero(slots >= 0)
     touched = present[store.last_version[slots[present]] > pulled]
+    if elsewhere:
+        touched = np.union1d(touched, np.flatnonzero(slots < 0))
     if touched.size:
         assert history is not None
         since = history.since(pulled, ids[touched])

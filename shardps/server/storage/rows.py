@@ -6,7 +6,7 @@ belongs to it. Knows nothing of optimizers' math, policies or versions; the call
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -24,10 +24,14 @@ META_BYTES_PER_ROW = 16  # last push's version (8) and time (4), pushes (4)
 class RowStore:
     """Arrays indexed by slot for ``name`` (rows of ``dim``, one state array per name of ``state_init``,
     which gives each one's initial value), with a hash index, or a flat one when ``num_embeddings`` is
-    small enough for it to cost under 5% of the expected payload."""
+    small enough for it to cost under 5% of the expected payload. ``extra`` names further per-row arrays (name ->
+    dtype) that move with their rows (a disk tier's flags), zero for a new row. ``sized``: the arrays are made
+    for ``expected_rows`` at once (lazily allocated pages; never copied to grow), with a hash index (a store that
+    holds a bounded hot set of a larger table)."""
 
     def __init__(self, name: str, dim: int, state_init: dict[str, float], num_embeddings: Optional[int],
-                 expected_rows: int, budget: MemoryBudget, max_rows: int) -> None:
+                 expected_rows: int, budget: MemoryBudget, max_rows: int,
+                 extra: Optional[dict[str, Any]] = None, sized: bool = False) -> None:
         self.name = name
         self.dim = dim
         self.state_init = state_init
@@ -35,8 +39,8 @@ class RowStore:
         self.budget = budget
         self.max_rows = max_rows
         self.charged = 0  # bytes of the budget these arrays hold
-        self._direct = num_embeddings is not None and self._direct_index_pays(max(16, int(expected_rows)))
-        cap = max(16, min(int(expected_rows), INITIAL_ROWS))
+        self._direct = not sized and num_embeddings is not None and self._direct_index_pays(max(16, int(expected_rows)))
+        cap = max(16, int(expected_rows) if sized else min(int(expected_rows), INITIAL_ROWS))
         self.charge(self._index_bytes(cap), "creating the index")
         self.index = self._new_index(cap)
         self.n = 0
@@ -47,6 +51,7 @@ class RowStore:
         self.last_version = zeros(cap, np.int64)
         self.last_time = zeros(cap, np.uint32)
         self.touches = zeros(cap, np.int32)
+        self.extra = {k: zeros(cap, dt) for k, dt in (extra or {}).items()}
         self._high = 0  # slots ever used (past it the arrays are still zeros)
 
     # ---- the index and the budget ------------------------------------------------------
@@ -79,7 +84,7 @@ class RowStore:
     @property
     def row_bytes(self) -> int:
         """Bytes per materialised row: value, optimizer state, step and metadata (the index holds the id)."""
-        return self.dim * 4 * (1 + len(self.state)) + 4 + META_BYTES_PER_ROW
+        return self.dim * 4 * (1 + len(self.state)) + 4 + META_BYTES_PER_ROW + sum(a.itemsize for a in self.extra.values())
 
     @property
     def ids(self) -> np.ndarray:
@@ -93,17 +98,19 @@ class RowStore:
         cap = self.rows.shape[0]
         if need <= cap:
             return
-        new_cap = max(need, cap + cap // 2)
+        new_cap = max(need, min(cap + cap // 2, self.max_rows))
         self.rows = grown(self.rows, new_cap)
         self.steps = grown(self.steps, new_cap)
         self.state = {k: grown(v, new_cap) for k, v in self.state.items()}
         self.last_version = grown(self.last_version, new_cap)
         self.last_time = grown(self.last_time, new_cap)
         self.touches = grown(self.touches, new_cap)
+        self.extra = {k: grown(v, new_cap) for k, v in self.extra.items()}
 
     def per_row(self) -> list[np.ndarray]:
         """Every array indexed by slot, besides the index."""
-        return [self.rows, self.steps, self.last_version, self.last_time, self.touches, *self.state.values()]
+        return [self.rows, self.steps, self.last_version, self.last_time, self.touches, *self.state.values(),
+                *self.extra.values()]
 
     def append(self, new_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Materialise rows for absent, unique ids; returns their slots."""
@@ -117,7 +124,8 @@ class RowStore:
         self.rows[self.n : self.n + k] = values
         used = min(self.n + k, self._high)  # slots below the high-water mark held removed rows: clear them
         if used > self.n:
-            for arr in (self.steps, self.last_version, self.last_time, self.touches, *self.state.values()):
+            for arr in (self.steps, self.last_version, self.last_time, self.touches, *self.state.values(),
+                        *self.extra.values()):
                 arr[self.n : used] = 0
         for name, arr in self.state.items():
             init = self.state_init[name]

@@ -33,7 +33,9 @@ from shardps.server.storage.bounded import (
     RemovalLog,
 )
 from shardps.server.storage.budget import MemoryBudget, optional_budget
+from shardps.server.storage.disk import DiskTiers
 from shardps.server.storage.rows import RowStore
+from shardps.server.storage.tiered import HotSet
 
 # Ownership test: ids -> boolean mask of the ids this shard owns.
 OwnsFn = Callable[[np.ndarray], np.ndarray]
@@ -80,6 +82,8 @@ class Table:
         budget: the shard's memory budget, charged before any row or index is allocated
             (None: unlimited).
         max_rows: rows this table may hold on this shard.
+        tiers: the shard's disk tier, where a table whose spec has ``disk`` keeps its cold rows, under ``tier_key``
+            (default: its name; a serving shard keys each generation of a table apart).
     """
 
     # The slot-dense arrays and the index, read through to the store (which replaces arrays as it grows).
@@ -94,7 +98,8 @@ class Table:
     ids = _stored("ids")
 
     def __init__(self, spec: Union[TableSpec, DenseSpec], owns: OwnsFn, expected_rows: int = 1024,
-                 budget: Optional[MemoryBudget] = None, max_rows: int = 2**31 - 1) -> None:
+                 budget: Optional[MemoryBudget] = None, max_rows: int = 2**31 - 1,
+                 tiers: Optional[DiskTiers] = None, tier_key: str = "") -> None:
         self.spec = spec
         self.lock = threading.Lock()
         self._owns = owns
@@ -106,9 +111,15 @@ class Table:
         self.budget = optional_budget(budget)
         self.max_rows = max_rows
         opt = self.optimizer
-        self.store = RowStore(spec.name, self.dim, {k: opt.initial_state(k) for k in opt.state_names()},
-                              self.num_embeddings, expected_rows, self.budget, max_rows)
+        state_init = {k: opt.initial_state(k) for k in opt.state_names()}
         tspec = spec if isinstance(spec, TableSpec) else None
+        self.hot: Optional[HotSet] = None  # a table with a disk tier: its hot rows over the store
+        if tspec is not None and tspec.disk is not None:
+            self.hot = HotSet.make(tspec, self.dim, state_init, self.budget, tiers, tier_key or spec.name)
+            self.store = self.hot.rows
+        else:
+            self.store = RowStore(spec.name, self.dim, state_init, self.num_embeddings, expected_rows, self.budget,
+                                  max_rows)
         self.bounded = tspec is not None and tspec.bounded
         self.admission = tspec.admission if tspec is not None else None
         self.eviction = tspec.eviction if tspec is not None else None
@@ -126,8 +137,10 @@ class Table:
     # ---- validation (no lock needed) -------------------------------------------------
 
     def release(self) -> None:
-        """Give the table's bytes back to the budget (the table was dropped or replaced)."""
+        """Give the table's bytes back to the budget (the table was dropped or replaced), and its disk tier."""
         self.store.release()
+        if self.hot is not None:
+            self.hot.release()
 
     def check_ids(self, ids: np.ndarray) -> None:
         """Raise unless ``ids`` is a non-empty 1-D int64 array of in-range ids this shard owns."""
@@ -146,6 +159,8 @@ class Table:
     def _slots(self, ids: np.ndarray, create: bool, stamp: int = 0) -> np.ndarray:
         """Slots of ``ids``, materialising absent ones from the initializer if ``create`` (``stamp``: their
         last change's version, so an export's next delta carries them)."""
+        if self.hot is not None:
+            return self.hot.slots(ids, create and self.initializer is not None, stamp)
         slots = self.index.lookup(ids)
         missing = slots < 0
         if missing.any():
@@ -163,6 +178,8 @@ class Table:
 
         An unbounded table creates absent rows from the initializer; a bounded one (and a serving
         shard's) creates nothing: absent and expired rows read their initial value."""
+        if self.hot is not None:
+            return self.hot.read(ids, version + 1, create=not self.read_only)
         if not self.bounded and not self.read_only:
             slots = self._slots(ids, create=True, stamp=version + 1)  # first: may grow (replace) self.rows
             return np.take(self.rows, slots, axis=0)
@@ -204,49 +221,16 @@ class Table:
         ids, grads = coalesce(ids, grads)
         now = now_ticks() if now is None else now
         if self.bounded:
-            slots = self.index.lookup(ids)
-            if self.eviction is not None and evict:
-                live = np.flatnonzero(slots >= 0)
-                expired = live[self._expired(slots[live], version, now)]
-                if expired.size:
-                    out.expired = ids[expired]
-                    self.remove(out.expired, CAUSE_TTL, check=False, version=stamp)
-                    slots = self.index.lookup(ids)  # the removal moved rows
-            missing = slots < 0
-            if missing.any():
-                keep = np.ones(ids.shape[0], dtype=bool)
-                if self.sketch is not None:
-                    assert self.admission is not None
-                    where = np.flatnonzero(missing)
-                    refused = where[~self.sketch.admitted(ids[where], self.admission)]
-                    keep[refused] = False
-                    self.counts.rejected += int(refused.size)
-                new = missing & keep
-                if new.any():
-                    assert self.initializer is not None
-                    slots[new] = self._append(ids[new], self.initializer.rows(ids[new], self.dim))
-                    self.counts.admitted += int(new.sum())
-                if not keep.all():
-                    ids, grads, slots = ids[keep], grads[keep], slots[keep]
-                    row_scales = row_scales[keep] if row_scales is not None else None
+            ids, grads, slots, row_scales = _bounded_slots(self, ids, grads, row_scales, version, stamp, evict, now, out)
+            _step(self, ids, grads, slots, lr_scale, row_scales, stamp, now)
+        elif self.hot is not None:  # a table with a disk tier takes a push larger than its memory in parts
+            def part_step(part: slice) -> None:
+                scales = row_scales[part] if row_scales is not None else None
+                _step(self, ids[part], grads[part], self._slots(ids[part], create=True), lr_scale, scales, stamp, now)
+
+            self.hot.in_parts(ids.shape[0], part_step)
         else:
-            slots = self._slots(ids, create=True)
-        if ids.size:
-            step = self.steps[slots] + 1
-            distinct = np.unique(row_scales) if row_scales is not None else None
-            if distinct is None or distinct.size == 1:
-                scale = lr_scale if distinct is None else float(distinct[0])
-                self.optimizer.apply(self.rows, self.state, slots, grads, step, scale)
-            else:  # one optimizer call per distinct scale (rows staler by the same count share one)
-                for scale in distinct.tolist():
-                    m = row_scales == scale
-                    self.optimizer.apply(self.rows, self.state, slots[m], grads[m], step[m], scale)
-            self.steps[slots] = step
-            self.last_version[slots] = stamp
-            self.last_time[slots] = max(0, now)
-            self.touches[slots] += 1
-            if self.history is not None:
-                self.history.add(stamp, ids)
+            _step(self, ids, grads, self._slots(ids, create=True), lr_scale, row_scales, stamp, now)
         out.rows = int(ids.shape[0])
         if evict:
             out.over_capacity = self._evict_over_capacity(stamp)
@@ -263,6 +247,9 @@ class Table:
         """Set the rows of unique ``ids`` to ``values`` (a loaded state dict), creating absent ones (a bounded
         table admits them: the caller chose them); optimizer state and step counts of existing rows are
         kept, as ``torch.nn.Module.load_state_dict`` leaves an optimizer's. Caller holds ``lock``."""
+        if self.hot is not None:
+            self.hot.assign(ids, values, stamp, now)
+            return Applied(int(ids.shape[0]))
         slots = self.index.lookup(ids)
         missing = slots < 0
         if missing.any():
@@ -280,7 +267,7 @@ class Table:
     def row_staleness(self, ids: np.ndarray, pulled: int, version: int) -> np.ndarray:
         """Per-row staleness of a push of the sorted unique ``ids`` pulled at ``pulled`` (shard now at
         ``version``); see ``expiry.row_staleness``. Caller holds ``lock``."""
-        return expiry.row_staleness(self.store, self.history, ids, pulled, version)
+        return expiry.row_staleness(self.store, self.history, ids, pulled, version, self.hot is not None)
 
     def remove(self, ids: np.ndarray, cause: int, check: bool = True, version: int = 0) -> None:
         """Evict the rows of present, unique ``ids`` with their state and metadata. Caller holds ``lock``.
@@ -342,6 +329,8 @@ class Table:
 
         Keys: ``ids``, ``rows``, ``steps``, ``state.*`` and ``meta.*`` hold one entry per row;
         ``table.*`` (the admission sketch) belong to the table as a whole."""
+        if self.hot is not None:  # its rows go to the disk tier's checkpoint of the cut (``HotSet.spill``)
+            return self.hot.snapshot()
         out = self.store.snapshot()
         if self.sketch is not None:
             out.update({"table." + k: v for k, v in self.sketch.state().items()})
@@ -351,7 +340,8 @@ class Table:
         """Replace the contents with a snapshot (rows of ids this shard owns; a snapshot written before
         per-row metadata existed loads with zeros there)."""
         with self.lock:
-            self.store.load(arrays, self._load_sketch(arrays))
+            if self.hot is None:
+                self.store.load(arrays, self._load_sketch(arrays))
 
     def _load_sketch(self, arrays: dict[str, np.ndarray]) -> Callable[[], None]:
         def load() -> None:
@@ -369,3 +359,60 @@ class Table:
         """Forget the push history: pulls before ``version`` (the version restored) count as forgotten."""
         if self.history is not None:
             self.history = PushHistory(start_version=version)
+
+
+def _bounded_slots(t: Table, ids: np.ndarray, grads: np.ndarray, row_scales: Optional[np.ndarray], version: int,
+                   stamp: int, evict: bool, now: int,
+                   out: Applied) -> tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """A bounded table's push: expired rows of ``ids`` evicted (named in ``out``), absent ids counted and the
+    admitted ones created; (ids, grads, slots, row_scales) of the rows the update applies to."""
+    slots = t.index.lookup(ids)
+    if t.eviction is not None and evict:
+        live = np.flatnonzero(slots >= 0)
+        expired = live[t._expired(slots[live], version, now)]
+        if expired.size:
+            out.expired = ids[expired]
+            t.remove(out.expired, CAUSE_TTL, check=False, version=stamp)
+            slots = t.index.lookup(ids)  # the removal moved rows
+    missing = slots < 0
+    if not missing.any():
+        return ids, grads, slots, row_scales
+    keep = np.ones(ids.shape[0], dtype=bool)
+    if t.sketch is not None:
+        assert t.admission is not None
+        where = np.flatnonzero(missing)
+        refused = where[~t.sketch.admitted(ids[where], t.admission)]
+        keep[refused] = False
+        t.counts.rejected += int(refused.size)
+    new = missing & keep
+    if new.any():
+        assert t.initializer is not None
+        slots[new] = t._append(ids[new], t.initializer.rows(ids[new], t.dim))
+        t.counts.admitted += int(new.sum())
+    if keep.all():
+        return ids, grads, slots, row_scales
+    return ids[keep], grads[keep], slots[keep], row_scales[keep] if row_scales is not None else None
+
+
+def _step(t: Table, ids: np.ndarray, grads: np.ndarray, slots: np.ndarray, lr_scale: float,
+          row_scales: Optional[np.ndarray], stamp: int, now: int) -> None:
+    """The optimizer step of ``t.apply`` on the rows of unique ``ids`` at ``slots``, and their metadata."""
+    if not ids.size:
+        return
+    step = t.steps[slots] + 1
+    distinct = np.unique(row_scales) if row_scales is not None else None
+    if distinct is None or distinct.size == 1:
+        scale = lr_scale if distinct is None else float(distinct[0])
+        t.optimizer.apply(t.rows, t.state, slots, grads, step, scale)
+    else:  # one optimizer call per distinct scale (rows staler by the same count share one)
+        for scale in distinct.tolist():
+            m = row_scales == scale
+            t.optimizer.apply(t.rows, t.state, slots[m], grads[m], step[m], scale)
+    t.steps[slots] = step
+    if t.hot is not None:
+        t.hot.changed(slots)
+    t.last_version[slots] = stamp
+    t.last_time[slots] = max(0, now)
+    t.touches[slots] += 1
+    if t.history is not None:
+        t.history.add(stamp, ids)

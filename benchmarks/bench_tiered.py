@@ -1,0 +1,305 @@
+"""Tables larger than memory: a table with a disk tier against the same table all in RAM, in one run.
+
+- Throughput: 2 shards hold a --rows x 64 float32 table (SGD), every row written once before timing; the
+  standard loop (batches of 8,192 ids, unique rows pulled then pushed) under Zipf(1.1) and uniform ids,
+  rows/s against the same table in RAM (its own cluster, same machine, minutes apart). The tiered shards run
+  with --max-memory-mb --budget-mb; the table's tier takes --memory-mb of it.
+- Memory and disk: each tiered shard's largest RSS as a multiple of its budget, disk bytes per row, the
+  tier's hit rate.
+- Restart: a tiered shard stopped with SIGTERM (it checkpoints: its hot rows, and the RocksDB checkpoint's
+  hard links) and started again: seconds until it serves, against the RAM table's shard.
+- Stores (--stores): the embedded key-value stores the disk tier could use, measured on the same rows
+  (--store-rows records of 276 bytes, batches of the workload's unique Zipf ids): bulk load, a batch read, a
+  batch write, and the RSS a process holds after reading: RocksDB (rocksdict) and LMDB (lmdb, skipped when
+  not installed).
+
+    python -m benchmarks.bench_tiered                     # 20M rows, 1 GiB per shard (several minutes)
+    python -m benchmarks.bench_tiered --quick             # smoke run
+Writes benchmarks/results/tiered.json and tiered.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pathlib
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from shardps_client import SGD, Client, DiskTier
+
+from benchmarks.common import RESULTS, Progress, plot, rss_bytes, table, unique_batches, write_outputs
+from shardps.core.specs import Initializer
+from shardps.probe import check as check_health
+from shardps.server.ops.launcher import LocalCluster
+
+DIM = 64
+MIB = 1 << 20
+
+
+class _RssWatch:
+    """The largest RSS of some processes, sampled every 0.2 s in a thread until stopped."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.peak = {p: 0 for p in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for p in self.pids:
+                try:
+                    self.peak[p] = max(self.peak[p], rss_bytes(p))
+                except OSError:
+                    pass
+            self._stop.wait(0.2)
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def _fill(c: Client, name: str, rows: int) -> float:
+    """Write every row once (a push of zeros gradients makes the row; SGD leaves it at its initial value); rows/s."""
+    t0 = time.perf_counter()
+    step = 16_384
+    for lo in range(0, rows, step):
+        ids = torch.arange(lo, min(rows, lo + step))
+        c.push(name, ids, torch.zeros(ids.shape[0], DIM))
+    c.flush()
+    return rows / (time.perf_counter() - t0)
+
+
+def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, start: int = 0) -> tuple[float, int]:
+    """The standard loop for ``seconds`` from batch ``start`` on: pull the unique rows, push a gradient per row;
+    (unique rows/s, the next batch)."""
+    t0, n, i = time.perf_counter(), 0, start
+    while time.perf_counter() - t0 < seconds:
+        ids = batches[i % len(batches)]
+        rows = c.pull(name, ids)
+        c.push(name, ids, rows * 0.01)
+        n += ids.shape[0]
+        i += 1
+    c.flush()
+    return n / (time.perf_counter() - t0), i
+
+
+def _restart_s(cluster: LocalCluster, index: int) -> tuple[float, float]:
+    """(seconds a SIGTERM takes, checkpoint included; seconds the restarted shard takes to serve again)."""
+    p = cluster.procs[index]
+    t0 = time.perf_counter()
+    p.popen.send_signal(signal.SIGTERM)
+    p.popen.wait(300)
+    stopped = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cluster.restart(index, timeout=600)
+    while check_health(cluster.procs[index].address) != "SERVING":
+        time.sleep(0.05)
+    return stopped, time.perf_counter() - t0
+
+
+def run_table(tiered: bool, args: argparse.Namespace, batches: dict[str, list[torch.Tensor]],
+              progress: Progress) -> dict[str, Any]:
+    label = f"disk tier ({args.memory_mb:g} MiB hot)" if tiered else "all in RAM"
+    with tempfile.TemporaryDirectory(prefix="shardps-tiered-", dir=args.dir) as tmp:
+        serve = ["--max-memory-mb", str(args.budget_mb if tiered else 64 << 10)]
+        with LocalCluster(args.shards, data_dir=tmp, serve_args=serve) as cluster:
+            pids = [p.popen.pid for p in cluster.procs]
+            with Client(cluster.addresses) as c:
+                storage = DiskTier(memory_mb=args.memory_mb) if tiered else "memory"
+                c.create_table("t", dim=DIM, num_embeddings=args.rows, optimizer=SGD(lr=0.01),
+                               initializer=Initializer("uniform", a=0.01), storage=storage)
+                fill = _fill(c, "t", args.rows)
+                progress.step(f"{label}: {args.rows:,} rows written")
+                watch = _RssWatch(pids)
+                out: dict[str, Any] = {"table": label, "fill_rows_per_s": fill}
+                for dist, bs in batches.items():
+                    _, at = _loop(c, "t", bs, args.warmup)
+                    before = c.describe_table("t")
+                    out[f"{dist}_rows_per_s"], end = _loop(c, "t", bs, args.seconds, at)
+                    out[f"{dist}_batches_reused"] = max(0, end - len(bs))
+                    if tiered:  # over the measured seconds alone
+                        after = c.describe_table("t")
+                        hits = sum(a.tier_hits - b.tier_hits for a, b in zip(after, before))
+                        misses = sum(a.tier_misses - b.tier_misses for a, b in zip(after, before))
+                        out[f"{dist}_hit_rate"] = hits / max(hits + misses, 1)
+                    progress.step(f"{label}: {dist}")
+                peak = watch.stop()
+                info = c.describe_table("t")
+            out["peak_rss_mib"] = max(peak.values()) / MIB
+            out["rss_x_budget"] = max(peak.values()) / (args.budget_mb * MIB) if tiered else None
+            out["mem_bytes_per_row"] = sum(t.bytes for t in info) / args.rows
+            if tiered:
+                out["disk_bytes_per_row"] = sum(t.disk_bytes for t in info) / args.rows
+                out["hot_rows"] = sum(t.hot_rows for t in info)
+            out["stop_s"], out["restart_s"] = _restart_s(cluster, 0)
+            progress.step(f"{label}: restart")
+    return out
+
+
+# ---- the stores, side by side --------------------------------------------------------------------
+
+
+def _store_probe(kind: str, rows: int, batches: list[np.ndarray], path: str, queue: Any) -> None:
+    """In a fresh process: load ``rows`` records, read and write ``batches``; rows/s, ms per batch, RSS growth."""
+    rec = 64 * 4 + 20
+    value = np.random.default_rng(1).integers(0, 255, rec, dtype=np.uint8).tobytes()
+
+    def keys(ids: np.ndarray) -> list[bytes]:
+        return ids.astype(">u8").view("V8").tolist()  # type: ignore[no-any-return]
+
+    rss0 = rss_bytes(os.getpid())
+    if kind == "rocksdb":
+        import rocksdict
+
+        opts = rocksdict.Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.set_compression_type(rocksdict.DBCompressionType.none())
+        tab = rocksdict.BlockBasedOptions()
+        tab.set_block_cache(rocksdict.Cache(32 * MIB))
+        tab.set_bloom_filter(10, False)
+        opts.set_block_based_table_factory(tab)
+        db = rocksdict.Rdict(path, opts)
+        wo = rocksdict.WriteOptions()
+        wo.disable_wal = True  # type: ignore[method-assign,assignment]
+        db.set_write_options(wo)
+
+        def put(ids: np.ndarray) -> None:
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            for k in keys(ids):
+                wb.put(k, value)
+            db.write(wb)
+
+        def get(ids: np.ndarray) -> None:
+            db.get(keys(ids))
+    else:
+        import lmdb
+
+        env = lmdb.open(path, map_size=1 << 40, sync=False, metasync=False, readahead=False)
+
+        def put(ids: np.ndarray) -> None:
+            with env.begin(write=True) as txn, txn.cursor() as cur:
+                cur.putmulti([(k, value) for k in keys(ids)])
+
+        def get(ids: np.ndarray) -> None:
+            with env.begin() as txn, txn.cursor() as cur:
+                cur.getmulti(keys(ids))
+
+    t0 = time.perf_counter()
+    for lo in range(0, rows, 100_000):
+        put(np.arange(lo, min(rows, lo + 100_000)))
+    load = rows / (time.perf_counter() - t0)
+    for b in batches[:5]:
+        get(b)
+    t0 = time.perf_counter()
+    for b in batches:
+        get(b)
+    read_ms = (time.perf_counter() - t0) / len(batches) * 1e3
+    t0 = time.perf_counter()
+    for b in batches:
+        put(b)
+    write_ms = (time.perf_counter() - t0) / len(batches) * 1e3
+    rng = np.random.default_rng(2)
+    for _ in range(40):  # reads all over the store: what stays in the process's RSS
+        get(np.unique(rng.integers(0, rows, 8192)))
+    per_batch = float(np.mean([b.shape[0] for b in batches]))
+    queue.put({"store": kind, "load_rows_per_s": load, "read_ms": read_ms, "write_ms": write_ms,
+               "read_rows_per_s": per_batch / read_ms * 1e3, "write_rows_per_s": per_batch / write_ms * 1e3,
+               "rss_growth_mib": (rss_bytes(os.getpid()) - rss0) / MIB})
+
+
+def run_stores(args: argparse.Namespace, progress: Progress) -> list[dict[str, Any]]:
+    import importlib.util
+
+    batches = unique_batches(5, 40, 8192, args.store_rows, 1.1)
+    out = []
+    ctx = mp.get_context("spawn")
+    for kind, module in (("rocksdb", "rocksdict"), ("lmdb", "lmdb")):
+        if importlib.util.find_spec(module) is None:
+            progress.step(f"{kind}: {module} not installed, skipped")
+            continue
+        path = tempfile.mkdtemp(prefix=f"shardps-{kind}-", dir=args.dir)
+        try:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_store_probe, args=(kind, args.store_rows, batches, path, queue))
+            proc.start()
+            out.append(queue.get(timeout=1800))
+            proc.join()
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+        progress.step(kind)
+    base = next((r for r in out if r["store"] == "rocksdb"), None)
+    for r in out:
+        for k in ("load_rows_per_s", "read_rows_per_s", "write_rows_per_s"):
+            r["x_rocksdb_" + k.split("_")[0]] = r[k] / base[k] if base else None
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=20_000_000, help="rows of the 64-wide table (default 20M: 5 GB)")
+    p.add_argument("--shards", type=int, default=2, help="shard processes")
+    p.add_argument("--budget-mb", type=int, default=1024, help="each tiered shard's --max-memory-mb, MiB")
+    p.add_argument("--memory-mb", type=float, default=768, help="the table's disk tier memory_mb (per shard), MiB")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds measured per id distribution")
+    p.add_argument("--warmup", type=float, default=15.0, help="seconds of the loop before each measurement")
+    p.add_argument("--batches", type=int, default=3000, help="distinct batches of 8,192 ids per distribution (the loop "
+                   "goes through them in order, warm-up included)")
+    p.add_argument("--store-rows", type=int, default=1_000_000, help="records of the stores' comparison")
+    p.add_argument("--no-stores", action="store_true", help="leave out the stores' comparison")
+    p.add_argument("--dir", default=None, help="where the data dirs go (local disk; default: the temp dir)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 400k rows, a few seconds")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for tiered.json and tiered.png")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.budget_mb, args.memory_mb = 400_000, 256, 16
+        args.seconds, args.warmup, args.store_rows, args.batches = 1.5, 0.5, 100_000, 64
+    # Batches are not reused within a run (a few thousand of each): a cycled handful would be a working set that
+    # fits any memory, and measure a RAM cache instead of the disk tier.
+    zipf = [torch.from_numpy(b) for b in unique_batches(7, args.batches, 8192, args.rows, 1.1)]
+    uniform = [torch.from_numpy(b) for b in unique_batches(8, args.batches, 8192, args.rows, None)]
+    batches = {"zipf": zipf, "uniform": uniform}
+    progress = Progress(2 * 4 + (0 if args.no_stores else 2), "tiered")
+    rows = [run_table(False, args, batches, progress), run_table(True, args, batches, progress)]
+    ram = rows[0]
+    for r in rows:
+        for dist in batches:
+            r[f"x_ram_{dist}"] = r[f"{dist}_rows_per_s"] / ram[f"{dist}_rows_per_s"]
+        r["x_ram_restart"] = r["restart_s"] / ram["restart_s"]
+    stores = [] if args.no_stores else run_stores(args, progress)
+    print(table(rows, [("table", "table", ""), ("zipf_rows_per_s", "Zipf rows/s", ",.0f"),
+                       ("x_ram_zipf", "x RAM", ".2f"), ("uniform_rows_per_s", "uniform rows/s", ",.0f"),
+                       ("x_ram_uniform", "x RAM", ".2f"), ("zipf_hit_rate", "Zipf hits", ".3f"),
+                       ("uniform_hit_rate", "uniform hits", ".3f"),
+                       ("peak_rss_mib", "peak RSS MiB", ",.0f"), ("rss_x_budget", "RSS x budget", ".2f"),
+                       ("disk_bytes_per_row", "disk B/row", ".0f"), ("mem_bytes_per_row", "RAM B/row", ".1f"),
+                       ("restart_s", "restart s", ".2f"), ("x_ram_restart", "x RAM", ".2f"),
+                       ("fill_rows_per_s", "fill rows/s", ",.0f")]))
+    if stores:
+        print()
+        print(table(stores, [("store", "store", ""), ("load_rows_per_s", "load rows/s", ",.0f"),
+                             ("read_ms", "batch read ms", ".2f"), ("x_rocksdb_read", "x rocksdb", ".2f"),
+                             ("write_ms", "batch write ms", ".2f"), ("x_rocksdb_write", "x rocksdb", ".2f"),
+                             ("rss_growth_mib", "RSS after reads MiB", ",.0f")]))
+    meta = {"args": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
+            "stores": stores}
+    out = write_outputs("tiered", meta, rows, args.out)
+    plot(out / "tiered.png", [
+        ("rows/s by id distribution", "distribution", {r["table"]: (list(batches), [r[f"{d}_rows_per_s"] for d in batches])
+                                                       for r in rows}),
+    ], "unique rows pulled+pushed / s")
+    print(f"\nwrote {out / 'tiered.json'} and {out / 'tiered.png'}")
+
+
+if __name__ == "__main__":
+    main()

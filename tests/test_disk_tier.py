@@ -1,0 +1,411 @@
+"""Tables larger than memory: hot rows in RAM over RocksDB on local disk (``DiskTier``). Real shard servers over
+loopback; the reference is the same table kept wholly in RAM (itself checked against torch.optim elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from shardps_client import (
+    SGD,
+    Adagrad,
+    Client,
+    DiskTier,
+    Eviction,
+    Initializer,
+    InvalidArgumentError,
+    RequestTooLargeError,
+)
+
+from shardps.core.exports import load_tables, read_safetensors
+from shardps.server.ops.reshard import reshard
+from shardps.server.rpc import ServerConfig, ShardServer
+from shardps.server.shard.facade import ShardConfig
+from shardps.server.storage.disk import MARKER, DiskTierError, DiskTiers, RecordCodec, decode_keys, encode_keys
+from tests.procs import start_shard
+
+DIM = 8
+
+
+def _server(i: int, n: int, tmp: pathlib.Path, **kw: object) -> ShardServer:
+    config = ShardConfig(i, n, data_dir=str(tmp / f"shard-{i}"), **kw)  # type: ignore[arg-type]
+    return ShardServer(config, ServerConfig()).start()
+
+
+def _pair(c: Client, rows: int, memory_mb: float = 1, optimizer=None, dim: int = DIM) -> None:
+    """A table with a disk tier ("disk") and the same table in RAM ("ram"): same initializer, same optimizer."""
+    for name, storage in (("disk", DiskTier(memory_mb=memory_mb)), ("ram", "memory")):
+        c.create_table(name, dim=dim, num_embeddings=rows, optimizer=optimizer or SGD(lr=0.1),
+                       initializer=Initializer(seed=11), storage=storage)
+
+
+def _all(c: Client, name: str, rows: int, chunk: int = 20_000) -> torch.Tensor:
+    return torch.cat([c.pull(name, torch.arange(lo, min(rows, lo + chunk))) for lo in range(0, rows, chunk)])
+
+
+def test_records_and_keys_round_trip():
+    codec = RecordCodec(3, ["sum"])
+    rng = np.random.default_rng(0)
+    fields = {"rows": rng.standard_normal((5, 3)).astype(np.float32), "state.sum": rng.random((5, 3)).astype(np.float32),
+              "steps": np.arange(5, dtype=np.int32), "last_version": np.arange(5, dtype=np.int64) << 40,
+              "last_time": np.full(5, 7, np.uint32), "touches": np.arange(5, dtype=np.int32)}
+    back = codec.decode(codec.encode(fields))
+    for k, v in fields.items():
+        np.testing.assert_array_equal(back[k], v)
+    ids = np.array([0, 1, 255, 2**62, 2**63 - 1, 12345], np.int64)
+    keys = encode_keys(ids)
+    assert all(len(k) == 10 for k in keys)
+    np.testing.assert_array_equal(decode_keys(keys), ids)
+
+
+def test_table_ten_times_its_memory_trains_exactly_like_the_same_table_in_ram(tmp_path):
+    """Two shards; a table whose memory holds a tenth of its rows trains with SGD and Adagrad, pulls and pushes
+    of Zipf and uniform ids with repeats; every row equals the in-RAM table's, bit for bit, during and after,
+    and across a checkpoint and restart of the shards."""
+    rows, n = 250_000, 2
+    servers = [_server(i, n, tmp_path) for i in range(n)]
+    try:
+        with Client([s.address for s in servers]) as c:
+            _pair(c, rows, optimizer=Adagrad(lr=0.05))
+            rng = np.random.default_rng(1)
+            for step in range(40):
+                hot = (rng.zipf(1.2, 3000) - 1) % rows
+                ids = torch.from_numpy(np.concatenate([hot, rng.integers(0, rows, 3000)]))
+                a, b = c.pull("disk", ids), c.pull("ram", ids)
+                assert torch.equal(a, b), step
+                grads = a * 0.1 + torch.randn(a.shape)
+                c.push("disk", ids, grads)
+                c.push("ram", ids, grads)
+            c.flush()
+            assert torch.equal(_all(c, "disk", rows), _all(c, "ram", rows))
+            info = c.describe_table("disk")
+            for t in info:  # a tenth of the rows in memory, the others on disk
+                assert t.hot_rows < t.num_rows / 10 and t.written_back > 0 and t.promoted > 0
+                assert t.tier_hits > 0 and t.tier_misses > 0 and t.disk_bytes > 0
+            assert sum(t.num_rows for t in info) == rows == sum(t.num_rows for t in c.describe_table("ram"))
+            c.checkpoint()
+            for _ in range(3):  # after the checkpoint: replayed from the log on restart
+                ids = torch.from_numpy(rng.integers(0, rows, 5000))
+                g = torch.randn(5000, DIM)
+                c.push("disk", ids, g)
+                c.push("ram", ids, g)
+            c.flush()
+            expected = _all(c, "ram", rows)
+        for s in servers:
+            s.stop(checkpoint=False)
+        servers = [_server(i, n, tmp_path) for i in range(n)]
+        with Client([s.address for s in servers]) as c:
+            assert torch.equal(_all(c, "disk", rows), expected)
+    finally:
+        for s in servers:
+            s.stop(checkpoint=False)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_shard_memory_stays_within_the_budget_whatever_the_rows(tmp_path):
+    """A shard process filling a 316 MB table with a disk tier of 8 MB: from RocksDB's start on, its RSS grows by the
+    tier's memory plus RocksDB's bounded caches (8 MB block cache, 16-32 MB of memtables) and its compactions'
+    buffers, never by the table: at every quarter of the rows it stays under a fixed bound, half the table's size."""
+    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--disk-cache-mb", "8"])
+    try:
+        with Client([shard.address]) as c:
+            c.create_table("warm", dim=4, num_embeddings=100, storage=DiskTier(memory_mb=1))  # RocksDB opened first
+            c.push("warm", torch.arange(100), torch.ones(100, 4), wait=True)
+            start = _rss_mb(shard.proc.pid)
+            rows = 1_200_000
+            c.create_table("big", dim=64, num_embeddings=rows, optimizer=SGD(lr=0.1), initializer=Initializer("zeros"),
+                           storage=DiskTier(memory_mb=8))
+            grown = []
+            for lo in range(0, rows, 15_000):
+                ids = torch.arange(lo, min(rows, lo + 15_000))
+                c.push("big", ids, torch.ones(ids.shape[0], 64))
+                if (lo + 15_000) % (rows // 4) == 0:
+                    c.flush()
+                    grown.append(_rss_mb(shard.proc.pid) - start)
+            (t,) = c.describe_table("big")
+            table_mb = t.num_rows * (64 * 4 + 20) / (1 << 20)
+            assert t.num_rows == rows and table_mb > 300 and t.hot_rows < rows / 30
+            bound = 8 + 8 + 32 + 100  # the tier, the block cache, memtables, compaction and allocator slack
+            assert max(grown) < bound < table_mb / 2, f"RSS grew by {grown} MB for a {table_mb:.0f} MB table"
+            got = c.pull("big", torch.arange(0, rows, 997))
+            assert torch.equal(got, torch.full(got.shape, -0.1))  # every row pushed once, none lost
+    finally:
+        shard.kill()
+
+
+def test_kill9_mid_training_restarts_with_every_acknowledged_push(tmp_path):
+    """Two shard processes with data dirs and tables ten times their memory; a trainer pushes +1s (SGD, zeros);
+    each shard is killed with SIGKILL mid-training, once before and once after a checkpoint. Every row equals
+    its count of acknowledged pushes: nothing lost, nothing applied twice."""
+    n, rows = 2, 200_000
+    shards = [start_shard(i, n, tmp_path, str(tmp_path / f"d{i}")) for i in range(n)]
+    counts = np.zeros(rows, np.int64)
+    acked = [0]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        rng = np.random.default_rng(3)
+        try:
+            with Client([s.address for s in shards], timeout=10, retry_timeout=60) as c:
+                while not stop.is_set():
+                    ids = rng.choice(rows, size=4000, replace=False)
+                    c.push("cnt", torch.from_numpy(ids), torch.ones(4000, 2), wait=True)
+                    counts[ids] += 1
+                    acked[0] += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    try:
+        with Client([s.address for s in shards]) as c:
+            c.create_table("cnt", dim=2, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           storage=DiskTier(memory_mb=1))
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        for kill in range(4):
+            before, deadline = acked[0], time.monotonic() + 60
+            while acked[0] < before + 8:  # progress between kills (a generous bound, never a rate)
+                assert not errors, errors
+                assert time.monotonic() < deadline, "training made no progress"
+                time.sleep(0.02)
+            if kill == 2:
+                with Client([s.address for s in shards]) as c:
+                    c.checkpoint()
+            i = kill % n
+            port = shards[i].address.rsplit(":", 1)[1]
+            shards[i].kill()
+            shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), extra=["--port", port])
+        stop.set()
+        thread.join(120)
+        assert not errors, errors
+        with Client([s.address for s in shards]) as c:
+            got = _all(c, "cnt", rows)[:, 0]
+            assert sum(t.written_back for t in c.describe_table("cnt")) > 0
+        torch.testing.assert_close(got, -torch.from_numpy(counts.astype(np.float32)), rtol=0, atol=0)
+        assert "restored checkpoint" in shards[0].log() and acked[0] >= 32
+    finally:
+        stop.set()
+        for s in shards:
+            s.kill()
+
+
+def _trained_shard(tmp_path: pathlib.Path, checkpoints: int) -> tuple[torch.Tensor, pathlib.Path]:
+    """A shard process with a table on disk, ``checkpoints`` checkpoints and pushes after the last; stopped with
+    SIGKILL. (every row, its data dir)."""
+    data = tmp_path / "d"
+    shard = start_shard(0, 1, tmp_path, str(data))
+    try:
+        with Client([shard.address]) as c:
+            _pair(c, 60_000)
+            for k in range(checkpoints + 1):
+                ids = torch.arange(k * 1000, 60_000)
+                c.push("disk", ids, torch.ones(ids.shape[0], DIM), wait=True)
+                c.push("ram", ids, torch.ones(ids.shape[0], DIM), wait=True)
+                if k < checkpoints:
+                    c.checkpoint()
+            expected = _all(c, "ram", 60_000)
+    finally:
+        shard.kill()
+    return expected, data
+
+
+def test_a_damaged_disk_tier_checkpoint_falls_back_or_stops_the_start_naming_it(tmp_path):
+    expected, data = _trained_shard(tmp_path, checkpoints=2)
+    newest = sorted((data / "disk" / "checkpoints").iterdir())[-1]
+    for sst in newest.glob("*.sst"):  # gone (its files are hard links: those it shares live on in the older one)
+        sst.unlink()
+    shard = start_shard(0, 1, tmp_path, str(data))  # the previous checkpoint and the log behind it
+    try:
+        with Client([shard.address]) as c:
+            assert torch.equal(_all(c, "disk", 60_000), expected)
+        assert str(newest) in shard.log()
+    finally:
+        shard.kill()
+
+    only = tmp_path / "only"
+    only.mkdir()
+    expected, data = _trained_shard(only, checkpoints=1)
+    (tier,) = (data / "disk" / "checkpoints").iterdir()
+    for sst in tier.glob("*.sst"):
+        sst.write_bytes(b"not a table file")
+    with pytest.raises(RuntimeError, match=str(tier)):
+        start_shard(0, 1, only, str(data)).kill()  # (one that starts anyway is stopped, and the test fails)
+
+
+def test_a_disk_tier_written_for_another_spec_or_dir_stops_the_start_naming_the_file(tmp_path):
+    _, data = _trained_shard(tmp_path, checkpoints=1)
+    (tier,) = (data / "disk" / "checkpoints").iterdir()
+    layouts = tier / "shardps-layouts.json"
+    spec = json.loads(layouts.read_text())
+    spec["disk"]["dim"] = DIM * 2
+    layouts.write_text(json.dumps(spec))
+    with pytest.raises(RuntimeError, match=f"{layouts}.*another table spec"):
+        start_shard(0, 1, tmp_path, str(data)).kill()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("not ours")
+    with pytest.raises(RuntimeError, match=f"{foreign}.*no {MARKER}"):
+        start_shard(0, 1, tmp_path, None, extra=["--disk-dir", str(foreign)]).kill()
+    assert (foreign / "precious.txt").read_text() == "not ours"
+    with pytest.raises(RuntimeError, match="belongs to shard 0 of 1"):
+        start_shard(1, 2, tmp_path, None, extra=["--disk-dir", str(data / "disk")]).kill()
+    (tmp_path / "d2").mkdir()
+    server = ShardServer(ShardConfig(0, 1, data_dir=str(tmp_path / "d2"))).start()  # <data-dir>/disk, foreign
+    (tmp_path / "d2" / "disk").mkdir()
+    (tmp_path / "d2" / "disk" / "notes.txt").write_text("not ours")
+    try:
+        with Client([server.address]) as c, pytest.raises(InvalidArgumentError, match=f"'t'.*{tmp_path / 'd2' / 'disk'}"):
+            c.create_table("t", dim=4, storage="disk")
+        assert (tmp_path / "d2" / "disk" / "notes.txt").read_text() == "not ours"
+    finally:
+        server.stop(checkpoint=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 96 MiB tmpfs (a disk that fills up), unmounted afterwards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN): the full-disk test cannot run here")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_refuses_requests_and_loses_nothing_acknowledged(tmp_path, small_fs):
+    """The disk tier on a 96 MiB file system filled with another file: pushes that need rows written back are
+    refused naming the directory, with nothing applied; once space is freed training goes on, and every row equals
+    its count of acknowledged pushes."""
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * (72 << 20))
+    config = ShardConfig(0, 1, data_dir=str(tmp_path / "d"), disk_dir=str(small_fs / "disk"), disk_min_free_mb=8)
+    rows = 300_000
+    counts = np.zeros(rows, np.int64)
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        c.create_table("cnt", dim=16, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                       storage=DiskTier(memory_mb=4))
+        refused = None
+        for lo in range(0, rows, 10_000):
+            ids = np.arange(lo, lo + 10_000)
+            try:
+                c.push("cnt", torch.from_numpy(ids), torch.ones(10_000, 16), wait=True)
+            except RequestTooLargeError as e:
+                refused = e
+                break
+            counts[ids] += 1
+        assert refused is not None and str(small_fs / "disk") in str(refused) and "free" in str(refused)
+        with pytest.raises(RequestTooLargeError, match="free"):  # larger than memory: refused before any part
+            c.push("cnt", torch.arange(rows - 40_000, rows), torch.ones(40_000, 16), wait=True)
+        filler.unlink()
+        for lo in range(0, rows, 10_000):
+            ids = np.arange(lo, lo + 10_000)
+            c.push("cnt", torch.from_numpy(ids), torch.ones(10_000, 16), wait=True)
+            counts[ids] += 1
+        got = _all(c, "cnt", rows)[:, 0]
+    torch.testing.assert_close(got, -torch.from_numpy(counts.astype(np.float32)), rtol=0, atol=0)
+
+
+def test_export_serving_and_offline_reshard_carry_the_rows_on_disk(tmp_path):
+    """An export (base and delta) of a table ten times its memory holds every row, read by safetensors' own
+    library; a serving shard with a disk tier serves it; ``shardps reshard`` 2 -> 3 keeps every row and its
+    Adagrad state (the next step equals the in-RAM table's)."""
+    rows, n = 120_000, 2
+    servers = [_server(i, n, tmp_path / "src") for i in range(n)]
+    try:
+        with Client([s.address for s in servers]) as c:
+            _pair(c, rows, optimizer=Adagrad(lr=0.1))
+            for k in range(2):
+                ids = torch.arange(k, rows, 2)
+                g = torch.randn(ids.shape[0], DIM)
+                c.push("disk", ids, g)
+                c.push("ram", ids, g)
+                c.flush()
+                (c.export if k == 0 else c.export_delta)(tmp_path / "exp")
+            expected = _all(c, "ram", rows)
+    finally:
+        for s in servers:
+            s.stop(checkpoint=True)
+    _, state = load_tables(tmp_path / "exp")
+    got = {int(i): v for s in state.values() for i, v in zip(s["disk"].ids, s["disk"].values)}
+    assert len(got) == rows and all(torch.equal(torch.from_numpy(got[i]), expected[i]) for i in range(0, rows, 997))
+    base = json.loads(next((tmp_path / "exp").glob("base-*.json")).read_text())
+    part = next(e for e in base["tables"] if e["name"] == "disk")["shards"][0]
+    from safetensors.numpy import load_file
+    np.testing.assert_array_equal(load_file(tmp_path / "exp" / part["file"])["values"],
+                                  read_safetensors(tmp_path / "exp" / part["file"])[0]["values"])
+
+    serving = [ShardServer(ShardConfig(i, n, serve_from=str(tmp_path / "exp"), disk_dir=str(tmp_path / f"sv{i}"))).start()
+               for i in range(n)]
+    try:
+        with Client([s.address for s in serving]) as c:
+            assert torch.equal(_all(c, "disk", rows), expected)
+    finally:
+        for s in serving:
+            s.stop(checkpoint=False)
+
+    reshard(tmp_path / "src", tmp_path / "dst", 3)
+    servers = [_server(i, 3, tmp_path / "dst") for i in range(3)]
+    try:
+        with Client([s.address for s in servers]) as c:
+            assert torch.equal(_all(c, "disk", rows), expected)
+            assert sum(t.disk_rows for t in c.describe_table("disk")) == rows
+            ids, g = torch.arange(0, rows, 3), torch.ones(rows // 3, DIM)
+            c.push("disk", ids, g)
+            c.push("ram", ids, g)
+            c.flush()
+            assert torch.equal(_all(c, "disk", rows), _all(c, "ram", rows))  # Adagrad's state came along
+    finally:
+        for s in servers:
+            s.stop(checkpoint=False)
+
+
+def test_bad_disk_tier_specs_and_shards_without_a_disk_are_refused_clearly(tmp_path):
+    with pytest.raises(Exception, match="memory_mb"):
+        DiskTier(memory_mb=0)
+    with pytest.raises(Exception, match="policy"):
+        DiskTier(policy="fifo")
+    server = ShardServer(ShardConfig(0, 1)).start()  # no data dir, no disk dir
+    try:
+        with Client([server.address]) as c:
+            with pytest.raises(InvalidArgumentError, match="no --disk-dir"):
+                c.create_table("t", dim=4, storage="disk")
+            with pytest.raises(InvalidArgumentError, match="'t2'.*disk tier keeps every row"):
+                c.create_table("t2", dim=4, storage="disk", eviction=Eviction(max_rows=10))
+            with pytest.raises(InvalidArgumentError, match="storage"):
+                c.create_table("t3", dim=4, storage="ssd")
+    finally:
+        server.stop(checkpoint=False)
+    with pytest.raises(DiskTierError):
+        (tmp_path / "x").mkdir()
+        (tmp_path / "x" / "f").write_text("")
+        DiskTiers(tmp_path / "x", 0, 1).check_root()
+
+
+def test_tiered_stats_show_in_shardps_stats(tmp_path):
+    server = _server(0, 1, tmp_path)
+    try:
+        with Client([server.address]) as c:
+            _pair(c, 50_000)
+            c.push("disk", torch.arange(50_000), torch.ones(50_000, DIM), wait=True)
+        cluster = tmp_path / "c.json"
+        cluster.write_text(json.dumps({"addresses": [server.address]}))
+        out = subprocess.run([sys.executable, "-m", "shardps", "stats", "--cluster-file", str(cluster)],
+                             capture_output=True, text=True, timeout=60).stdout
+        assert "on disk" in out and "hit rate" in out and "written back" in out
+    finally:
+        server.stop(checkpoint=False)
