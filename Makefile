@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test fuzz fairness lint codegen bench clean docker-deps docker-base wheelhouse docker-test
+.PHONY: setup demo test fuzz fairness failover lint codegen bench clean docker-deps docker-base wheelhouse docker-test docker-etcd
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ FAIR_WINDOW_S ?= 3
 fairness: $(STAMP)
 	SHARDPS_FAIR_PAIRS=$(FAIR_PAIRS) SHARDPS_FAIR_WINDOW_S=$(FAIR_WINDOW_S) $(BIN)/python -m pytest -q -s tests/test_fairness.py
 
+# Replica groups at length: the primary killed KILLS times under two clients (CI: 3), etcd on loopback (Debian's
+# etcd-server); prints the seconds without a writable primary per kill.
+KILLS ?= 10
+failover: $(STAMP)
+	SHARDPS_REPLICA_KILLS=$(KILLS) $(BIN)/python -m pytest -q -s tests/test_replicas.py -k killed_again
+
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff mypy
 	$(BIN)/ruff check shardps clients tests benchmarks protos
@@ -70,6 +76,10 @@ docker-deps:
 
 docker-base:
 	sh docker/make_base.sh
+
+# Debian's etcd-server package for the replica groups' etcd image (docker/Dockerfile.etcd, docker/compose.replicas.yaml).
+docker-etcd:
+	cd docker/etcd && apt-get download etcd-server
 
 wheelhouse: $(STAMP)
 	PYTHON=$(BIN)/python TORCH=$(TORCH) sh docker/wheelhouse.sh

@@ -126,7 +126,7 @@ class FlightLane:
         return future
 
     def _read(self) -> None:
-        from shardps_client.transport import _reply, from_status
+        from shardps_client.transport.lane import _reply, from_status
 
         from shardps.core import protocol, wire
         from shardps.v1 import shardps_pb2 as pb

@@ -25,6 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("bench_fairness", "fairness", ["--kinds", "waiting"]),
     ("bench_collection", "collection", []),
     ("bench_tiered", "tiered", ["--no-stores"]),  # make bench runs the stores' comparison
+    ("bench_replicas", "replicas", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, extra):
     out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path), *extra],
@@ -70,6 +71,11 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         assert ram["table"] == "all in RAM" and ram["x_ram_zipf"] == 1.0 and disk["x_ram_zipf"] > 0
         assert disk["hot_rows"] < data["meta"]["args"]["rows"] and disk["disk_bytes_per_row"] > 0
         assert 0 < disk["zipf_hit_rate"] <= 1 and disk["restart_s"] > 0
+    if name == "replicas":  # R = 1 beside a group of 3 from the same round, and a failover that lost nothing
+        rows = [r for r in data["results"] if r["part"] == "throughput"]
+        assert [(r["replicas"], r["ack"]) for r in rows] == [(1, "-"), (3, "quorum")] and rows[0]["x_r1"] == 1.0
+        fo = data["meta"]["failover"]
+        assert fo["kills"] == 1 and fo["exact"] and not fo["errors"] and fo["max_s"] > 0
     if name == "e2e":  # local baseline first, then 1 worker through the shards in each variant, with its ratio
         local, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0

@@ -386,3 +386,36 @@ def test_compose_tls_override_is_generated_valid_and_complete(tmp_path):
     assert shard["environment"]["SHARDPS_SHARD_INDEX"] == "1" and "SHARDPS_TLS_CERT" in shard["environment"]
     assert any(str(tmp_path) in str(v) for v in shard["volumes"])
     assert merged["services"]["trainer"]["environment"]["SHARDPS_TOKEN_FILE"] == "/run/secrets/admin.token"
+
+
+def test_replica_groups_in_compose_and_kubernetes_are_generated_valid_and_wired():
+    """docker/compose.replicas.yaml and docker/k8s/shardps-replicas.yaml (2 groups of 3 members and their etcd) are
+    what the generators make; every member names its group, member id, etcd and its own address; the trainer
+    reaches each group as its members joined by "|"; the manifests pass the API schemas offline."""
+    make_compose, make_k8s = _docker_script("make_compose"), _docker_script("make_k8s")
+    text = (DOCKER / "compose.replicas.yaml").read_text()
+    assert make_compose.make_replicas(2, 3) == text
+    c = yaml.safe_load(text)
+    members = {k: v for k, v in c["services"].items() if k.startswith("shard-")}
+    assert sorted(members) == [f"shard-{i}-{m}" for i in range(2) for m in range(3)]
+    assert c["services"]["etcd"]["build"]["dockerfile"] == "docker/Dockerfile.etcd"
+    for name, svc in members.items():
+        i, m = name.split("-")[1:]
+        env = svc["environment"]
+        assert (env["SHARDPS_SHARD_INDEX"], env["SHARDPS_MEMBER"], env["SHARDPS_REPLICAS"]) == (i, f"m{m}", "3")
+        assert env["SHARDPS_ETCD"] == "http://etcd:2379" and env["SHARDPS_ADVERTISE"] == f"{name}:7000"
+        assert svc["depends_on"]["etcd"]["condition"] == "service_healthy"
+    command = c["services"]["trainer"]["command"]
+    assert command[command.index("--addresses") + 1] == ",".join(
+        "|".join(f"shard-{i}-{m}:7000" for m in range(3)) for i in range(2))
+    manifests = (DOCKER / "k8s" / "shardps-replicas.yaml").read_text()
+    assert make_k8s.make_replicas(2, 3) == manifests
+    docs = list(yaml.safe_load_all(manifests))
+    assert [d["kind"] for d in docs].count("StatefulSet") == 3  # etcd and one per group
+    for d in docs:
+        kv.validate(d, "1.28.0", strict=True)
+    sts = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "shardps-1"][0]
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert sts["spec"]["replicas"] == 3 and env["SHARDPS_SHARD_INDEX"]["value"] == "1"
+    assert "pod-index" in env["SHARDPS_MEMBER"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert env["SHARDPS_ADVERTISE"]["value"] == "$(POD_NAME).shardps-1.default.svc:7000"

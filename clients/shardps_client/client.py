@@ -58,7 +58,8 @@ class Client(ClusterMethods, DenseMethods):
 
     Args:
         addresses: shard addresses ("host:port"); list position = shard index,
-            checked against each shard on connect.
+            checked against each shard on connect. A shard run as a replica group is its members' addresses joined
+            by "|" ("host:port|host:port|..."; "," too): calls go to its primary, found again after a failover.
         timeout: deadline in seconds of every call.
         retry_timeout: how long calls keep retrying a shard that is UNAVAILABLE
             (restarting, not yet up) before raising ShardUnavailableError.
@@ -94,6 +95,10 @@ class Client(ClusterMethods, DenseMethods):
         data_plane: how pulls and pushes travel: "zmq" (the default; SHARDPS_DATA_PLANE sets another): over
             a shard's data plane (ZeroMQ) when it has one, else on a gRPC stream; "grpc": on a gRPC stream per
             shard. Both keep the same order, retries and errors.
+        stale_reads: pulls of a shard run as a replica group go to one of its backups, which answers with rows as
+            of the log records it has applied (behind its primary by its replication lag; this client's own pushes
+            may not show yet): reads spread over the group and go on while a failover elects a primary. Pushes
+            always go to the primary. Default False: every call goes to the primary.
     """
 
     def __init__(
@@ -102,7 +107,7 @@ class Client(ClusterMethods, DenseMethods):
         read_your_writes: bool = True, check_shard_map: bool = True, client_id: Optional[str] = None,
         rank: Optional[int] = None, world_size: Optional[int] = None, ssp_bound: Optional[int] = None,
         heartbeat_s: float = 1.0, torch_threads: Union[int, str, None] = "auto", tls: Optional[TLS] = None,
-        token: Optional[str] = None, data_plane: Optional[str] = None,
+        token: Optional[str] = None, data_plane: Optional[str] = None, stale_reads: bool = False,
     ) -> None:
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
@@ -114,7 +119,7 @@ class Client(ClusterMethods, DenseMethods):
         transport = Transport(addresses, timeout, retry_timeout, max_message_bytes,
                               tls if tls is not None else TLS.from_environment(),
                               token if token is not None else token_from_environment(),
-                              data_plane or os.environ.get("SHARDPS_DATA_PLANE") or "zmq", client_id)
+                              data_plane or os.environ.get("SHARDPS_DATA_PLANE") or "zmq", client_id, stale_reads)
         n = len(addresses)
         pool = ThreadPoolExecutor(max_workers=max(4, 4 * n), thread_name_prefix="shardps-client")
         self._session = Session(
@@ -134,12 +139,14 @@ class Client(ClusterMethods, DenseMethods):
     @classmethod
     def from_file(cls, path: str, **kwargs: Any) -> Client:
         """Connect to the cluster described by a cluster file (written by ``shardps cluster``): its
-        addresses, and its TLS files (``"tls": {"ca", "cert", "key"}``, paths) when it has them."""
+        addresses (with replica groups, ``"groups"``: each shard's members, of which calls reach the primary), and its
+        TLS files (``"tls": {"ca", "cert", "key"}``, paths) when it has them."""
         with open(path) as f:
             data = json.load(f)
         if data.get("tls") and "tls" not in kwargs:
             kwargs["tls"] = TLS(**data["tls"])
-        return cls(data["addresses"], **kwargs)
+        groups = data.get("groups")
+        return cls(["|".join(g) for g in groups] if groups else data["addresses"], **kwargs)
 
     # ---- the parts' state, as attributes of the client ----------------------------------
 

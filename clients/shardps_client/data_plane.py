@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from shardps.core import wire
+from shardps.core import protocol, wire
 from shardps.core.wake import WakePipe
 from shardps_client.errors import ShardpsError
 
@@ -56,24 +56,24 @@ class DataLane:
     Args:
         fallback: the shard's gRPC ``Lane`` (used when the shard has no data plane).
         discover: ``discover()`` -> the shard's ``ShardInfoResponse`` (gRPC, retried while UNAVAILABLE).
-        host: the shard's host (from the address the client was given).
+        address: the shard's address ("host:port"; its data plane is on that host).
         client_id: picks which of the shard's data-plane ports this client uses.
         token: the client's bearer token (None: none).
-        resolve: ``resolve(future, what=..., field=..., view=...)`` settles a call's future with its answer (a
-            StreamResponse): the stub's reply or the error (``transport.resolve``); ``timed_out(message)`` /
-            ``unavailable(message)`` -> the exceptions of a call with no answer in time / a shard that could not
-            be reached again.
+        resolve: ``resolve(future, address, what, field, view)`` settles a call's future with its answer (a
+            StreamResponse): the stub's reply or the error (``transport.resolve``); ``timed_out(address, message)`` /
+            ``unavailable(address, message)`` -> the exceptions of a call with no answer in time / a shard that
+            could not be reached again.
         timeout: seconds a call may wait for its answer; retry_timeout: seconds to keep reconnecting.
     """
 
-    def __init__(self, fallback: Any, discover: Callable[[], Any], host: str, client_id: str, token: Optional[str],
+    def __init__(self, fallback: Any, discover: Callable[[], Any], address: str, client_id: str, token: Optional[str],
                  resolve: Callable[..., None],
-                 timed_out: Callable[[str], ShardpsError], unavailable: Callable[[str], ShardpsError],
-                 timeout: float, retry_timeout: float) -> None:
+                 timed_out: Callable[[str, str], ShardpsError], unavailable: Callable[[str, str], ShardpsError],
+                 timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False) -> None:
         self.fallback = fallback
-        self.address = fallback.address
         self._discover = discover
-        self._host = host
+        self.rebind(address)
+        self.on_lost = on_lost  # the shard was lost: find its replica group's primary (True: the lane was rebound)
         self._pick = zlib.crc32(client_id.encode())
         self._token = (token or "").encode()
         self._resolve, self._timed_out, self._unavailable = resolve, timed_out, unavailable
@@ -88,6 +88,12 @@ class DataLane:
         self.mode: Optional[str] = None  # "zmq" or "grpc" once known
         self._reached = False  # a connection of this lane got its hello answered
         self.endpoint = ""
+
+    def rebind(self, address: str) -> None:
+        """Connect to another member of the shard's replica group (its new primary) from the next connection on."""
+        self.address = address
+        host = address.rsplit(":", 1)[0]
+        self._host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
     @property
     def streaming(self) -> bool:
@@ -156,10 +162,13 @@ class DataLane:
                             self.endpoint)
                 self._hand_over(unacked)
                 return
+            if self.on_lost():  # a replica group's new primary: reconnect there at once
+                failing_since, delay = None, 0.05
+                continue
             now = time.monotonic()
             failing_since = failing_since or now
             if now - failing_since + delay >= self.retry_timeout:
-                self._fail(unacked, self._unavailable(
+                self._fail(unacked, self._unavailable(self.address,
                     f"data plane of shard at {self.address} lost and not reachable again within {self.retry_timeout}s"))
                 failing_since = None
                 continue
@@ -225,7 +234,8 @@ class DataLane:
                             parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._answer(parts, unacked)
+                        if self._answer(parts, unacked) == "not primary":
+                            return "broken"  # the unanswered calls go to the group's primary, in order
                 if monitor in events:
                     event = monitor.recv_multipart()
                     what = int.from_bytes(event[0][:2], "little")
@@ -239,7 +249,7 @@ class DataLane:
                 if unacked:
                     oldest = next(iter(unacked.values()))
                     if time.monotonic() - oldest.sent_at > self.timeout:
-                        self._fail(unacked, self._timed_out(
+                        self._fail(unacked, self._timed_out(self.address,
                             f"data plane of shard at {self.address}: no answer within {self.timeout}s"))
                         return "broken"
                 if closed and not unacked:
@@ -251,12 +261,12 @@ class DataLane:
             monitor.close(0)
             sock.close(0)
 
-    def _answer(self, parts: list[Any], unacked: collections.OrderedDict) -> None:
+    def _answer(self, parts: list[Any], unacked: collections.OrderedDict) -> Optional[str]:
         if len(parts) == 3 and not len(parts[0]):  # the hello refused: [b"", b"error", StreamResponse]
             refused: Future = Future()
             try:
                 field, view = wire.unframe(parts[2].buffer)
-                self._resolve(refused, what="data-plane hello", field=field, view=view)
+                self._resolve(refused, self.address, "data-plane hello", field, view)
             except Exception as e:  # noqa: BLE001 - a malformed refusal is still a refusal
                 refused.set_exception(e)
             exc = refused.exception()
@@ -264,21 +274,26 @@ class DataLane:
                 exc = ShardpsError(f"data plane of shard at {self.address} refused the hello: {exc}",
                                    address=self.address)
             self._fail(unacked, exc)
-            return
+            return None
         if len(parts) == 2 and not len(parts[0]) and parts[1].bytes == b"ok":
             self._reached = True
-            return
+            return None
         if len(parts) != 2:
-            return
-        item = unacked.pop(parts[0].bytes, None)
+            return None
+        item = unacked.get(parts[0].bytes)
         if item is None:
-            return  # the answer to a call resent after its first answer was lost: already resolved
+            return None  # the answer to a call resent after its first answer was lost: already resolved
         try:
             field, view = wire.unframe(parts[1].buffer)
         except BaseException as e:  # noqa: BLE001 - a malformed answer fails its call alone
+            unacked.pop(parts[0].bytes)
             item.future.set_exception(e)
-            return
-        self._resolve(item.future, what=item.method, field=field, view=view)
+            return None
+        if self.fallback.group and protocol.not_primary(field, view):  # not the primary: the call stays unanswered
+            return "not primary"
+        unacked.pop(parts[0].bytes)
+        self._resolve(item.future, self.address, item.method, field, view)
+        return None
 
     def _take_all(self, unacked: collections.OrderedDict, mode: Optional[str] = None) -> list[_Item]:
         """Every call not answered yet (sent first, then queued), in order; both emptied (and, in the same

@@ -82,7 +82,7 @@ class DenseTensors:
         per_shard = planner.dense_pull_plan(specs, session.num_shards, wire_code, session.max_message_bytes)
         calls, metas = planner.pull_batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs),
                                             session.max_message_bytes)
-        pulled = planner.pulled_blocks(calls, metas, session.transport.lane_calls(calls),
+        pulled = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls),
                                        pb.PullBatchResponse.DENSE_FIELD_NUMBER)
         values = planner.assemble_dense(specs, ((s, name, a, b, rows, v) for s, name, (a, b), rows, v in pulled))
         return {name: (value, Versions(v)) for name, (value, v) in values.items()}

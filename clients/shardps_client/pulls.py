@@ -199,6 +199,6 @@ class Pulls:
         per_shard = planner.pull_plan(items, session.num_shards, wire_code, session.max_message_bytes)
         calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs),
                                             session.max_message_bytes)
-        blocks = planner.pulled_blocks(calls, metas, session.transport.lane_calls(calls),
+        blocks = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls),
                                        pb.PullBatchResponse.PULLS_FIELD_NUMBER)
         return [(rows, Versions(v)) for rows, v in planner.assemble_rows(items, blocks)]

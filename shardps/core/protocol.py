@@ -101,3 +101,9 @@ def stream_field(method: str) -> int:
 
 def by_stream_field(field: int) -> Optional[Method]:
     return BY_STREAM_FIELD.get(field)
+
+
+def not_primary(field: int, view: memoryview) -> bool:
+    """Whether a StreamResponse (``field``, ``view``) is a replica group member's refusal because it is not the
+    primary (status kind "not_primary"): the call was not applied, and goes to the primary instead."""
+    return field == STREAM_ERROR_FIELD and pb.StreamError.FromString(bytes(view)).kind == "not_primary"

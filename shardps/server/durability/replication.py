@@ -239,9 +239,10 @@ class ReplicatedLog:
         with self._cv:
             return dict(self._acks)
 
-    def read(self, after: int, max_records: int = 256, timeout: float = 0.5) -> Optional[list[Shipped]]:
-        """The kept records after LSN ``after`` (waiting up to ``timeout`` for one), at most ``max_records``; None when
-        they are no longer kept (the reader needs a whole copy)."""
+    def read(self, after: int, max_records: int = 256, timeout: float = 0.5,
+             max_bytes: int = 8 << 20) -> Optional[list[Shipped]]:
+        """The kept records after LSN ``after`` (waiting up to ``timeout`` for one), at most ``max_records`` and about
+        ``max_bytes`` (at least one); None when they are no longer kept (the reader needs a whole copy)."""
         with self._cv:
             if after >= self.lsn:
                 self._cv.wait_for(lambda: self.lsn > after or not self._open, timeout)
@@ -250,7 +251,15 @@ class ReplicatedLog:
             if not self._kept or self._kept[0].lsn > after + 1:
                 return None
             start = after + 1 - self._kept[0].lsn
-            return [self._kept[i] for i in range(start, min(len(self._kept), start + max_records))]
+            out: list[Shipped] = []
+            size = 0
+            for i in range(start, min(len(self._kept), start + max_records)):
+                rec = self._kept[i]
+                if out and size + len(rec.payload) > max_bytes:
+                    break
+                out.append(rec)
+                size += len(rec.payload)
+            return out
 
     def store(self, shipped: Shipped) -> int:
         """A backup stores a record the primary shipped (the next LSN; of its last epoch or a later one, which begins
@@ -264,6 +273,7 @@ class ReplicatedLog:
                                       f"epoch {last}")
             if shipped.epoch > last:
                 self.history.append((shipped.epoch, shipped.lsn))
+                self.epoch = shipped.epoch
                 self._save_epochs()
         ticket = self.inner.append((shipped.kind, shipped.payload))
         with self._cv:

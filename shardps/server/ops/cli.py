@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve TLS (mtls: mutual TLS) with throwaway certificates made in DATA_DIR/tls; "
                         "the cluster file carries their paths")
     p.add_argument("--tokens-file", help="bearer tokens with roles for every shard (see shardps serve)")
+    p.add_argument("--replicas", type=int, default=1, help="members of each shard's replica group (one primary, the "
+                   "others backups); with more than 1, a local etcd is started unless --etcd names one")
+    p.add_argument("--etcd", default=None, help="etcd's client URL for the replica groups (default: start one here, "
+                   "from Debian's etcd-server package)")
+    p.add_argument("--ack", default="quorum", choices=("quorum", "primary"), help="see shardps serve")
     p.add_argument("--log-level", default="INFO")
     for name, help_ in (("health", "check shards' gRPC health (exit code 0 if all serve)"),
                         ("stats", "per-shard version, tables, counters and rates")):
@@ -209,7 +214,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
     if args.cluster_file:
         with open(args.cluster_file) as f:
             data = json.load(f)
-        addresses += data["addresses"]
+        addresses += [m for g in data["groups"] for m in g] if data.get("groups") else data["addresses"]
         tls = data.get("tls") or {}
         args.tls_ca = args.tls_ca or tls.get("ca")
         args.tls_cert = args.tls_cert or tls.get("cert")
@@ -259,8 +264,14 @@ def run_cluster(args: argparse.Namespace) -> int:
                   "--checkpoint-interval", str(args.checkpoint_interval)]
     if args.tokens_file:
         serve_args += ["--tokens-file", args.tokens_file]
+    if args.replicas > 1:
+        from shardps.server.ops.etcd import INSTALL, etcd_binary
+
+        if args.etcd is None and etcd_binary() is None:
+            raise SystemExit(f"shardps cluster --replicas {args.replicas}: {INSTALL}")
+        serve_args += ["--ack", args.ack]
     cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
-                           serve_args=serve_args, tls=args.tls)
+                           serve_args=serve_args, tls=args.tls, replicas=args.replicas, etcd=args.etcd)
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -273,23 +284,27 @@ def run_cluster(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as e:
         raise SystemExit(f"shardps cluster: {e}") from None
     cluster.write_cluster_file(args.cluster_file)
-    print(f"shardps cluster: {args.shards} shards healthy (logs in {cluster.log_dir})", flush=True)
-    for i, a in enumerate(cluster.addresses):
-        print(f"  shard {i}: {a}{_data_ports(a, cluster.tls_files)}", flush=True)
+    group = f" of {args.replicas} members each (etcd at {cluster.etcd})" if args.replicas > 1 else ""
+    print(f"shardps cluster: {args.shards} shards{group} healthy (logs in {cluster.log_dir})", flush=True)
+    for i, members in enumerate(cluster.groups):
+        for a in members:
+            print(f"  shard {i}: {a}{_data_ports(a, cluster.tls_files)}", flush=True)
     print(f"cluster file: {args.cluster_file}   (Client.from_file({args.cluster_file!r}))", flush=True)
     code = 0
     try:
         while not stop["now"]:
             time.sleep(0.5)
             for index, rc in cluster.dead():
-                print(f"shardps cluster: shard {index} ({cluster.procs[index].address}) died with exit code {rc}",
+                p = cluster.procs[index]
+                print(f"shardps cluster: shard {p.index} ({p.address}) died with exit code {rc}",
                       file=sys.stderr, flush=True)
                 if args.no_restart:
                     stop["now"], code = True, 1
                     break
                 cluster.restart(index)
                 cluster.write_cluster_file(args.cluster_file)
-                print(f"shardps cluster: shard {index} restarted on {cluster.procs[index].address}", file=sys.stderr, flush=True)
+                print(f"shardps cluster: shard {cluster.procs[index].index} restarted on {cluster.procs[index].address}",
+                      file=sys.stderr, flush=True)
     finally:
         codes = cluster.stop()
         print(f"shardps cluster: stopped (exit codes {codes})", flush=True)

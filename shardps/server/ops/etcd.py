@@ -7,6 +7,7 @@ import logging
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -22,22 +23,26 @@ def etcd_binary() -> Optional[str]:
     return shutil.which("etcd")
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 class LocalEtcd:
     """One etcd process on ``host`` (free ports unless given), data in ``data_dir``; stop() (or SIGKILL by kill())
     ends it, start() again restarts it on the same ports and data."""
 
     def __init__(self, data_dir: str, host: str = "127.0.0.1", client_port: int = 0, peer_port: int = 0,
                  log_path: Optional[str] = None) -> None:
-        from shardps.server.ops.launcher import free_port
-
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError(INSTALL)
         self.binary = binary
         self.data_dir = pathlib.Path(data_dir)
         self.host = host
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
         self.log_path = pathlib.Path(log_path) if log_path else self.data_dir.parent / "etcd.log"
         self.proc: Optional[subprocess.Popen] = None
 

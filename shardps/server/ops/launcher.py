@@ -20,10 +20,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from shardps.probe import check as check_health
 from shardps.server.ops.certs import DevCerts, make_dev_certs
+from shardps.server.ops.etcd import LocalEtcd
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +47,13 @@ def free_port() -> int:
 
 @dataclass
 class _Proc:
-    index: int
+    index: int  # the shard index
     popen: subprocess.Popen
     ready_file: pathlib.Path
     log_path: pathlib.Path
     address: str = ""
     restarts: int = 0
+    member: int = 0  # its member id in the shard's replica group
 
 
 @dataclass
@@ -68,6 +70,10 @@ class LocalCluster:
         log_dir: where shard logs go (default: a temporary directory).
         tls: None (plaintext), "tls" or "mtls" (mutual TLS): throwaway certificates are made in
             ``<data_dir or log_dir>/tls`` (``shardps.server.ops.certs``) and the cluster file carries their paths.
+        replicas: members of each shard's replica group (1: none); with more, every shard index runs as that many
+            processes (data in ``shard-<i>/member-<m>``), coordinated by etcd: ``etcd``'s URL, or a local etcd
+            started here (``shardps.server.ops.etcd``, its data in ``<data_dir or log_dir>/etcd``).
+        cluster_name: the cluster's name in etcd.
     """
 
     num_shards: int
@@ -77,15 +83,25 @@ class LocalCluster:
     serve_args: Sequence[str] = ()
     log_dir: Optional[str] = None
     tls: Optional[str] = None
+    replicas: int = 1
+    etcd: Optional[str] = None
+    cluster_name: str = "shardps"
     procs: list[_Proc] = field(default_factory=list)
     certs: Optional[DevCerts] = None
+    local_etcd: Optional[LocalEtcd] = None
 
-    def command(self, index: int, port: int, ready_file: str) -> list[str]:
-        """The command that runs shard ``index`` (the same flags the Compose file passes)."""
+    def command(self, index: int, port: int, ready_file: str, member: int = 0) -> list[str]:
+        """The command that runs shard ``index`` (member ``member`` of its replica group; the same flags the Compose
+        file passes)."""
         cmd = [sys.executable, "-m", "shardps", "serve", "--host", self.host, "--port", str(port),
                "--shard-index", str(index), "--num-shards", str(self.num_shards), "--ready-file", ready_file]
         if self.data_dir:
-            cmd += ["--data-dir", str(pathlib.Path(self.data_dir) / f"shard-{index}")]
+            d = pathlib.Path(self.data_dir) / f"shard-{index}"
+            cmd += ["--data-dir", str(d / f"member-{member}" if self.replicas > 1 else d)]
+        if self.replicas > 1:
+            assert self.etcd is not None
+            cmd += ["--replicas", str(self.replicas), "--member", f"m{member}", "--etcd", self.etcd,
+                    "--cluster-name", self.cluster_name]
         if self.certs is not None:
             cmd += ["--tls-cert", self.certs.server_cert, "--tls-key", self.certs.server_key]
             if self.tls == "mtls":
@@ -99,17 +115,22 @@ class LocalCluster:
             return None
         return {"ca": self.certs.ca, "cert": self.certs.client_cert, "key": self.certs.client_key}
 
-    def _spawn(self, index: int, port: int) -> _Proc:
+    def _spawn(self, index: int, port: int, member: int = 0) -> _Proc:
         logs = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="shardps-logs-"))
         self.log_dir = str(logs)
         logs.mkdir(parents=True, exist_ok=True)
-        ready = logs / f"shard-{index}.ready"
+        name = f"shard-{index}" + (f"-m{member}" if self.replicas > 1 else "")
+        ready = logs / f"{name}.ready"
         ready.unlink(missing_ok=True)
-        log_path = logs / f"shard-{index}.log"
+        log_path = logs / f"{name}.log"
+        env = dict(os.environ)
+        if self.tls_files is not None:  # a backup's calls to its primary present the client certificate
+            env.update(SHARDPS_TLS_CA=self.tls_files["ca"], SHARDPS_TLS_CLIENT_CERT=self.tls_files["cert"],
+                       SHARDPS_TLS_CLIENT_KEY=self.tls_files["key"])
         with open(log_path, "a") as out:
-            popen = subprocess.Popen(self.command(index, port, str(ready)), stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        return _Proc(index, popen, ready, log_path)
+            popen = subprocess.Popen(self.command(index, port, str(ready), member), stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        return _Proc(index, popen, ready, log_path, member=member)
 
     def _await_ready(self, proc: _Proc, deadline: float) -> None:
         ready = proc.ready_file
@@ -136,7 +157,13 @@ class LocalCluster:
             home = self.data_dir or self.log_dir or tempfile.mkdtemp(prefix="shardps-")
             self.certs = make_dev_certs(str(pathlib.Path(home) / "tls"), hosts=(self.host, "localhost", "127.0.0.1"))
         try:
-            self.procs = [self._spawn(i, self.base_port + i if self.base_port else 0) for i in range(self.num_shards)]
+            if self.replicas > 1 and self.etcd is None:
+                etcd_home = pathlib.Path(self.data_dir or self.log_dir or tempfile.mkdtemp(prefix="shardps-"))
+                self.local_etcd = LocalEtcd(str(etcd_home / "etcd"), host=self.host).start()
+                self.etcd = self.local_etcd.url
+            r = self.replicas
+            self.procs = [self._spawn(i, self.base_port + i * r + m if self.base_port else 0, m)
+                          for i in range(self.num_shards) for m in range(r)]
             for p in self.procs:
                 self._await_ready(p, deadline)
         except BaseException:
@@ -146,12 +173,20 @@ class LocalCluster:
 
     @property
     def addresses(self) -> list[str]:
-        return [p.address for p in self.procs]
+        """Each shard's address, or with replicas its group's members joined by "|" (what ``Client`` takes)."""
+        return ["|".join(g) for g in self.groups]
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """Each shard's members' addresses."""
+        return [[p.address for p in self.procs if p.index == i] for i in range(self.num_shards)]
 
     def write_cluster_file(self, path: str) -> None:
         """Write the JSON file ``Client.from_file`` reads."""
-        data = {"addresses": self.addresses, "num_shards": self.num_shards, "data_dir": self.data_dir,
-                "pids": [p.popen.pid for p in self.procs], "logs": self.log_dir}
+        data: dict[str, Any] = {"addresses": self.addresses, "num_shards": self.num_shards, "data_dir": self.data_dir,
+                                "pids": [p.popen.pid for p in self.procs], "logs": self.log_dir}
+        if self.replicas > 1:
+            data.update(groups=self.groups, etcd=self.etcd, cluster_name=self.cluster_name)
         if self.tls_files is not None:
             data["tls"] = self.tls_files
         tmp = f"{path}.tmp"
@@ -160,17 +195,17 @@ class LocalCluster:
         os.replace(tmp, path)
 
     def dead(self) -> list[tuple[int, int]]:
-        """(index, exit code) of shards that are not running."""
-        return [(p.index, p.popen.returncode) for p in self.procs if p.popen.poll() is not None]
+        """(position in ``procs``, exit code) of the shard processes that are not running."""
+        return [(i, p.popen.returncode) for i, p in enumerate(self.procs) if p.popen.poll() is not None]
 
     def restart(self, index: int, timeout: float = 60.0) -> None:
-        """Start shard ``index`` again on its address and data dir."""
+        """Start process ``index`` of ``procs`` (shard ``index`` without replicas) again on its address and data dir."""
         old = self.procs[index]
         if old.popen.poll() is None:
             old.popen.kill()
             old.popen.wait()
         port = int(old.address.rsplit(":", 1)[1])
-        new = self._spawn(index, port)
+        new = self._spawn(old.index, port, old.member)
         new.restarts = old.restarts + 1
         self.procs[index] = new
         self._await_ready(new, time.monotonic() + timeout)
@@ -194,6 +229,8 @@ class LocalCluster:
                 log.error("shard %d did not stop in %.0fs; killing it", p.index, timeout)
                 p.popen.kill()
                 codes.append(p.popen.wait())
+        if self.local_etcd is not None:
+            self.local_etcd.stop()
         return codes
 
     def __enter__(self) -> LocalCluster:

@@ -96,6 +96,12 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
             "clients": [{"peer": c.peer, "transport": c.transport, "caller": c.caller, "calls": c.calls,
                          "bytes": c.bytes, "idle_s": round(c.idle_s, 1)} for c in info.data_clients],
         })
+        if info.HasField("replica"):
+            r = info.replica
+            out[-1]["replica"] = {"member": r.member, "role": r.role, "epoch": r.epoch, "lsn": r.lsn,
+                                  "primary": r.primary, "group": r.group, "ack": r.ack,
+                                  "backups": {m: {"lsn": lsn, "lag": r.lsn - lsn} for m, lsn in sorted(r.backups.items())},
+                                  "etcd_age_s": round(r.etcd_age_s, 1)}
         if info.HasField("serving"):
             sv = info.serving
             out[-1]["serving"] = {"directory": sv.directory, "base": sv.base, "delta": sv.delta,
@@ -131,6 +137,12 @@ def render(rows: list[dict[str, Any]]) -> str:
             ports = (f"data plane on port{plural} {', '.join(map(str, r['data_ports']))}" if r["data_ports"]
                      else "no data plane")
             lines.append(f"{'':>5}   clients in the last minute: {using}; {ports}")
+        if "replica" in r:
+            rp = r["replica"]
+            lag = ", ".join(f"{m} {b['lag']} behind" for m, b in rp["backups"].items())
+            lines.append(f"{'':>5}   member {rp['member']} of {rp['group']}: {rp['role']}, epoch {rp['epoch']}, log at "
+                         f"record {rp['lsn']}" + (f"; backups: {lag}" if lag else "") +
+                         (f"; primary {rp['primary']}" if rp["role"] != "primary" else "") + f"; --ack {rp['ack']}")
         if "serving" in r:
             sv = r["serving"]
             lines.append(f"{'':>5}   serving {sv['directory']}: base {sv['base']} + delta {sv['delta']} "

@@ -8,7 +8,7 @@ import logging
 import pathlib
 import shutil
 import tempfile
-from typing import Iterator
+from typing import Generator, Iterator
 
 from shardps.core.errors import InvalidArgument
 from shardps.server.durability import checkpoints
@@ -50,8 +50,9 @@ def install(shard: Shard, log_: ReplicatedLog, member: str, copy: IncomingCopy, 
              member, lsn)
 
 
-def send(shard: Shard, log_: ReplicatedLog, epoch: int) -> Iterator[Frame]:
-    """A whole copy: a checkpoint taken now, sent file by file; its LSN (records follow from there)."""
+def send(shard: Shard, log_: ReplicatedLog, epoch: int, sent: list[int]) -> Generator[Frame, None, int]:
+    """A whole copy: a checkpoint taken now, sent file by file; its LSN (records follow from there; ``sent`` holds the
+    LSN the backup may acknowledge)."""
     meta, arrays, _ = shard.snapshot()
     with tempfile.TemporaryDirectory(prefix="shardps-copy-") as tmp:
         path = pathlib.Path(tmp) / "checkpoint"
@@ -69,6 +70,7 @@ def send(shard: Shard, log_: ReplicatedLog, epoch: int) -> Iterator[Frame]:
             if meta.get("disk_tier") and tiers is not None:
                 tiers.remove_checkpoint(meta["disk_tier"])
     history = log_.history
+    sent[0] = int(meta["lsn"])  # acknowledged once the backup installed it
     yield Frame(epoch, copied=int(meta["lsn"]), history=[(e, s) for e, s in history])
     return int(meta["lsn"])
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 from shardps.core.errors import InvalidArgument, NotPrimary, Unavailable
 from shardps.server.durability import modes as durability
-from shardps.server.durability.replication import Diverged, ReplicatedLog, Shipped
+from shardps.server.durability.replication import ReplicatedLog, Shipped
 from shardps.server.replica.coordination import Coordinator, EtcdUnavailable, Primary
-from shardps.server.replica.copies import IncomingCopy, install, send
-from shardps.server.replica.frames import Connect, Frame, Hello, Stream
+from shardps.server.replica.copies import IncomingCopy, install
+from shardps.server.replica.frames import Connect, Hello, Stream
 from shardps.server.shard.facade import Shard
 from shardps.server.shard.recovery import replay
 
@@ -80,11 +80,12 @@ class ReplicaMember:
                                                 config.lease_ttl)
         self.role = "candidate"
         self.primary: Optional[Primary] = None  # the primary this member writes as or follows
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self._stop = threading.Event()
         self._stream: Optional[Stream] = None
         self._following = 0  # the epoch of the primary the follow thread follows (0: none)
         self._threads: list[threading.Thread] = []
+        self._applying = threading.local()  # set while this thread applies the primary's records
         self.log.originates = False
         self.log.fence = self.fence
         shard.check.guard = self.check_writable
@@ -103,7 +104,7 @@ class ReplicaMember:
     def stop(self) -> None:
         """Leave the group: a primary gives its key back at once (its backups elect without waiting out the lease)."""
         self._stop.set()
-        with self._lock:
+        with self.lock:
             primary, self.role = self.role == "primary" and self.primary, "candidate"
             if self._stream is not None:
                 self._stream.close()
@@ -120,11 +121,18 @@ class ReplicaMember:
     def is_primary(self) -> bool:
         return self.role == "primary"
 
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
     # ---- fencing ------------------------------------------------------------------------------
 
     def check_writable(self, what: str) -> None:
-        """Refuse a change unless this member is the primary (with the primary's address to go to)."""
-        with self._lock:
+        """Refuse a change unless this member is the primary (with the primary's address to go to), or it is one of
+        the primary's records being applied here."""
+        if getattr(self._applying, "on", False):
+            return
+        with self.lock:
             if self.role == "primary":
                 return
             where = self.primary.address if self.primary is not None and self.primary.member != self.config.member \
@@ -158,12 +166,12 @@ class ReplicaMember:
 
     def _elect_once(self) -> None:
         if self.coord.lease_lost:  # frozen past the lease, or etcd forgot it: keys gone; start over
-            self._step_down(None, "its etcd lease expired")
+            self.step_down(None, "its etcd lease expired")
             self.coord.new_lease()
             self._publish()
         current = self.coord.primary()
         if current is None:
-            self._step_down(None, "the primary's key is gone")
+            self.step_down(None, "the primary's key is gone")
             self._campaign()
         elif current.member == self.config.member:
             if current.lease != self.coord.lease_id:  # the key of this member's previous process: let it go
@@ -171,7 +179,7 @@ class ReplicaMember:
             elif self.role != "primary":
                 self._become_primary(current)
         elif self.primary is None or self.primary.epoch != current.epoch or self.role == "primary":
-            self._step_down(current, f"member {current.member} is the primary (epoch {current.epoch})")
+            self.step_down(current, f"member {current.member} is the primary (epoch {current.epoch})")
 
     def _campaign(self) -> None:
         """Say where this member's log ends; after the wait, the newest log's member creates the key."""
@@ -190,7 +198,7 @@ class ReplicaMember:
                 self._become_primary(current)
 
     def _become_primary(self, current: Primary) -> None:
-        with self._lock:
+        with self.lock:
             if self._stream is not None:
                 self._stream.close()
             self._following = 0
@@ -202,8 +210,8 @@ class ReplicaMember:
                  current.epoch, self.log.lsn)
         self._publish()
 
-    def _step_down(self, current: Optional[Primary], why: str) -> None:
-        with self._lock:
+    def step_down(self, current: Optional[Primary], why: str) -> None:
+        with self.lock:
             was = self.role
             self.log.originates = False
             self.role = "backup" if current is not None else "candidate"
@@ -217,7 +225,7 @@ class ReplicaMember:
 
     def _follow_loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
+            with self.lock:
                 target = self.primary if self.role == "backup" else None
             if target is None:
                 self._stop.wait(self.config.poll_s)
@@ -234,7 +242,7 @@ class ReplicaMember:
         hello = Hello(self.config.cluster, self.shard.index, self.shard.num_shards, self.config.member,
                       self.log.lsn, self.log.last_epoch(), target.epoch)
         stream = self.connect(target.address, hello)
-        with self._lock:
+        with self.lock:
             if self.primary is None or self.primary.epoch != target.epoch or self.role != "backup":
                 stream.close()
                 return
@@ -249,7 +257,11 @@ class ReplicaMember:
                     copy.add(*frame.file)
                 if frame.copied:
                     assert copy is not None, "a copy's end without its files"
-                    install(self.shard, self.log, self.config.member, copy, frame.copied, frame.history)
+                    self._applying.on = True
+                    try:
+                        install(self.shard, self.log, self.config.member, copy, frame.copied, frame.history)
+                    finally:
+                        self._applying.on = False
                     copy.close()
                     copy = None
                     stream.ack(self.log.lsn)
@@ -258,7 +270,7 @@ class ReplicaMember:
         finally:
             if copy is not None:
                 copy.close()
-            with self._lock:
+            with self.lock:
                 if self._stream is stream:
                     self._stream, self._following = None, 0
             stream.close()
@@ -266,74 +278,26 @@ class ReplicaMember:
     def _store(self, records: list[Shipped], stream: Stream) -> None:
         """Records from the primary: into this member's log, acknowledged, then applied by the replay path."""
         for rec in records:
-            with self._lock:
+            with self.lock:
                 if self.role != "backup" or self.primary is None or rec.epoch > self.primary.epoch:
                     raise Unavailable("no longer following this primary")
             ticket = self.log.store(rec)
             self.log.wait_stored(ticket, durable=rec.kind in durability.SCHEMA_KINDS)
         stream.ack(records[-1].lsn)
-        for rec in records:
-            replay(self.shard, durability.read_record(rec.kind, rec.payload))
-
-    # ---- the primary's side of a backup's stream ---------------------------------------------
-
-    def serve(self, hello: Hello, acks: Iterator[int], alive: Callable[[], bool]) -> Iterator[Frame]:
-        """A backup's stream: check who follows, then send records (or a whole copy first) for as long as this
-        member is the primary of the epoch the backup means to follow and ``alive()``; ``acks`` (read in a thread)
-        are how far the backup's log reaches."""
-        self._check_hello(hello)
-        epoch = self.log.epoch
-        threading.Thread(target=self._read_acks, args=(hello.member, acks), daemon=True).start()
-        at = hello.lsn
-        history = [x for pair in self.log.history for x in pair]
+        self._applying.on = True
         try:
-            self.log.check_follower(hello.lsn, hello.last_epoch)
-            if self.log.read(at, 1, timeout=0) is None:
-                raise Diverged(f"record {at + 1} is no longer kept")
-            yield Frame(epoch, history=list(zip(history[::2], history[1::2])))
-        except Diverged as e:
-            log.info("shard %d: member %s gets a whole copy: %s", self.shard.index, hello.member, e)
-            at = yield from send(self.shard, self.log, epoch)
-        while alive() and self.role == "primary" and self.log.epoch == epoch and not self._stop.is_set():
-            records = self.log.read(at, 256, timeout=0.5)
-            if records is None:
-                return  # fell behind what is kept: the backup reconnects and gets a copy
-            if records:
-                at = records[-1].lsn
-                yield Frame(epoch, records=records)
-
-    def _check_hello(self, hello: Hello) -> None:
-        if hello.cluster != self.config.cluster or (hello.shard_index, hello.num_shards) != \
-                (self.shard.index, self.shard.num_shards):
-            raise InvalidArgument(f"a follower of cluster {hello.cluster!r}, shard {hello.shard_index} of "
-                                  f"{hello.num_shards}, reached cluster {self.config.cluster!r}, shard "
-                                  f"{self.shard.index} of {self.shard.num_shards}")
-        if hello.member == self.config.member:
-            raise InvalidArgument(f"member {hello.member} cannot follow itself")
-        with self._lock:
-            mine = self.log.epoch if self.role == "primary" else 0
-        if hello.epoch > mine and self.role == "primary":
-            self._step_down(None, f"member {hello.member} follows epoch {hello.epoch}, newer than {mine}")
-        if self.role != "primary" or hello.epoch != mine:
-            where = self.primary.address if self.primary is not None else ""
-            raise NotPrimary(f"member {self.config.member} is not the primary of epoch {hello.epoch} (it is a "
-                             f"{self.role}{f' of epoch {mine}' if mine else ''})", where)
-
-    def _read_acks(self, member: str, acks: Iterator[int]) -> None:
-        try:
-            for lsn in acks:
-                self.log.ack_from(member, lsn)
-        except Exception:  # noqa: BLE001 - the stream ended
-            pass
+            for rec in records:
+                replay(self.shard, durability.read_record(rec.kind, rec.payload))
         finally:
-            self.log.forget(member)
+            self._applying.on = False
 
     # ---- what ShardInfo tells -----------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        with self._lock:
+        with self.lock:
             primary = self.primary.address if self.primary is not None else ""
-            return {"member": self.config.member, "role": self.role, "epoch": self.log.epoch, "lsn": self.log.lsn,
+            epoch = self.primary.epoch if self.primary is not None else self.log.epoch
+            return {"member": self.config.member, "role": self.role, "epoch": epoch, "lsn": self.log.lsn,
                     "primary": primary, "group": self.log.group, "ack": self.log.ack,
                     "backups": self.log.acked() if self.role == "primary" else {},
                     "etcd_age_s": self.coord.answered_s()}

@@ -68,7 +68,7 @@ class _SocketState:
         self.leader: Optional[threading.Thread] = None  # the thread serving the socket now
         self.connections: dict[bytes, _Connection] = {}
         self.busy: dict[bytes, deque] = {}
-        self.done: deque = deque()  # (connection, answer or None) of calls that waited, appended by their thread
+        self.done: deque = deque()  # (connection, answer or None, later calls held) of calls that waited, by their thread
         self.wake = WakePipe()  # a thread that finished a waiting call wakes the leader through it
 
 
@@ -198,10 +198,10 @@ class DataPlane:
             if st.wake.fd in ready:
                 st.wake.drain()
             while st.done:  # calls finished off the socket's thread: answer, then their connection's next
-                rid, reply = st.done.popleft()
+                rid, reply, ordered = st.done.popleft()
                 if reply is not None:
                     st.sock.send_multipart(reply, copy=False)
-                if not self._resume(st, rid):
+                if ordered and not self._resume(st, rid):
                     return
             if st.sock in ready and not self._receive(st):
                 return
@@ -236,17 +236,19 @@ class DataPlane:
 
     def _serve(self, st: _SocketState, rid: bytes, parts: list[Any]) -> bool:
         """One request, answered; False if it waited off the socket's thread (this thread no longer leads)."""
-        handed = False
+        handed = held = False
 
-        def hand_off() -> None:
-            nonlocal handed
+        def hand_off(ordered: bool) -> None:
+            nonlocal handed, held
             with self._lock:
                 if self.waiting >= MAX_WAITING or self._stop.is_set():
                     return  # too many waiting already: this one waits on the socket's thread
                 self.waiting += 1
                 self.handoffs += 1
             handed = True
-            st.busy.setdefault(rid, deque())
+            if ordered:  # its connection's later calls are held behind it (a quorum's wait holds none back)
+                held = True
+                st.busy.setdefault(rid, deque())
             self._spawn(st)
 
         fair.on_wait(hand_off)
@@ -260,7 +262,7 @@ class DataPlane:
         if handed:
             with self._lock:
                 self.waiting -= 1
-            st.done.append((rid, reply))
+            st.done.append((rid, reply, held))
             st.wake.wake()
             return False
         if reply is not None:

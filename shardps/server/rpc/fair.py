@@ -192,26 +192,29 @@ def release() -> None:
         held.scheduler._release(held)
 
 
-def leave_slot() -> None:
+def leave_slot(ordered: bool = True) -> None:
     """The current call is about to wait (a log flush, a synchronous step, a checkpoint's hold): give
-    its slot to the next caller now. The call finishes without one (what is left of it is small)."""
+    its slot to the next caller now. The call finishes without one (what is left of it is small). ``ordered=False``:
+    the call's change is applied and only its acknowledgement waits (a replica group's quorum), so its connection's
+    later calls need not wait behind it."""
     release()
-    waiting()
+    waiting(ordered)
 
 
-def on_wait(hook: Optional[Callable[[], None]]) -> None:
+def on_wait(hook: Optional[Callable[[bool], None]]) -> None:
     """What the current thread calls (once) if its call is about to wait; None: nothing. The data plane's
     socket threads set it to hand their socket to another thread, so a call that waits (a synchronous step,
     an fsync, a throttled or refused caller's pause) never holds up the other connections of its socket."""
     _local.on_wait = hook
 
 
-def waiting() -> None:
-    """The current call is about to wait: its thread's ``on_wait`` hook, if one is set, runs (once)."""
+def waiting(ordered: bool = True) -> None:
+    """The current call is about to wait: its thread's ``on_wait`` hook, if one is set, runs (once); ``ordered``: its
+    connection's later calls wait behind it (False: they may go first)."""
     hook = getattr(_local, "on_wait", None)
     if hook is not None:
         _local.on_wait = None
-        hook()
+        hook(ordered)
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,15 @@ tables ``table_admitted_total{table}``, ``table_rejected_total{table}`` (pushed 
 ``table_evicted_total{table,cause}`` (cause: ttl, capacity) and ``table_sketch_bytes{table}``; tables with a disk
 tier ``table_tier_rows{table,tier}`` (memory, disk), ``table_disk_bytes{table}``,
 ``table_tier_lookups_total{table,result}`` (hit, miss) and ``table_tier_rows_moved_total{table,direction}``
-(promoted, written_back).
+(promoted, written_back); members of a replica group ``replica_role{role}``, ``replica_epoch``, ``replica_lsn`` and,
+on the primary, ``replica_backup_lag{member}``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from shardps.server.rpc.peers import Peers
 from shardps.server.shard.metrics import NullMetrics
@@ -151,6 +152,10 @@ class Metrics(NullMetrics):
         """Add the data path's connections by transport (and the data plane's handoffs, when it has one)."""
         self.registry.register(_TransportCollector(peers, data_plane))
 
+    def watch_replica(self, info: Callable[[], dict[str, Any]]) -> None:
+        """Add a replica group member's role, epoch, log and its backups' lag (``info()``: ``ReplicaMember.info``)."""
+        self.registry.register(_ReplicaCollector(info))
+
     def serve(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` (0: a free port) in a daemon thread; the port."""
         from prometheus_client import start_http_server
@@ -185,6 +190,35 @@ class _TransportCollector:
         yield clients
         yield CounterMetricFamily("shardps_data_plane_handoffs", "Data-plane calls that waited off their "
                                   "socket's thread", value=self.data_plane.handoffs if self.data_plane else 0)
+
+
+class _ReplicaCollector:
+    """A replica group member's place in it, read when Prometheus scrapes."""
+
+    def __init__(self, info: Callable[[], dict[str, Any]]) -> None:
+        self.info = info
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        r = self.info()
+        role = GaugeMetricFamily("shardps_replica_role", "1 for this member's role in its replica group",
+                                 labels=["role"])
+        for name in ("primary", "backup", "candidate"):
+            role.add_metric([name], 1.0 if r["role"] == name else 0.0)
+        yield role
+        yield GaugeMetricFamily("shardps_replica_epoch", "The epoch of the primary this member is or follows",
+                                value=r["epoch"])
+        yield GaugeMetricFamily("shardps_replica_lsn", "Records in this member's log (its log sequence number)",
+                                value=r["lsn"])
+        lag = GaugeMetricFamily("shardps_replica_backup_lag", "On the primary: records each backup lacks",
+                                labels=["member"])
+        for member, lsn in r["backups"].items():
+            lag.add_metric([member], r["lsn"] - lsn)
+        yield lag
 
 
 class _ShardCollector:

@@ -20,6 +20,7 @@ from shardps.core import protocol
 from shardps.core.errors import InvalidArgument
 from shardps.core.tokens import bearer, token_from_environment
 from shardps.server.durability.replication import Shipped
+from shardps.server.replica import shipping
 from shardps.server.replica.frames import Frame, Hello
 from shardps.server.replica.member import ReplicaMember
 from shardps.v1 import shardps_pb2 as pb
@@ -69,7 +70,7 @@ def serve(member: Optional[ReplicaMember], requests: Iterator[pb.ReplicaAck],
         for msg in requests:
             yield msg.lsn
 
-    for frame in member.serve(hello, acks(), context.is_active):
+    for frame in shipping.serve(member, hello, acks(), context.is_active):
         yield frame_to_pb(frame)
 
 

@@ -119,7 +119,9 @@ class ShardServer:
                                        thread_name_prefix="shardps"),
             options=[
                 ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
+                # Replies are held to ``limit`` by the shard itself; a replica's frame may carry one record of a
+                # request that size and its framing.
+                ("grpc.max_send_message_length", limit + (1 << 20)),
                 # Never share a port: a second shard on the same port must fail, not split traffic.
                 ("grpc.so_reuseport", 0),
                 # Calls one connection may have open at once (HTTP/2): more wait in the client.
@@ -189,6 +191,8 @@ class ShardServer:
         if isinstance(self.metrics, Metrics):
             self.metrics.watch(self.shard)
             self.metrics.watch_transports(self._servicer.chain.peers, self.data_plane)
+            if self.replica is not None:
+                self.metrics.watch_replica(self.replica.info)
             assert self.config.metrics_port is not None
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
             log.info("shard %d: metrics on http://%s:%d/metrics", self.shard.index, self.config.host, self.metrics_port)

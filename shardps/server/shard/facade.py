@@ -18,6 +18,7 @@ to and from protobuf). Its collaborators, each with one job:
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 import time
@@ -190,7 +191,7 @@ class Shard(ShardCuts):
     call to the collaborator whose job it is (its cuts, checkpoints and exports, in ``ShardCuts``)."""
 
     def __init__(self, config: ShardConfig, metrics: NullMetrics = NO_METRICS,
-                 before_wait: Callable[[], None] = lambda: None) -> None:
+                 before_wait: Callable[..., None] = lambda ordered=True: None) -> None:
         """``before_wait`` is called on a request's thread before it waits (a log flush, a synchronous step, a
         checkpoint's hold): the gRPC face passes its fair scheduler's ``leave_slot`` so the next call runs."""
         self.config = config
@@ -203,11 +204,12 @@ class Shard(ShardCuts):
         # -> durability.
         self.registry = TableRegistry(self.index, config.limits, config.disk_tiers(), config.disk_dir is not None)
         self.metrics = metrics
-        self.durability = durability.make(config.durability, self.data_dir,
+        self.durability: durability.Durability = durability.make(config.durability, self.data_dir,
                                           metrics.wal_flush if metrics.enabled else None, before_wait,
                                           config.fsync, config.fsync_interval_s)
         if config.replicas > 1:  # numbered, kept for backups, and acknowledged by the group
-            self.durability = ReplicatedLog(self.durability, config.replicas, config.ack, before_wait=before_wait,
+            self.durability = ReplicatedLog(self.durability, config.replicas, config.ack,
+                                            before_wait=functools.partial(before_wait, ordered=False),
                                             epochs_path=self.data_dir / "replica-epochs.json" if self.data_dir else None)
         self.gate = CheckpointGate(f"shard {self.index}")
         self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5, metrics,

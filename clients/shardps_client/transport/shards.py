@@ -1,0 +1,225 @@
+"""``Transport``: channels, stubs and lanes to every shard of a cluster, and the three ways to call them:
+
+- ``call``: one unary call with the client's deadline, retried with backoff while
+  the shard is UNAVAILABLE (restarting, not yet up) for up to ``retry_timeout``;
+- ``fan_out``: unary calls on several shards in parallel (gRPC's own futures);
+- ``submit``: a call on the shard's ``Lane``, in order after this client's earlier ones.
+
+A shard run as a replica group gets its calls at its primary, found again after a failover (``failover``); with
+``stale_reads`` its pulls go to a lane of its own to one of its backups (``read_calls``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import random
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, Sequence
+
+import grpc
+
+from shardps.core import protocol, wire
+from shardps.v1 import shardps_pb2 as pb
+from shardps_client.errors import ShardpsError
+from shardps_client.transport.channels import TLS, Channels, Stub, find_backup, find_primary, members
+from shardps_client.transport.lane import Lane, from_rpc_error, resolve, timed_out, unavailable
+
+log = logging.getLogger(__name__)
+
+
+class Transport:
+    """Channels, stubs and lanes to every shard of a cluster.
+
+    Args:
+        addresses: shard addresses, in shard index order (a replica group's: its members joined by "|").
+        timeout: deadline in seconds of every call.
+        retry_timeout: how long calls keep retrying a shard that is UNAVAILABLE.
+        max_message_bytes: the largest request the client makes (channels accept a little more).
+        tls: TLS to the shards (None: plaintext).
+        token: the bearer token every call carries (None: none).
+        data_plane: "zmq": a shard's pulls and pushes over its data plane (ZeroMQ, ``data_plane.DataLane``)
+            when it has one, else on a gRPC stream; "grpc": always on gRPC streams.
+        client_id: the client's id (picks the data-plane port it uses).
+        stale_reads: a replica group's pulls go to one of its backups (rows as of the records it has applied).
+    """
+
+    def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int,
+                 tls: Optional[TLS] = None, token: Optional[str] = None, data_plane: str = "zmq",
+                 client_id: str = "", stale_reads: bool = False) -> None:
+        if data_plane not in ("zmq", "grpc"):
+            raise ValueError(f"data_plane must be 'grpc' or 'zmq', got {data_plane!r}")
+        self.groups = [members(a) for a in addresses]
+        self.addresses = [g[0] for g in self.groups]
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        self.channels = Channels(max_message_bytes, tls, token)
+        self._failover_locks = [threading.Lock() for _ in self.groups]
+        self.stale_reads = stale_reads
+        self._read_lanes: dict[int, Lane] = {}  # a replica group's lane to a backup, for stale reads
+        for i, group in enumerate(self.groups):  # a replica group: start at its primary, when one answers
+            if len(group) > 1:
+                self.addresses[i] = find_primary(self.channels, group, timeout) or group[0]
+        self._stubs = [Stub(self.channels.get(a)) for a in self.addresses]
+        # One lane per shard carries this client's pulls and pushes to it on one stream, in the
+        # order they were made (optimizers such as Adam are not commutative, and a pull sees the
+        # pushes before it), many in flight; lanes of different shards run in parallel.
+        self.lanes: list[Any] = []
+        for i, a in enumerate(self.addresses):
+            lane = Lane(self.channels.get(a), a, functools.partial(self.call, i), timeout, retry_timeout,
+                        functools.partial(self.failover, i))
+            lane.group = len(self.groups[i]) > 1
+            self.lanes.append(lane)
+        if data_plane == "zmq" and importlib.util.find_spec("zmq") is not None:
+            from shardps_client.data_plane import DataLane
+
+            self.lanes = [DataLane(lane, functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest()),
+                                   a, client_id, token, resolve, timed_out, unavailable, timeout, retry_timeout,
+                                   functools.partial(self.failover, i))
+                          for i, (lane, a) in enumerate(zip(self.lanes, self.addresses))]
+
+    def failover(self, shard: int) -> bool:
+        """Point shard ``shard``'s calls at its replica group's primary if that changed (a lost shard's caller asks);
+        True when they were pointed elsewhere."""
+        if len(self.groups[shard]) == 1:
+            return False
+        with self._failover_locks[shard]:
+            primary = find_primary(self.channels, self.groups[shard], self.timeout)
+            if primary is None or primary == self.addresses[shard]:
+                return False
+            log.info("shard %d: its primary is now %s (was %s)", shard, primary, self.addresses[shard])
+            self.addresses[shard] = primary
+            channel = self.channels.get(primary)
+            self._stubs[shard] = Stub(channel)
+            lane = self.lanes[shard]
+            getattr(lane, "fallback", lane).rebind(channel, primary)
+            if lane is not getattr(lane, "fallback", lane):
+                lane.rebind(primary)
+            return True
+
+    def _read_lane(self, shard: int) -> Lane:
+        """Where shard ``shard``'s stale reads go: a lane to one of its backups (its primary's while none answers)."""
+        lane = self._read_lanes.get(shard)
+        if lane is not None:
+            return lane
+        group = self.groups[shard]
+        address = find_backup(self.channels, group, self.timeout) or self.addresses[shard]
+
+        def unary(method: str, request: bytes) -> Any:
+            a = self._read_lanes[shard].address
+            try:
+                return getattr(Stub(self.channels.get(a)), method)(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e, a, method) from None
+
+        def lost() -> bool:  # another backup, when one answers
+            now = self._read_lanes[shard]
+            other = find_backup(self.channels, group, self.timeout, avoid=now.address)
+            if other is None or other == now.address:
+                return False
+            now.rebind(self.channels.get(other), other)
+            return True
+
+        lane = self._read_lanes[shard] = Lane(self.channels.get(address), address, unary, self.timeout,
+                                              self.retry_timeout, lost)
+        return lane
+
+    def read_calls(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+        """``lane_calls`` for pulls: with ``stale_reads``, a replica group's go to a backup's lane."""
+        if not self.stale_reads:
+            return self.lane_calls(calls)
+        futures = []
+        for s, method, req in calls:
+            framed = wire.frame(protocol.stream_field(method), req.SerializeToString())
+            lane = self._read_lane(s) if len(self.groups[s]) > 1 else self.lanes[s]
+            futures.append(lane.submit(method, framed))
+        return results([f.result for f in futures])
+
+    @property
+    def streaming(self) -> bool:
+        """True while every shard takes this client's calls on streams (so a pull follows earlier pushes)."""
+        return all(lane.streaming for lane in self.lanes)
+
+    def data_planes(self) -> list[str]:
+        """How each shard's pulls and pushes travel: "zmq", "grpc-stream", "grpc-unary" or "" (no call yet)."""
+        out = []
+        for lane in self.lanes:
+            mode = getattr(lane, "mode", "grpc")
+            grpc_lane = getattr(lane, "fallback", lane)
+            out.append("zmq" if mode == "zmq" else "" if mode is None else
+                       "grpc-stream" if grpc_lane.streaming else "grpc-unary")
+        return out
+
+    def call(self, shard: int, method: str, request: Any, retry: bool = True) -> Any:
+        """One RPC with a deadline, retried with backoff while the shard is UNAVAILABLE."""
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            address = self.addresses[shard]
+            try:
+                return getattr(self._stubs[shard], method)(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if retry and e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
+                    if self.failover(shard):  # a replica group's new primary: at once
+                        continue
+                    time.sleep(delay * (0.5 + random.random()))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                raise from_rpc_error(e, address, method) from None
+
+    def fan_out(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+        """Run calls on their shards in parallel; results in order; raises the first error.
+
+        Uses gRPC's own futures (no thread pool), so it is safe from any thread,
+        including the client's pool (prefetches); a call whose shard is
+        UNAVAILABLE is then retried through ``call``'s backoff.
+        """
+        if len(calls) == 1:
+            return [self.call(*calls[0])]
+        futures = [getattr(self._stubs[s], method).future(req, timeout=self.timeout) for s, method, req in calls]
+
+        def result(call: tuple[int, str, Any], f: Any) -> Any:
+            try:
+                return f.result()
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise from_rpc_error(e, self.addresses[call[0]], call[1]) from None
+                return self.call(*call)
+
+        return results([functools.partial(result, call, f) for call, f in zip(calls, futures)])
+
+    def submit(self, shard: int, method: str, framed: bytes) -> Future:
+        """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field)."""
+        return self.lanes[shard].submit(method, framed)
+
+    def lane_calls(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+        """Run calls (messages) on their shards' lanes, in order after this client's earlier calls.
+
+        Results in order; raises the first error once every call has finished.
+        """
+        futures = [self.submit(s, method, wire.frame(protocol.stream_field(method), req.SerializeToString()))
+                   for s, method, req in calls]
+        return results([f.result for f in futures])
+
+    def close(self) -> None:
+        """Send what the lanes hold, then close them and the channels."""
+        for lane in [*self.lanes, *self._read_lanes.values()]:
+            lane.close()
+        self.channels.close()
+
+
+def results(getters: list[Callable[[], Any]]) -> list[Any]:
+    """Every getter's result, in order; once all have finished, raise the first ShardpsError any raised."""
+    out, first_error = [], None
+    for get in getters:
+        try:
+            out.append(get())
+        except ShardpsError as e:
+            first_error = first_error or e
+            out.append(None)
+    if first_error is not None:
+        raise first_error
+    return out

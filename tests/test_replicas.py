@@ -1,0 +1,365 @@
+"""Replica groups: a primary and backups per shard index, failing over through a real etcd (Debian's etcd-server) on
+loopback, with real ``shardps serve`` processes killed, frozen and restarted. Every test is bounded in time and
+stops what it started. CI sets SHARDPS_REQUIRE_ETCD=1, so a missing etcd fails there instead of skipping."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from shardps_client import SGD, Client, Initializer, NotPrimaryError
+
+from shardps.core.errors import InvalidArgument
+from shardps.server.durability.modes import NoDurability
+from shardps.server.durability.replication import Diverged, ReplicatedLog, Shipped
+from shardps.server.ops.etcd import INSTALL, LocalEtcd, etcd_binary
+from shardps.server.replica.coordination import Coordinator
+from shardps.server.rpc.replication import frame_of
+from shardps.v1 import shardps_pb2 as pb
+from tests.procs import start_shard
+
+ROWS = 2000
+KILLS = int(os.environ.get("SHARDPS_REPLICA_KILLS", "3"))  # make failover runs 10
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    if etcd_binary() is None:
+        if os.environ.get("SHARDPS_REQUIRE_ETCD"):
+            pytest.fail(INSTALL)
+        pytest.skip(INSTALL)
+    with LocalEtcd(str(tmp_path / "etcd")) as e:
+        yield e
+
+
+class Group:
+    """R members of shard 0 of 1 as ``shardps serve`` processes, each with its data dir."""
+
+    def __init__(self, tmp_path, etcd: LocalEtcd, replicas: int = 3, ack: str = "quorum") -> None:
+        self.tmp, self.etcd, self.replicas, self.ack = tmp_path, etcd, replicas, ack
+        self.procs = [self._start(m) for m in range(replicas)]
+
+    def _start(self, m: int, port: str = "0"):
+        return start_shard(0, 1, self.tmp, str(self.tmp / f"m{m}"), extra=[
+            "--replicas", str(self.replicas), "--member", f"m{m}", "--etcd", self.etcd.url, "--cluster-name", "t",
+            "--ack", self.ack, "--port", port])
+
+    @property
+    def addresses(self) -> str:
+        return "|".join(p.address for p in self.procs)
+
+    def info(self, m: int) -> pb.ReplicaInfo:
+        stub = grpc.insecure_channel(self.procs[m].address).unary_unary(
+            "/shardps.v1.Shard/ShardInfo", request_serializer=pb.ShardInfoRequest.SerializeToString,
+            response_deserializer=pb.ShardInfoResponse.FromString)
+        return stub(pb.ShardInfoRequest(), timeout=5).replica
+
+    def primary(self, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m, p in enumerate(self.procs):
+                try:
+                    if p.proc.poll() is None and self.info(m).role == "primary":
+                        return m
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.05)
+        raise AssertionError("no primary elected in time")
+
+    def restart(self, m: int) -> None:
+        port = self.procs[m].address.rsplit(":", 1)[1]
+        self.procs[m].kill()
+        self.procs[m] = self._start(m, port)
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.proc.poll() is None:
+                p.kill()
+
+
+class Trainers:
+    """Two clients in threads pushing +1s (SGD lr 1, zeros) to random rows, counting what was acknowledged."""
+
+    def __init__(self, addresses: str, n: int = 2) -> None:
+        self.counts = np.zeros(ROWS, np.int64)
+        self.acked = [0] * n
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(addresses, k)) for k in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, addresses: str, k: int) -> None:
+        rng = np.random.default_rng(k)
+        try:
+            with Client([addresses], timeout=10, retry_timeout=60) as c:
+                while not self.stop.is_set():
+                    ids = rng.choice(ROWS, size=128, replace=False)
+                    c.push("cnt", torch.from_numpy(ids), torch.ones(128, 2), wait=True)
+                    with self._lock:
+                        self.counts[ids] += 1
+                        self.acked[k] += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.errors.append(e)
+
+    def progress(self, steps: int = 5, timeout: float = 60) -> float:
+        """Wait until both clients had ``steps`` more pushes acknowledged (a generous bound, never a rate); the
+        seconds it took."""
+        t0 = time.monotonic()
+        before = list(self.acked)
+        while any(a < b + steps for a, b in zip(self.acked, before)):
+            assert not self.errors, self.errors
+            assert time.monotonic() - t0 < timeout, "training made no progress"
+            time.sleep(0.01)
+        return time.monotonic() - t0
+
+    def first_write(self, timeout: float = 60) -> float:
+        """Seconds until either client gets a push acknowledged."""
+        t0, before = time.monotonic(), sum(self.acked)
+        while sum(self.acked) == before:
+            assert not self.errors, self.errors
+            assert time.monotonic() - t0 < timeout, "no write acknowledged"
+            time.sleep(0.005)
+        return time.monotonic() - t0
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        assert not self.errors, self.errors
+
+
+def _counter(addresses: str) -> None:
+    with Client([addresses]) as c:
+        c.create_table("cnt", dim=2, num_embeddings=ROWS, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+
+
+def _exact(addresses: str, counts: np.ndarray) -> None:
+    with Client([addresses]) as c:
+        rows = c.pull("cnt", torch.arange(ROWS))
+    torch.testing.assert_close(rows[:, 0], -torch.from_numpy(counts.astype(np.float32)), rtol=0, atol=0)
+
+
+def test_primary_killed_again_and_again_under_two_clients_loses_nothing(tmp_path, etcd):
+    """Three members, --ack quorum; two clients push +1s; the primary is killed with SIGKILL (then restarted, rejoining
+    as a backup) again and again. Training goes on each time through a newly elected primary; the final table holds
+    every acknowledged push exactly once. The time without a writable primary is printed per kill."""
+    g = Group(tmp_path, etcd)
+    try:
+        g.primary()
+        _counter(g.addresses)
+        t = Trainers(g.addresses)
+        gaps = []
+        for _ in range(KILLS):
+            t.progress()
+            m = g.primary()
+            g.procs[m].kill()
+            gaps.append(t.first_write())
+            t.progress()
+            g.restart(m)
+        t.finish()
+        _exact(g.addresses, t.counts)
+        print(f"\nseconds without a writable primary, {KILLS} kills: {[round(x, 2) for x in gaps]} "
+              f"(median {np.median(gaps):.2f}, max {max(gaps):.2f})")
+        assert sum(t.acked) >= 10 * KILLS
+        infos = [g.info(m) for m in range(3)]
+        assert sorted(i.role for i in infos) == ["backup", "backup", "primary"]
+        assert len({i.epoch for i in infos}) == 1 and infos[0].epoch > 0
+    finally:
+        g.kill_all()
+
+
+def test_a_primary_frozen_past_its_lease_writes_nothing_with_its_old_epoch(tmp_path, etcd):
+    """The primary is stopped with SIGSTOP past its lease while the clients train; another member is elected. Once it
+    resumes, a push sent straight to it is refused (not acknowledged under its old epoch), it rejoins as a backup, and
+    the table holds every acknowledged push exactly once."""
+    g = Group(tmp_path, etcd)
+    try:
+        m = g.primary()
+        _counter(g.addresses)
+        t = Trainers(g.addresses)
+        t.progress()
+        old = g.procs[m]
+        old.proc.send_signal(signal.SIGSTOP)
+        try:
+            t.progress(timeout=90)  # through the new primary
+            new = g.primary()
+            assert new != m
+        finally:
+            old.proc.send_signal(signal.SIGCONT)
+        with Client([old.address], timeout=10, retry_timeout=0.5, check_shard_map=False) as direct:
+            with pytest.raises(NotPrimaryError):
+                direct.push("cnt", torch.arange(8), torch.full((8, 2), 1000.0), wait=True)
+        deadline = time.monotonic() + 30
+        while g.info(m).role != "backup":
+            assert time.monotonic() < deadline, "the old primary did not rejoin as a backup"
+            time.sleep(0.1)
+        t.progress()
+        t.finish()
+        _exact(g.addresses, t.counts)
+    finally:
+        g.kill_all()
+
+
+def test_training_goes_on_while_etcd_is_down_and_failover_works_again_once_it_is_back(tmp_path, etcd):
+    g = Group(tmp_path, etcd)
+    try:
+        g.primary()
+        _counter(g.addresses)
+        t = Trainers(g.addresses)
+        t.progress()
+        etcd.kill()
+        try:
+            t.progress(steps=10)  # the primary and its quorum go on without etcd
+        finally:
+            etcd.start()
+        t.progress()
+        m = g.primary()
+        g.procs[m].kill()
+        t.progress(timeout=90)
+        assert g.primary() != m
+        t.finish()
+        _exact(g.addresses, t.counts)
+    finally:
+        g.kill_all()
+
+
+def _replicate(address: str, hello: pb.ReplicaHello | None, raw: bytes | None = None) -> grpc.RpcError:
+    call = grpc.insecure_channel(address).stream_stream(
+        "/shardps.v1.Shard/Replicate", request_serializer=lambda b: b, response_deserializer=pb.ReplicaFrame.FromString)
+    request = raw if raw is not None else pb.ReplicaAck(hello=hello).SerializeToString()
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call(iter([request]), timeout=5):
+            pass
+    return e.value
+
+
+def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothing(tmp_path, etcd):
+    g = Group(tmp_path, etcd)
+    try:
+        m = g.primary()
+        _counter(g.addresses)
+        with Client([g.addresses]) as c:
+            c.push("cnt", torch.arange(10), torch.ones(10, 2), wait=True)
+        info = g.info(m)
+        primary = g.procs[m].address
+        base = dict(cluster="t", shard_map=pb.ShardMap(shard_index=0, num_shards=1), member=f"m{(m + 1) % 3}",
+                    lsn=info.lsn, last_epoch=info.epoch, epoch=info.epoch)
+        cases = [
+            (None, b"\xff\x00garbage", grpc.StatusCode.INVALID_ARGUMENT, "parse|Replica"),
+            ({**base, "cluster": "other"}, None, grpc.StatusCode.INVALID_ARGUMENT, "cluster 'other'"),
+            ({**base, "shard_map": pb.ShardMap(shard_index=1, num_shards=2)}, None, grpc.StatusCode.INVALID_ARGUMENT,
+             "shard 1 of 2"),
+            ({**base, "epoch": info.epoch + 1000}, None, grpc.StatusCode.UNAVAILABLE, "not the primary of epoch"),
+            ({**base, "epoch": info.epoch - 1}, None, grpc.StatusCode.UNAVAILABLE, "not the primary of epoch"),
+            ({**base, "member": "intruder"}, None, grpc.StatusCode.PERMISSION_DENIED, "not a live member"),
+            ({**base, "member": f"m{m}"}, None, grpc.StatusCode.INVALID_ARGUMENT, "cannot follow itself"),
+        ]
+        for hello, raw, code, message in cases:
+            err = _replicate(primary, pb.ReplicaHello(**hello) if hello else None, raw)
+            assert err.code() == code and any(w in err.details() for w in message.split("|")), (hello, err)
+        backup = g.procs[(m + 1) % 3].address  # a client posing as a primary's follower at a backup
+        other = {**base, "member": f"m{(m + 2) % 3}"}
+        assert _replicate(backup, pb.ReplicaHello(**other)).code() == grpc.StatusCode.UNAVAILABLE
+        # Election keys: a member key of garbage is ignored; a primary key of garbage is followed by nobody.
+        coord = Coordinator(etcd.url, "t", 0, "tester")
+        coord._post("/kv/put", {"key": _b64(coord.prefix + "members/junk"), "value": _b64("{not json")})
+        assert "junk" not in coord.members()
+        assert g.info(m).role == "primary" and g.info(m).epoch == info.epoch  # nothing changed
+        with Client([g.addresses]) as c:
+            torch.testing.assert_close(c.pull("cnt", torch.arange(10))[:, 0], torch.full((10,), -1.0))
+            assert c.shard_info()[0].replica.lsn == info.lsn
+    finally:
+        g.kill_all()
+
+
+def _b64(text: str) -> str:
+    import base64
+
+    return base64.b64encode(text.encode()).decode()
+
+
+def test_the_replicated_log_numbers_keeps_and_checks_records():
+    """The log's rules, alone: LSNs follow one another, a backup's record must follow its log and not be of an
+    older epoch, a quorum needs enough acknowledgements (never more than were sent), divergence is detected."""
+    log = ReplicatedLog(NoDurability(), group=3, ack="quorum", quorum_timeout_s=0.2)
+    log.open()
+    log.begin_epoch(7)
+    t1 = log.append((3, b"one"))
+    t2 = log.append((3, b"two"))
+    assert (t1, t2, log.lsn) == (1, 2, 2)
+    with pytest.raises(Exception, match="reached 0 of the 1 backups"):
+        log.wait(t2)
+    log.ack_from("b", 2)
+    log.wait(t2)
+    assert [r.payload for r in log.read(0)] == [b"one", b"two"] and log.read(2, timeout=0) == []
+    log.check_follower(1, 7)
+    with pytest.raises(Diverged):
+        log.check_follower(3, 7)  # longer than this log
+    with pytest.raises(Diverged):
+        log.check_follower(2, 9)  # an epoch this log never had
+    backup = ReplicatedLog(NoDurability(), group=3)
+    backup.open()
+    backup.originates = False
+    assert backup.append((3, b"own")) == 0  # a backup never originates records
+    backup.store(Shipped(1, 7, 3, b"one"))
+    with pytest.raises(Diverged):
+        backup.store(Shipped(3, 7, 3, b"gap"))
+    with pytest.raises(InvalidArgument):
+        backup.store(Shipped(2, 6, 3, b"older epoch"))
+    backup.store(Shipped(2, 8, 3, b"newer epoch begins"))
+    assert backup.history == [(7, 1), (8, 2)] and backup.last_epoch() == 8
+    bad = pb.ReplicaFrame(epoch=8, records=[pb.ReplicaRecord(lsn=5, epoch=8), pb.ReplicaRecord(lsn=7, epoch=8)])
+    with pytest.raises(InvalidArgument, match="do not follow"):
+        frame_of(bad)
+    with pytest.raises(InvalidArgument, match="pairs"):
+        frame_of(pb.ReplicaFrame(epoch=8, history=[1, 2, 3]))
+
+
+def test_shardps_cluster_runs_replica_groups_with_a_local_etcd(tmp_path, etcd):
+    """``shardps cluster --replicas 2`` (etcd given, as the launcher would start it): groups in the cluster file,
+    the client finds each primary, ``shardps stats`` shows roles and epochs."""
+    import subprocess
+    import sys
+
+    cluster_file = tmp_path / "c.json"
+    proc = subprocess.Popen([sys.executable, "-m", "shardps", "cluster", "--shards", "2", "--replicas", "2", "--etcd",
+                             etcd.url, "--data-dir", str(tmp_path / "data"), "--cluster-file", str(cluster_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not cluster_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.1)
+        data = json.loads(cluster_file.read_text())
+        assert [len(g) for g in data["groups"]] == [2, 2] and data["etcd"] == etcd.url
+        with Client.from_file(str(cluster_file)) as c:
+            c.create_table("t", dim=4, num_embeddings=100, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+            c.push("t", torch.arange(100), torch.ones(100, 4), wait=True)
+        # Stale reads: pulls go to the backups, which answer once they have applied the push.
+        with Client.from_file(str(cluster_file), stale_reads=True) as c:
+            deadline = time.monotonic() + 30
+            while not torch.equal(c.pull("t", torch.arange(100)), -torch.ones(100, 4)):
+                assert time.monotonic() < deadline, "the backups never showed the acknowledged push"
+                time.sleep(0.1)
+        served = {}
+        for member in [m for g in data["groups"] for m in g]:
+            with grpc.insecure_channel(member) as ch:
+                info = ch.unary_unary("/shardps.v1.Shard/ShardInfo", pb.ShardInfoRequest.SerializeToString,
+                                      pb.ShardInfoResponse.FromString)(pb.ShardInfoRequest(), timeout=10)
+            served[info.replica.role] = served.get(info.replica.role, 0) + info.stats.pulls
+        assert served["backup"] >= 2 and served["primary"] == 0, served
+        out = subprocess.run([sys.executable, "-m", "shardps", "stats", "--cluster-file", str(cluster_file)],
+                             capture_output=True, text=True, timeout=60).stdout
+        assert out.count(": primary, epoch") == 2 and out.count(": backup, epoch") == 2, out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
