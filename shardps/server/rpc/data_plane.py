@@ -246,7 +246,10 @@ class DataPlane:
                 self.waiting += 1
                 self.handoffs += 1
             handed = True
-            if ordered:  # its connection's later calls are held behind it (a quorum's wait holds none back)
+            # Its connection's later calls are held behind it (a quorum's wait holds none back), and so are the
+            # calls still queued behind an earlier waiting call of the connection (``_resume`` serves them in
+            # turn: once this one is answered the next leader goes on with them, or they would wait for good).
+            if ordered or rid in st.busy:
                 held = True
                 st.busy.setdefault(rid, deque())
             self._spawn(st)
