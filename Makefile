@@ -68,6 +68,8 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_serving
 	$(BIN)/python -m benchmarks.bench_tiered
 	$(BIN)/python -m benchmarks.bench_fairness
+	$(BIN)/python -m benchmarks.bench_replicas --repeat $(REPEAT)
+	$(BIN)/python -m benchmarks.bench_reshard --repeat $(REPEAT)
 
 # Images built offline: a base from Debian's mirror (where python:3.11-slim cannot be pulled) and a
 # wheelhouse; then docker build/compose with --build-arg PIP_SOURCE=wheelhouse (docs/deployment.md).

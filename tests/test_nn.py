@@ -265,7 +265,7 @@ def test_zero_grad_loads_the_values_that_came_back_with_the_step(monkeypatch):
     with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
         opt = ShardedOptimizer(c, model, optimizer=SGD(lr=0.1, momentum=0.9), prefix="back.", chunk_bytes=256,
                                bucket_bytes=0)
-        assert len({s for name in opt.tensors for s, _, _ in planner.dense_pieces(c.dense_spec(name), c.num_shards, c.max_message_bytes, 1)}) == 2
+        assert len({s for name in opt.tensors for s, _, _ in planner.dense_pieces(c.dense_spec(name), c._session.slots, c.max_message_bytes, 1)}) == 2
         pulls: list[list[str]] = []
         real_pull = c.pull_dense_many
         monkeypatch.setattr(c, "pull_dense_many", lambda names, *a: pulls.append(list(names)) or real_pull(names, *a))

@@ -11,6 +11,7 @@ from shardps_client import planner
 from shardps.core import codec, wire
 from shardps.core.optim import SGD
 from shardps.core.routing import shard_of_ids
+from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, Initializer, SyncPolicy, TableSpec
 from shardps.v1 import shardps_pb2 as pb
 
@@ -25,7 +26,7 @@ def _spec(dim: int = 8, sync: SyncPolicy | None = None) -> TableSpec:
 def test_pull_plan_sends_each_id_once_to_its_owner_within_the_size_limit(num_shards, max_bytes):
     uniq = np.unique(np.random.default_rng(0).integers(0, 1 << 40, 500))
     spec = _spec()
-    per_shard = planner.pull_plan([(spec, uniq)], num_shards, F32, max_bytes)
+    per_shard = planner.pull_plan([(spec, uniq)], SlotMap.uniform(num_shards), F32, max_bytes)
     seen = []
     for s, entries in enumerate(per_shard):
         for key, part, req, nbytes in entries:
@@ -42,7 +43,7 @@ def test_pull_batches_group_below_the_limit_and_assemble_puts_rows_back_in_order
     uniq = np.arange(0, 3000, 7, dtype=np.int64)
     spec = _spec(dim=4)
     max_bytes = 2000
-    per_shard = planner.pull_plan([(spec, uniq)], 2, F32, max_bytes)
+    per_shard = planner.pull_plan([(spec, uniq)], SlotMap.uniform(2), F32, max_bytes)
     calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs), max_bytes)
     assert {m for _, m, _ in calls} == {"PullBatch"}  # several requests per shard: batched
     replies = []
@@ -62,7 +63,7 @@ def test_push_plan_sums_nothing_itself_and_a_sync_worker_sends_every_shard_a_par
     uniq = np.array([5], dtype=np.int64)  # one id: one shard owns it
     grads = np.ones((1, 8), np.float32)
     seqs = itertools.count(1)
-    calls = planner.push_plan(_spec(sync=SyncPolicy(workers=2)), uniq, grads, 3, F32, 1 << 20, None, "c",
+    calls = planner.push_plan(_spec(sync=SyncPolicy(workers=2)), uniq, grads, SlotMap.uniform(3), F32, 1 << 20, None, "c",
                               lambda s: next(seqs), sync_step=4, rank=1)
     assert sorted(s for s, _, _ in calls) == [0, 1, 2]
     for s, method, framed in calls:
@@ -77,7 +78,7 @@ def test_push_plan_sums_nothing_itself_and_a_sync_worker_sends_every_shard_a_par
 def test_dense_pieces_cover_every_row_once():
     spec = DenseSpec(name="w", shape=(1000, 16), optimizer=SGD(), chunk_rows=64)
     rows = []
-    for s, a, b in planner.dense_pieces(spec, 3, 16 * 4 * 20, F32):
+    for s, a, b in planner.dense_pieces(spec, SlotMap.uniform(3), 16 * 4 * 20, F32):
         assert 0 < b - a <= 20 and 0 <= s < 3
         rows.extend(range(a, b))
     assert sorted(rows) == list(range(1000))

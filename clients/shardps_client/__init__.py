@@ -24,6 +24,7 @@ from shardps_client.errors import (
     ShardpsError,
     ShardTimeoutError,
     ShardUnavailableError,
+    SlotMovedError,
     StaleUpdateError,
     SyncStepError,
     TableExistsError,
@@ -42,4 +43,5 @@ __all__ = [
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
     "TLS", "AuthenticationError", "PermissionDeniedError", "ReadOnlyError", "ExportGapError", "NotPrimaryError",
+    "SlotMovedError",
 ]

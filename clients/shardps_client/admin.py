@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
+from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, TableSpec, dense_spec_from_pb, table_spec_from_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client.errors import InvalidArgumentError, ShardMapError, ShardpsError
@@ -57,24 +59,44 @@ class Catalog:
         self.remember(spec)
         return spec
 
-def shard_info(transport: Transport) -> list[pb.ShardInfoResponse]:
-    """ShardInfo of every shard, in index order."""
-    return transport.fan_out([(s, "ShardInfo", pb.ShardInfoRequest()) for s in range(len(transport.addresses))])
+def maps_of(infos: list[Any]) -> list[SlotMap]:
+    """The slot maps ShardInfo replies report (none from a shard too old to have one)."""
+    out = []
+    for info in infos:
+        if info.HasField("slots") and info.slots.map_json:
+            out.append(SlotMap.from_json(json.loads(info.slots.map_json)))
+    return out
 
 
-def check_shard_map(transport: Transport) -> list[pb.ShardInfoResponse]:
-    """Verify that shard i of the address list reports (index i, count len(addresses))."""
+def shard_info(transport: Transport) -> list[Optional[pb.ShardInfoResponse]]:
+    """ShardInfo of every shard, in index order (None for a shard removed from the cluster)."""
+    there = [s for s, a in enumerate(transport.addresses) if a]
+    got = dict(zip(there, transport.fan_out([(s, "ShardInfo", pb.ShardInfoRequest()) for s in there])))
+    return [got.get(s) for s in range(len(transport.addresses))]
+
+
+def check_shard_map(transport: Transport) -> tuple[list[Optional[pb.ShardInfoResponse]], list[SlotMap]]:
+    """Verify that shard i of the address list is shard i; (every shard's ShardInfo, their slot maps).
+
+    A cluster that never moved a slot must also report the count of the list; one that did (a slot map with a
+    lineage) may have more shards than the client was given: the client adds them from its map."""
     infos = shard_info(transport)
     n = len(transport.addresses)
+    maps = maps_of([i for i in infos if i is not None])
+    lineages = {m.map_id for m in maps if m.map_id}
+    if len(lineages) > 1:
+        raise ShardMapError(f"the address list mixes shards of different clusters (slot maps {sorted(lineages)})")
     for i, info in enumerate(infos):
-        if (info.shard_index, info.num_shards) != (i, n):
+        if info is None:
+            continue
+        if info.shard_index != i or (not lineages and info.num_shards != n):
             raise ShardMapError(
                 f"address list does not match the cluster: position {i} ({transport.addresses[i]}) is shard "
                 f"{info.shard_index} of {info.num_shards}, but the client was given {n} "
                 f"addresses (list the shards in index order 0..{info.num_shards - 1})",
                 address=transport.addresses[i],
             )
-    return infos
+    return infos, maps
 
 
 def checkpoint(transport: Transport, checkpoint_id: Optional[str], hold_s: float) -> str:

@@ -122,10 +122,12 @@ class Client(ClusterMethods, DenseMethods):
                               data_plane or os.environ.get("SHARDPS_DATA_PLANE") or "zmq", client_id, stale_reads)
         n = len(addresses)
         pool = ThreadPoolExecutor(max_workers=max(4, 4 * n), thread_name_prefix="shardps-client")
-        self._session = Session(
-            addresses, timeout, retry_timeout, code, max_message_bytes, read_your_writes, client_id,
-            transport, Catalog(transport), PushPipeline(transport, n, max_message_bytes, max_inflight_pushes),
-            WorkerClock(transport, n, rank, world_size, ssp_bound, pool.submit), pool)
+        pushes = PushPipeline(transport, n, max_message_bytes, max_inflight_pushes)
+        worker = WorkerClock(transport, lambda: self._session.active_shards(), rank, world_size, ssp_bound,
+                             pool.submit)
+        self._session = Session(addresses, timeout, retry_timeout, code, max_message_bytes, read_your_writes,
+                                client_id, transport, Catalog(transport), pushes, worker, pool)
+        pushes.replan, pushes.run_async = self._session.replan, pool.submit
         self._caches = CachedTables(self._session)
         self._pulls = Pulls(self._session, self._caches)
         self._dense = DenseTensors(self._session)

@@ -22,6 +22,7 @@ from shardps.core.exports import ExportResult
 from shardps.core.optim import SGD, Optimizer
 from shardps.core.policies import DiskTier
 from shardps.core.routing import name_hash
+from shardps.core.slots import SlotMap
 from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy, TableSpec, table_spec_to_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import admin, planner
@@ -47,7 +48,8 @@ class ClusterOps:
         self._pull = pull
 
     def _everywhere(self, method: str, request: Any) -> list[Any]:
-        return self._session.transport.fan_out([(s, method, request) for s in range(self._session.num_shards)])
+        """``method`` on every shard of the cluster (a shard removed from it, owning nothing, left out)."""
+        return self._session.transport.fan_out([(s, method, request) for s in self._session.active_shards()])
 
     def create_table(self, name: str, dim: int, num_embeddings: Optional[int], optimizer: Optional[Optimizer],
                      initializer: Optional[Initializer], staleness: Optional[Staleness], allow_nonfinite: bool,
@@ -67,9 +69,10 @@ class ClusterOps:
         except _ServerInvalidArgument as e:
             raise InvalidArgumentError(str(e)) from None
         msg = table_spec_to_pb(spec)
-        n = self._session.num_shards
+        slots = self._session.slots
         results = self._session.transport.fan_out([
-            (s, "CreateTable", pb.CreateTableRequest(spec=msg, shard_map=planner.shard_map(s, n))) for s in range(n)
+            (s, "CreateTable", pb.CreateTableRequest(spec=msg, shard_map=planner.shard_map(s, slots)))
+            for s in slots.active()
         ])
         self._session.catalog.remember(spec)
         return any(r.created for r in results)
@@ -89,7 +92,10 @@ class ClusterOps:
         return admin.shard_info(self._session.transport)
 
     def check_shard_map(self) -> list[pb.ShardInfoResponse]:
-        return admin.check_shard_map(self._session.transport)
+        infos, maps = admin.check_shard_map(self._session.transport)
+        if maps:
+            self._session.adopt_slots(maps)
+        return infos
 
     def checkpoint(self, checkpoint_id: Optional[str], hold_s: float) -> str:
         """``Client.checkpoint``."""
@@ -113,7 +119,7 @@ class ClusterOps:
     def _exporter(self, hold_s: float) -> Exporter:
         transport = self._session.transport
         return Exporter(lambda s, method, request: transport.call(s, method, request), self._session.num_shards,
-                        hold_s)
+                        hold_s, self._session.active_shards())
 
     def state_dict(self, table: str) -> dict[str, torch.Tensor]:
         """``Client.state_dict``."""
@@ -123,7 +129,8 @@ class ClusterOps:
             raise InvalidArgumentError(f"{table}: a state dict needs num_embeddings (export a table without it)")
         self._flush()
         weight = torch.empty(spec.num_embeddings, spec.dim, dtype=torch.float32)
-        step = max(1, planner.rows_per_message(session.max_message_bytes, spec.dim, pb.FLOAT32) * session.num_shards)
+        step = max(1, planner.rows_per_message(session.max_message_bytes, spec.dim, pb.FLOAT32)
+                   * len(session.active_shards()))
         for start in range(0, spec.num_embeddings, step):
             ids = torch.arange(start, min(start + step, spec.num_embeddings), dtype=torch.int64)
             weight[start:start + ids.numel()] = self._pull(table, ids)
@@ -141,13 +148,17 @@ class ClusterOps:
         check_grads(w, table, "weight", (n, spec.dim), "num_embeddings x dim", False)
         self._flush()
         ids = np.arange(n, dtype=np.int64)
-        calls = []
-        for s, idx in planner.id_pieces(ids, session.num_shards, planner.rows_per_message(
-                session.max_message_bytes, spec.dim, pb.FLOAT32)):
-            calls.append((s, "Assign", pb.AssignRequest(table=table, ids=codec.encode(ids[idx]),
-                                                        values=codec.encode(w[idx]),
-                                                        shard_map=planner.shard_map(s, session.num_shards))))
-        session.transport.fan_out(calls)  # flush() emptied any row cache of the table, so none serves old rows
+
+        def assign(slots: SlotMap) -> None:
+            calls = []
+            for s, idx in planner.id_pieces(ids, slots, planner.rows_per_message(
+                    session.max_message_bytes, spec.dim, pb.FLOAT32)):
+                calls.append((s, "Assign", pb.AssignRequest(table=table, ids=codec.encode(ids[idx]),
+                                                            values=codec.encode(w[idx]),
+                                                            shard_map=planner.shard_map(s, slots))))
+            session.transport.fan_out(calls)  # flush() emptied any row cache of the table, so none serves old rows
+
+        session.routed(assign)
 
 
 class ClusterMethods:

@@ -30,13 +30,14 @@ import zmq
 
 from shardps.core import protocol, wire
 from shardps.core.wake import WakePipe
-from shardps_client.errors import ShardpsError
+from shardps_client.errors import ShardpsError, ShardUnavailableError
 
 log = logging.getLogger(__name__)
 
 HELLO = b"hello"
 HEARTBEAT_MS = 1000  # ZMTP heartbeats: a shard whose machine died is noticed within HEARTBEAT_TIMEOUT_MS
 HEARTBEAT_TIMEOUT_MS = 5000
+SEND_TIMEOUT_MS = 2000  # a send with no connection to queue on gives up (the lane reconnects)
 
 
 class _Item:
@@ -69,8 +70,10 @@ class DataLane:
     def __init__(self, fallback: Any, discover: Callable[[], Any], address: str, client_id: str, token: Optional[str],
                  resolve: Callable[..., None],
                  timed_out: Callable[[str, str], ShardpsError], unavailable: Callable[[str, str], ShardpsError],
-                 timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False) -> None:
+                 timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
+                 removed: Optional[Callable[[str, str], ShardpsError]] = None) -> None:
         self.fallback = fallback
+        self._removed_error = removed
         self._discover = discover
         self.rebind(address)
         self.on_lost = on_lost  # the shard was lost: find its replica group's primary (True: the lane was rebound)
@@ -101,6 +104,8 @@ class DataLane:
 
     def submit(self, method: str, request: bytes) -> Future:
         """Queue a call (``request`` framed as its StreamRequest field); the future gets the stub's reply."""
+        if self.fallback.removed:  # the shard is out of the cluster
+            return self.fallback.submit(method, request)
         with self._lock:
             if self.mode == "grpc":
                 item = None
@@ -145,16 +150,19 @@ class DataLane:
                     return  # closed with nothing left to answer: no reconnecting (the shard may be gone)
             try:
                 conn = self._connect(ctx)
+            except ShardUnavailableError:  # the shard does not answer now: as a lost connection (retried below)
+                conn, ended = None, "lost"
             except ShardpsError as e:
                 self._fail(unacked, e)
                 failing_since = None
                 if self._wait_for_work():
                     continue
                 return
-            if conn is None:  # no data plane: the gRPC lane takes every call from now on
-                self._hand_over(unacked)
-                return
-            ended = self._serve(conn, unacked)
+            else:
+                if conn is None:  # no data plane: the gRPC lane takes every call from now on
+                    self._hand_over(unacked)
+                    return
+                ended = self._serve(conn, unacked)
             if ended == "closed":
                 return  # everything answered
             if ended == "unreachable":  # never reached (a firewall, a port not mapped): gRPC from now on
@@ -165,6 +173,13 @@ class DataLane:
             if self.on_lost():  # a replica group's new primary: reconnect there at once
                 failing_since, delay = None, 0.05
                 continue
+            if self.fallback.gone() and self._removed_error is not None:  # out of the cluster: planned again elsewhere
+                self.fallback.removed = True
+                self._fail(unacked, self._removed_error(self.address, "data plane call"))
+                failing_since = None
+                if self._wait_for_work():
+                    continue
+                return
             now = time.monotonic()
             failing_since = failing_since or now
             if now - failing_since + delay >= self.retry_timeout:
@@ -186,6 +201,7 @@ class DataLane:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # no connection to queue on: never block the lane for good
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         if info.data_public_key:
@@ -197,7 +213,14 @@ class DataLane:
         host = f"[{self._host}]" if ":" in self._host else self._host
         self.endpoint = f"tcp://{host}:{port}"
         sock.connect(self.endpoint)
-        sock.send_multipart([b"", HELLO, self._token, bytes(info.data_ticket)])
+        try:
+            sock.send_multipart([b"", HELLO, self._token, bytes(info.data_ticket)])
+        except zmq.Again:  # not connected within SEND_TIMEOUT_MS (the shard died again): retried as a lost one
+            sock.disable_monitor()
+            monitor.close(0)
+            sock.close(0)
+            raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
+                                        address=self.address) from None
         self.mode = "zmq"
         return sock, monitor
 
@@ -227,6 +250,7 @@ class DataLane:
                 for item in items:
                     item.sent_at = now
                     unacked[item.rid] = item
+                for item in items:
                     sock.send_multipart([item.rid, item.request], copy=False)
                 if sock in events:
                     while True:
@@ -256,6 +280,8 @@ class DataLane:
                     with self._lock:
                         if not self._queue:
                             return "closed"
+        except zmq.Again:  # the connection went away under a send: what is unanswered is resent on the next one
+            return "broken"
         finally:
             sock.disable_monitor()
             monitor.close(0)

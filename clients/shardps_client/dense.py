@@ -15,6 +15,7 @@ import torch
 from shardps.core import codec, wire
 from shardps.core.errors import InvalidArgument as _ServerInvalidArgument
 from shardps.core.optim import SGD, Optimizer
+from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, Staleness, SyncPolicy, dense_spec_to_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
@@ -57,16 +58,20 @@ class DenseTensors:
         except _ServerInvalidArgument as e:
             raise InvalidArgumentError(str(e)) from None
         msg = dense_spec_to_pb(spec)
-        n = session.num_shards
-        calls = []
-        for s, start, end in planner.dense_pieces(spec, n, session.max_message_bytes, pb.FLOAT32):
-            req = pb.RegisterDenseRequest(spec=msg, row_start=start, values=codec.encode(rows2d[start:end]),
-                                          shard_map=planner.shard_map(s, n))
-            calls.append((s, "RegisterDense", req))
-        # Every shard learns the spec (so any can describe it), also those owning no rows.
-        for s in sorted(set(range(n)) - {c[0] for c in calls}):
-            calls.append((s, "RegisterDense", pb.RegisterDenseRequest(spec=msg, shard_map=planner.shard_map(s, n))))
-        results = session.transport.fan_out(calls)
+
+        def register(slots: SlotMap) -> list[Any]:
+            calls = []
+            for s, start, end in planner.dense_pieces(spec, slots, session.max_message_bytes, pb.FLOAT32):
+                req = pb.RegisterDenseRequest(spec=msg, row_start=start, values=codec.encode(rows2d[start:end]),
+                                              shard_map=planner.shard_map(s, slots))
+                calls.append((s, "RegisterDense", req))
+            # Every shard learns the spec (so any can describe it), also those owning no rows.
+            for s in sorted(set(slots.active()) - {c[0] for c in calls}):
+                calls.append((s, "RegisterDense", pb.RegisterDenseRequest(spec=msg,
+                                                                         shard_map=planner.shard_map(s, slots))))
+            return session.transport.fan_out(calls)
+
+        results = session.routed(register)
         session.catalog.remember(spec)
         return any(r.created for r in results)
 
@@ -79,13 +84,17 @@ class DenseTensors:
         if session.read_your_writes:
             for name in names:
                 session.see_own_pushes(name)
-        per_shard = planner.dense_pull_plan(specs, session.num_shards, wire_code, session.max_message_bytes)
-        calls, metas = planner.pull_batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs),
-                                            session.max_message_bytes)
-        pulled = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls),
-                                       pb.PullBatchResponse.DENSE_FIELD_NUMBER)
-        values = planner.assemble_dense(specs, ((s, name, a, b, rows, v) for s, name, (a, b), rows, v in pulled))
-        return {name: (value, Versions(v)) for name, (value, v) in values.items()}
+
+        def pull(slots: SlotMap) -> dict[str, tuple[torch.Tensor, Versions]]:
+            per_shard = planner.dense_pull_plan(specs, slots, wire_code, session.max_message_bytes)
+            calls, metas = planner.pull_batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs),
+                                                session.max_message_bytes)
+            pulled = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls),
+                                           pb.PullBatchResponse.DENSE_FIELD_NUMBER)
+            values = planner.assemble_dense(specs, ((s, name, a, b, rows, v) for s, name, (a, b), rows, v in pulled))
+            return {name: (value, Versions(v)) for name, (value, v) in values.items()}
+
+        return session.routed(pull)
 
     def push(self, name: str, grad: Union[torch.Tensor, np.ndarray], versions: Optional[Versions], wait: bool,
              wire_dtype: Optional[str]) -> None:
@@ -96,7 +105,7 @@ class DenseTensors:
         check_grads(g, name, "grad", spec.shape, None, spec.allow_nonfinite)
         wire_code = session.wire(wire_dtype)  # before the step number: a refused push must not use one up
         sync_step = session.worker.next_sync_step(name) if spec.sync is not None else 0
-        calls = planner.dense_push_plan(spec, g.reshape(spec.rows, spec.cols), session.num_shards, wire_code,
+        calls = planner.dense_push_plan(spec, g.reshape(spec.rows, spec.cols), session.slots, wire_code,
                                         session.max_message_bytes, versions.by_shard if versions is not None else None,
                                         session.client_id, session.next_seq, sync_step, session.worker.rank or 0)
         session.pushes.dispatch(name, calls, wait)
@@ -105,9 +114,10 @@ class DenseTensors:
         """The PullDenseRequests (framed as PushBatchRequest.pull_dense) that bring ``names`` back with a push."""
         session = self._session
         specs = {name: session.catalog.dense(name) for name in names}
-        out = DensePull(specs, session.num_shards, Versions)
-        sizes = [0] * session.num_shards
-        for s, name, a, b, req, nbytes in planner.dense_pull_requests(specs, session.num_shards, session.wire_dtype,
+        slots = session.slots
+        out = DensePull(specs, slots.num_shards, Versions)
+        sizes = [0] * slots.num_shards
+        for s, name, a, b, req, nbytes in planner.dense_pull_requests(specs, slots, session.wire_dtype,
                                                                        session.max_message_bytes):
             out.requests[s].append(wire.frame(pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER, req.SerializeToString()))
             out.pieces[s].append((name, a, b))

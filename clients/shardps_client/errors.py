@@ -51,6 +51,13 @@ class ShardMapError(ShardpsError):
     """The address list does not match the shards' (index, count), or an id reached the wrong shard."""
 
 
+class SlotMovedError(ShardMapError):
+    """Ids of the request lie in hash slots another shard owns now (``shardps reshard`` moved them): ``owner`` is its
+    address when the shard knew it. The client refreshes its slot map and sends them there by itself."""
+
+    owner: str = ""
+
+
 class StaleUpdateError(ShardpsError):
     """A push was staler than the table's max_staleness and was rejected."""
 
@@ -66,6 +73,11 @@ class RequestTooLargeError(ShardpsError):
 
 class ShardUnavailableError(ShardpsError):
     """A shard could not be reached within the retry window."""
+
+
+class ShardRemovedError(ShardUnavailableError):
+    """The shard called is out of the cluster (``shardps reshard --remove`` moved every slot off it and stopped it):
+    the client plans its calls again by the slot map, sending them where their rows are now."""
 
 
 class NotPrimaryError(ShardUnavailableError):
@@ -111,5 +123,7 @@ def error_of(code: Any, details: str, address: str, what: str, kind: str = "", r
     err = cls(f"{what} to shard at {address} failed ({code.name}): {details}", address=address, code=code)
     if isinstance(err, NotPrimaryError):
         err.primary = redirect
+    elif isinstance(err, SlotMovedError):
+        err.owner = redirect
     return err
 

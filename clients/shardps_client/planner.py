@@ -2,9 +2,10 @@
 group them into batches, and reassemble the replies. No network, no state; tested on their own.
 
 A *plan* is a list of calls ``(shard, method, request)``. Rows of a table are split
-by the shard that owns each id (``core.routing.split_by_shard``), rows of a dense
-tensor by the row chunks each shard owns (``core.routing.dense_row_ranges``); both
-are then cut into pieces of at most ``rows_per_message`` rows.
+by the shard that owns each id under the client's slot map (``core.slots.SlotMap.split``),
+rows of a dense tensor by the row chunks each shard owns (``SlotMap.dense_ranges``); both
+are then cut into pieces of at most ``rows_per_message`` rows. Every request names the
+slot map it was planned by (``shard_map``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from shardps.core import codec, protocol, wire
-from shardps.core.routing import dense_row_ranges, split_by_shard
+from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.v1 import shardps_pb2 as pb
 
@@ -26,8 +27,9 @@ WIRE_BYTES: dict[int, int] = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
 Call = tuple[int, str, Any]  # (shard, method, request)
 
 
-def shard_map(shard: int, num_shards: int) -> pb.ShardMap:
-    return pb.ShardMap(shard_index=shard, num_shards=num_shards)
+def shard_map(shard: int, slots: SlotMap) -> pb.ShardMap:
+    """The shard map a request to ``shard`` names: its index, and the slot map it was planned by."""
+    return pb.ShardMap(shard_index=shard, num_shards=slots.num_shards, map_epoch=slots.epoch, map_id=slots.map_id)
 
 
 def rows_per_message(max_bytes: int, dim: int, wire_code: int) -> int:
@@ -53,19 +55,19 @@ def groups(entries: list, size_of: Callable[[Any], int], limit: int) -> Iterator
 # ---- where rows go ---------------------------------------------------------------------
 
 
-def id_pieces(uniq: np.ndarray, num_shards: int, step: int) -> Iterator[tuple[int, np.ndarray]]:
+def id_pieces(uniq: np.ndarray, slots: SlotMap, step: int) -> Iterator[tuple[int, np.ndarray]]:
     """(shard, positions in ``uniq``) of at most ``step`` ids each, shard by shard."""
-    order, bounds = split_by_shard(uniq, num_shards)
-    for s in range(num_shards):
+    order, bounds = slots.split(uniq)
+    for s in range(slots.num_shards):
         idx = order[bounds[s] : bounds[s + 1]]
         for start in range(0, idx.shape[0], step):
             yield s, idx[start : start + step]
 
 
-def dense_pieces(spec: DenseSpec, num_shards: int, max_bytes: int, wire_code: int) -> Iterator[tuple[int, int, int]]:
+def dense_pieces(spec: DenseSpec, slots: SlotMap, max_bytes: int, wire_code: int) -> Iterator[tuple[int, int, int]]:
     """(shard, row_start, row_end) pieces of a dense tensor, each fitting one message."""
     step = rows_per_message(max_bytes, spec.cols, wire_code)
-    for s, start, end in dense_row_ranges(spec.name, spec.rows, spec.chunk_rows, num_shards):
+    for s, start, end in slots.dense_ranges(spec.name, spec.rows, spec.chunk_rows):
         for a in range(start, end, step):
             yield s, a, min(a + step, end)
 
@@ -83,31 +85,31 @@ def found_in(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
 PerShard = list[list[tuple[Any, Any, Any, int]]]  # per shard: (key, part, request, reply bytes)
 
 
-def pull_plan(items: list[tuple[TableSpec, np.ndarray]], num_shards: int, wire_code: int, max_bytes: int) -> PerShard:
+def pull_plan(items: list[tuple[TableSpec, np.ndarray]], slots: SlotMap, wire_code: int, max_bytes: int) -> PerShard:
     """Each shard's PullRequests for rows of sorted unique ids of several tables (key: the item's index)."""
-    per_shard: PerShard = [[] for _ in range(num_shards)]
+    per_shard: PerShard = [[] for _ in range(slots.num_shards)]
     for k, (spec, uniq) in enumerate(items):
-        for s, part in id_pieces(uniq, num_shards, rows_per_message(max_bytes, spec.dim, wire_code)):
+        for s, part in id_pieces(uniq, slots, rows_per_message(max_bytes, spec.dim, wire_code)):
             req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire_code,  # type: ignore[arg-type]
-                                 shard_map=shard_map(s, num_shards))
+                                 shard_map=shard_map(s, slots))
             per_shard[s].append((k, part, req, len(part) * (spec.dim * WIRE_BYTES[wire_code] + 8)))
     return per_shard
 
 
-def dense_pull_requests(specs: dict[str, DenseSpec], num_shards: int, wire_code: int,
+def dense_pull_requests(specs: dict[str, DenseSpec], slots: SlotMap, wire_code: int,
                         max_bytes: int) -> Iterator[tuple[int, str, int, int, pb.PullDenseRequest, int]]:
     """The PullDenseRequests reading ``specs`` whole: (shard, name, row_start, row_end, request, reply bytes)."""
     for name, spec in specs.items():
-        for s, a, b in dense_pieces(spec, num_shards, max_bytes, wire_code):
+        for s, a, b in dense_pieces(spec, slots, max_bytes, wire_code):
             req = pb.PullDenseRequest(name=name, row_start=a, row_end=b, wire_dtype=wire_code,  # type: ignore[arg-type]
-                                      shard_map=shard_map(s, num_shards))
+                                      shard_map=shard_map(s, slots))
             yield s, name, a, b, req, (b - a) * spec.cols * WIRE_BYTES[wire_code]
 
 
-def dense_pull_plan(specs: dict[str, DenseSpec], num_shards: int, wire_code: int, max_bytes: int) -> PerShard:
+def dense_pull_plan(specs: dict[str, DenseSpec], slots: SlotMap, wire_code: int, max_bytes: int) -> PerShard:
     """Each shard's PullDenseRequests for ``specs`` (key: the name; part: (row_start, row_end))."""
-    per_shard: PerShard = [[] for _ in range(num_shards)]
-    for s, name, a, b, req, nbytes in dense_pull_requests(specs, num_shards, wire_code, max_bytes):
+    per_shard: PerShard = [[] for _ in range(slots.num_shards)]
+    for s, name, a, b, req, nbytes in dense_pull_requests(specs, slots, wire_code, max_bytes):
         per_shard[s].append((name, (a, b), req, nbytes))
     return per_shard
 
@@ -170,7 +172,7 @@ def assemble_dense(specs: dict[str, DenseSpec],
 # ---- pushes ----------------------------------------------------------------------------
 
 
-def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, num_shards: int, wire_code: int,
+def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, slots: SlotMap, wire_code: int,
               max_bytes: int, pulled: Optional[dict[int, int]], client_id: str, next_seq: Callable[[int], int],
               sync_step: int = 0, rank: int = 0) -> list[Call]:
     """Framed Push calls for the summed gradients of sorted unique ids.
@@ -178,8 +180,8 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, num_shards:
     A synchronous worker (``sync_step``) sends every shard its part of the step, even an empty one.
     """
     step = rows_per_message(max_bytes, spec.dim, wire_code)
-    by_shard: list[list[np.ndarray]] = [[] for _ in range(num_shards)]
-    for s, part in id_pieces(uniq, num_shards, step):
+    by_shard: list[list[np.ndarray]] = [[] for _ in range(slots.num_shards)]
+    for s, part in id_pieces(uniq, slots, step):
         by_shard[s].append(part)
     calls = []
     for s, parts in enumerate(by_shard):
@@ -189,7 +191,7 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, num_shards:
             req = wire.encode_push(
                 spec.name, summed[part].reshape(len(part), spec.dim), wire_code, ids=uniq[part],
                 pulled_version=pulled.get(s) if pulled is not None else None, client_id=client_id,
-                seq=next_seq(s), shard_map=shard_map(s, num_shards),
+                seq=next_seq(s), shard_map=shard_map(s, slots),
                 sync=pb.SyncPart(step=sync_step, rank=rank, part=k, parts=len(parts)) if sync_step else None,
                 frame=protocol.stream_field("Push"),
             )
@@ -197,7 +199,7 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, num_shards:
     return calls
 
 
-def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, num_shards: int, wire_code: int,
+def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, slots: SlotMap, wire_code: int,
                    max_bytes: int, pulled: list[Optional[dict[int, int]]],
                    encoder: Callable[[str, int], wire.PushEncoder],
                    next_seq: Callable[[int], int]) -> list[tuple[str, list[Call]]]:
@@ -208,10 +210,10 @@ def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, 
     counts = np.fromiter((u.shape[0] for u in uniq), dtype=np.int64, count=len(uniq))
     ids = np.concatenate(uniq) if uniq else np.zeros(0, np.int64)
     table_of = np.repeat(np.arange(len(uniq), dtype=np.int64), counts)
-    order, bounds = split_by_shard(ids, num_shards)  # (each shard's ids in their order: table after table)
+    order, bounds = slots.split(ids)  # (each shard's ids in their order: table after table)
     step = rows_per_message(max_bytes, grads.shape[1] if grads.ndim == 2 else 1, wire_code)
     calls: list[list[Call]] = [[] for _ in uniq]
-    for s in range(num_shards):
+    for s in range(slots.num_shards):
         idx = order[bounds[s] : bounds[s + 1]]
         if not idx.shape[0]:
             continue
@@ -227,11 +229,11 @@ def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, 
     return [(name, c) for name, c in zip(names, calls) if c]
 
 
-def dense_push_plan(spec: DenseSpec, grad: np.ndarray, num_shards: int, wire_code: int, max_bytes: int,
+def dense_push_plan(spec: DenseSpec, grad: np.ndarray, slots: SlotMap, wire_code: int, max_bytes: int,
                     pulled: Optional[dict[int, int]], client_id: str, next_seq: Callable[[int], int],
                     sync_step: int = 0, rank: int = 0) -> list[Call]:
     """Framed PushDense calls for the gradient ``grad`` ([rows, cols]) of a whole dense tensor."""
-    pieces = list(dense_pieces(spec, num_shards, max_bytes, wire_code))
+    pieces = list(dense_pieces(spec, slots, max_bytes, wire_code))
     per_shard = collections.Counter(s for s, _, _ in pieces)
     seen: collections.Counter = collections.Counter()
     calls = []
@@ -239,7 +241,7 @@ def dense_push_plan(spec: DenseSpec, grad: np.ndarray, num_shards: int, wire_cod
         req = wire.encode_push(
             spec.name, grad[a:b], wire_code, row_start=a,
             pulled_version=pulled.get(s) if pulled is not None else None, client_id=client_id,
-            seq=next_seq(s), shard_map=shard_map(s, num_shards),
+            seq=next_seq(s), shard_map=shard_map(s, slots),
             sync=pb.SyncPart(step=sync_step, rank=rank, part=seen[s], parts=per_shard[s]) if sync_step else None,
             frame=protocol.stream_field("PushDense"),
         )
@@ -284,3 +286,48 @@ def push_batches(deferred: list[tuple[str, list[Call]]], num_shards: int, max_by
             work.append(([g[0] for g in rows + dense], (s, "PushBatch", body)))
     return work, carries
 
+
+
+# ---- pushes a shard refused because their slots moved -------------------------------------
+
+
+def pushes_of(call: Call) -> list[tuple[bool, wire.DecodedPush]]:
+    """The pushes a framed push call carries: (dense, decoded push) each (a PushBatch's dense pulls left out)."""
+    _, method, framed = call
+    _, view = wire.unframe(framed)
+    if method == "Push":
+        return [(False, wire.decode_push(view, dense=False))]
+    if method == "PushDense":
+        return [(True, wire.decode_push(view, dense=True))]
+    groups_ = wire.decode_repeated(view, (pb.PushBatchRequest.PUSHES_FIELD_NUMBER,
+                                          pb.PushBatchRequest.DENSE_FIELD_NUMBER))
+    return ([(False, wire.decode_push(v, dense=False)) for v in groups_.get(pb.PushBatchRequest.PUSHES_FIELD_NUMBER, [])]
+            + [(True, wire.decode_push(v, dense=True)) for v in groups_.get(pb.PushBatchRequest.DENSE_FIELD_NUMBER, [])])
+
+
+def replan_push(d: wire.DecodedPush, dense: Optional[DenseSpec], slots: SlotMap, max_bytes: int,
+                next_seq: Callable[[int], int]) -> list[Call]:
+    """A push a shard refused (its slots moved) planned again by ``slots``: the same gradients (float32 on the
+    wire), new sequence numbers on the shards they now go to, and no pulled version (its staleness is not
+    measured: the version it carried was another shard's)."""
+    assert d.grads is not None
+    grads = np.asarray(d.grads, dtype=np.float32)
+    calls: list[Call] = []
+    if dense is None:
+        assert d.ids is not None
+        step = rows_per_message(max_bytes, grads.shape[1], pb.FLOAT32)
+        for s, part in id_pieces(d.ids, slots, step):
+            calls.append((s, "Push", wire.encode_push(d.name, grads[part], pb.FLOAT32, ids=d.ids[part],
+                                                      client_id=d.client_id, seq=next_seq(s),
+                                                      shard_map=shard_map(s, slots),
+                                                      frame=protocol.stream_field("Push"))))
+        return calls
+    lo, hi = d.row_start, d.row_start + grads.shape[0]
+    for s, a, b in dense_pieces(dense, slots, max_bytes, pb.FLOAT32):
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            calls.append((s, "PushDense", wire.encode_push(d.name, grads[a - lo:b - lo], pb.FLOAT32, row_start=a,
+                                                           client_id=d.client_id, seq=next_seq(s),
+                                                           shard_map=shard_map(s, slots),
+                                                           frame=protocol.stream_field("PushDense"))))
+    return calls

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shardps.core.ids import is_sorted_unique, unique_ids
+from shardps.core.slots import SlotMap
 from shardps.core.specs import TableSpec
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
@@ -196,9 +197,13 @@ class Pulls:
             return [next(got) if u.shape[0] else (np.zeros((0, spec.dim), np.float32), Versions({}))
                     for spec, u in items]
         session = self._session
-        per_shard = planner.pull_plan(items, session.num_shards, wire_code, session.max_message_bytes)
-        calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs),
-                                            session.max_message_bytes)
-        blocks = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls),
-                                       pb.PullBatchResponse.PULLS_FIELD_NUMBER)
-        return [(rows, Versions(v)) for rows, v in planner.assemble_rows(items, blocks)]
+
+        def pull(slots: SlotMap) -> list[tuple[np.ndarray, Versions]]:
+            per_shard = planner.pull_plan(items, slots, wire_code, session.max_message_bytes)
+            calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs),
+                                                session.max_message_bytes)
+            blocks = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls),
+                                           pb.PullBatchResponse.PULLS_FIELD_NUMBER)
+            return [(rows, Versions(v)) for rows, v in planner.assemble_rows(items, blocks)]
+
+        return session.routed(pull)

@@ -5,7 +5,10 @@ is held (sent together as one PushBatch per shard), the pushes in flight (at mos
 ``max_inflight`` calls; by table, so a pull can wait for its table's), the first
 error of pushes nobody waits on (raised by ``flush``), reports of synchronous
 steps that did not include every worker, and dense values returned with pushes
-(``DensePull``).
+(``DensePull``). A push a shard refuses because its slots moved (``SlotMovedError``:
+``shardps reshard``) is planned again by the refreshed slot map and sent where its
+rows are now (``replan``), before the caller hears of it: it was not applied, so it
+applies once. Its dense pulls do not come back (their ``DensePull`` fails).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from shardps.core import codec
 from shardps.core.specs import DenseSpec
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
-from shardps_client.errors import ShardpsError
+from shardps_client.errors import ShardpsError, ShardRemovedError, SlotMovedError
 from shardps_client.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -86,9 +89,10 @@ class PushHold:
 class PushPipeline:
     """Queued and in-flight pushes of one client (see the module docstring)."""
 
+    MAX_REROUTES = 16  # a push planned again this many times (slots moving under it each time) fails
+
     def __init__(self, transport: Transport, num_shards: int, max_message_bytes: int, max_inflight: int) -> None:
         self._transport = transport
-        self._num_shards = num_shards
         self._max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
         self._holds = 0
@@ -98,6 +102,11 @@ class PushPipeline:
         self._inflight = threading.BoundedSemaphore(max_inflight)
         #: (table, step, missing ranks, late) of synchronous steps that did not include every worker.
         self.sync_reports: collections.deque = collections.deque(maxlen=1000)
+        #: A refused push call planned again by a refreshed slot map (the session's ``replan``); runs off the lanes'
+        #: threads (``run_async``: the client's pool).
+        self.replan: Optional[Callable[[planner.Call], list[planner.Call]]] = None
+        self.run_async: Callable[..., Any] = lambda fn, *args: threading.Thread(target=fn, args=args,
+                                                                                daemon=True).start()
 
     # ---- holding -----------------------------------------------------------------------
 
@@ -140,7 +149,7 @@ class PushPipeline:
             deferred, self._deferred = self._deferred, []
         if not deferred and returning is None:
             return None
-        work, carries = planner.push_batches(deferred, self._num_shards, self._max_message_bytes,
+        work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
                                              returning.requests if returning is not None else None)
         futures = self._submit(work, wait=False)
         if returning is not None:
@@ -148,29 +157,77 @@ class PushPipeline:
         return returning
 
     def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool) -> list[Future]:
-        """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries."""
+        """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries. The futures are
+        the pushes' outcomes (after any re-sending where slots moved)."""
         futures = []
-        for keys, (shard, method, request) in work:
-            self._inflight.acquire()
-            try:
-                f = self._transport.submit(shard, method, request)
-            except BaseException:
-                self._inflight.release()
-                raise
+        for keys, call in work:
+            f: Future = Future()
             f.waited = wait  # type: ignore[attr-defined]  # errors of waited pushes go to the caller, not flush()
             f.keys = keys  # type: ignore[attr-defined]
             with self._lock:
                 for key in set(keys):
                     self._pending.setdefault(key, set()).add(f)
             f.add_done_callback(self._done)
+            self._send(f, call, 0)
             futures.append(f)
         if wait:
             for f in futures:
                 f.result()
         return futures
 
-    def _done(self, f: Future) -> None:
+    def _send(self, outer: Future, call: planner.Call, attempt: int) -> None:
+        """``call`` on its lane (an in-flight slot taken until it is answered), its outcome ``outer``'s."""
+        self._inflight.acquire()
+        try:
+            inner = self._transport.submit(*call)
+        except BaseException as e:  # noqa: BLE001 - the push's outcome
+            self._inflight.release()
+            outer.set_exception(e)
+            return
+        inner.add_done_callback(lambda f: self._answered(outer, call, f, attempt))
+
+    def _answered(self, outer: Future, call: planner.Call, inner: Future, attempt: int) -> None:
         self._inflight.release()
+        e = inner.exception()
+        if isinstance(e, (SlotMovedError, ShardRemovedError)) and self.replan is not None \
+                and attempt < self.MAX_REROUTES:
+            self.run_async(self._reroute, outer, call, attempt + 1)
+        elif e is not None:
+            outer.set_exception(e)
+        else:
+            outer.set_result(inner.result())
+
+    def _reroute(self, outer: Future, call: planner.Call, attempt: int) -> None:
+        """Plan a refused call again and send its parts; ``outer`` resolves once every part has."""
+        try:
+            assert self.replan is not None
+            calls = self.replan(call)
+        except BaseException as e:  # noqa: BLE001
+            outer.set_exception(e)
+            return
+        if not calls:
+            outer.set_result(pb.PushBatchResponse() if call[1] == "PushBatch" else pb.PushResponse())
+            return
+        parts = [Future() for _ in calls]
+        left = [len(parts)]
+        lock = threading.Lock()
+
+        def part_done(_: Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            errors = [p.exception() for p in parts if p.exception() is not None]
+            if errors:
+                outer.set_exception(errors[0])
+            else:  # the original call's reply stands for its parts (a batch's: with no entries)
+                outer.set_result(pb.PushBatchResponse() if call[1] == "PushBatch" else parts[0].result())
+
+        for p, c in zip(parts, calls):
+            p.add_done_callback(part_done)
+            self._send(p, c, attempt)
+
+    def _done(self, f: Future) -> None:
         keys: list[str] = f.keys  # type: ignore[attr-defined]
         with self._lock:
             for key in set(keys):

@@ -3,7 +3,9 @@
 ``Session`` also holds the two steps every path takes: pushing the summed
 gradients of sorted unique ids of a table (``push_rows``: a push, a row cache's
 expiring sums, a drain), and making a pull see this client's own pushes
-(``see_own_pushes``, read-your-writes).
+(``see_own_pushes``, read-your-writes); and the slot map requests are routed by
+(``slots``), adopted from the shards on connect and again when one answers that
+a slot moved (``refresh_slots``: a map of more shards adds them to the transport).
 """
 
 from __future__ import annotations
@@ -11,16 +13,20 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterator, Optional, TypeVar, overload
+from typing import Any, Callable, Generic, Iterator, Optional, TypeVar, overload
 
 import numpy as np
 
 from shardps.core import protocol, wire
+from shardps.core.slots import SlotMap
 from shardps.core.specs import TableSpec
+from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
-from shardps_client.admin import Catalog
+from shardps_client.admin import Catalog, maps_of
+from shardps_client.errors import ShardMapError, ShardpsError, ShardRemovedError, SlotMovedError
 from shardps_client.inputs import wire_code
 from shardps_client.pushes import PushPipeline
 from shardps_client.transport import Transport
@@ -48,31 +54,113 @@ class Session:
     pushes: PushPipeline
     worker: WorkerClock
     pool: ThreadPoolExecutor  # prefetches, worker heartbeats
+    slots: SlotMap = field(init=False)
     _seq: list[Iterator[int]] = field(init=False, repr=False)
     _seq_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
-    _encoders: dict[tuple[str, int], wire.PushEncoder] = field(init=False, repr=False, default_factory=dict)
+    _slots_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    _encoders: dict[tuple[str, int, int, str], wire.PushEncoder] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._seq = [itertools.count(1) for _ in self.addresses]
+        self.slots = SlotMap.uniform(len(self.addresses), self.transport.addresses)
+        self.transport.gone = self.shard_gone
 
     @property
     def num_shards(self) -> int:
-        return len(self.addresses)
+        return self.slots.num_shards
+
+    def active_shards(self) -> list[int]:
+        """Shards that own slots or dense chunks (a removed shard owns nothing; an added one, once slots moved)."""
+        return self.slots.active()
+
+    def adopt_slots(self, maps: list[SlotMap]) -> SlotMap:
+        """Route by the newest of ``maps`` (the shards' own), when newer than the one held; shards it has beyond the
+        client's address list are added at the addresses it names."""
+        with self._slots_lock:
+            newest = max(maps, key=lambda m: (m.epoch, bool(m.map_id)), default=self.slots)
+            cur = self.slots
+            if (newest.epoch, bool(newest.map_id)) <= (cur.epoch, bool(cur.map_id)):
+                return cur
+            known = self.transport.addresses
+            if newest.num_shards > len(known):
+                missing = [i for i in range(len(known), newest.num_shards) if not newest.addresses[i]]
+                if missing:
+                    raise ShardMapError(f"the cluster's slot map (epoch {newest.epoch}) has shard {missing[0]}, but "
+                                        "names no address for it; give the client every shard's address")
+                self.transport.add_shards(list(newest.addresses[len(known):]))
+                self.addresses[:] = list(self.transport.addresses)
+                with self._seq_lock:
+                    self._seq += [itertools.count(1) for _ in range(newest.num_shards - len(self._seq))]
+            self.slots = newest.with_addresses(self.transport.addresses)
+            log.info("client %s: routing by slot map epoch %d (%d shards)", self.client_id[:8], newest.epoch,
+                     newest.num_shards)
+            return self.slots
+
+    def refresh_slots(self, planned: SlotMap) -> SlotMap:
+        """After a shard said a slot moved: the shards' newest map (asked only when the one held is still the
+        map ``planned`` was made by: a refresh by another call since is used as it is)."""
+        return self._refresh(planned.epoch)
+
+    def _refresh(self, planned_epoch: int) -> SlotMap:
+        if self.slots.epoch > planned_epoch:
+            return self.slots
+        infos = []
+        for s in self.active_shards():  # each asked once: a shard that does not answer (gone, restarting) is skipped
+            try:
+                infos.append(self.transport.call(s, "ShardInfo", pb.ShardInfoRequest(), retry=False))
+            except ShardpsError:
+                continue
+        return self.adopt_slots(maps_of(infos))
+
+    def shard_gone(self, shard: int) -> bool:
+        """Whether shard ``shard`` (which does not answer) is out of the cluster: it owns nothing in the newest slot
+        map the other shards hold."""
+        slots = self._refresh(self.slots.epoch)
+        return shard not in slots.active()
 
     def wire(self, wire_dtype: Optional[str]) -> int:
         """The wire dtype code of a call: ``wire_dtype``, or the client's default."""
         return self.wire_dtype if wire_dtype is None else wire_code(wire_dtype)
 
+    def routed(self, call: Callable[[SlotMap], T]) -> T:
+        """``call(slots)``: plan by the map ``slots`` and make the calls; planned again by a refreshed map while a
+        shard answers that a slot moved (within ``retry_timeout``)."""
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.02
+        while True:
+            slots = self.slots
+            try:
+                return call(slots)
+            except (SlotMovedError, ShardRemovedError):
+                if time.monotonic() + delay > deadline:
+                    raise
+                if self.refresh_slots(slots) is slots:  # no newer map yet (a move is being activated): wait a little
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+
+    def replan(self, call: planner.Call) -> list[planner.Call]:
+        """A push call a shard refused because its slots moved, planned again by a refreshed map."""
+        pushes = planner.pushes_of(call)
+        planned = max((d.shard_map.map_epoch for _, d in pushes if d.shard_map is not None), default=0)
+        slots = self._refresh(planned)
+        out: list[planner.Call] = []
+        for dense, d in pushes:
+            spec = self.catalog.dense(d.name) if dense else None
+            out += planner.replan_push(d, spec, slots, self.max_message_bytes, self.next_seq)
+        return out
+
     def next_seq(self, shard: int) -> int:
         """The next sequence number of this client's pushes to ``shard`` (exactly-once on the shard)."""
         with self._seq_lock:
+            while len(self._seq) <= shard:
+                self._seq.append(itertools.count(1))
             return next(self._seq[shard])
 
     def push_rows(self, spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, versions: Optional[Versions],
                   wait: bool, wire_code: int) -> None:
         """Push the summed gradients of sorted unique ids."""
         sync_step = self.worker.next_sync_step(spec.name) if spec.sync is not None else 0
-        calls = planner.push_plan(spec, uniq, summed, self.num_shards, wire_code, self.max_message_bytes,
+        calls = planner.push_plan(spec, uniq, summed, self.slots, wire_code, self.max_message_bytes,
                                   versions.by_shard if versions is not None else None, self.client_id,
                                   self.next_seq, sync_step, self.worker.rank or 0)
         self.pushes.dispatch(spec.name, calls, wait)
@@ -81,17 +169,21 @@ class Session:
                        versions: list[Optional[Versions]], wire_code: int) -> None:
         """Push the summed gradients of several tables' sorted unique ids (one width, no synchronous step),
         stacked table after table in ``summed``: planned at once, dispatched together."""
-        calls = planner.push_plan_many([s.name for s in specs], uniq, summed, self.num_shards, wire_code,
+        calls = planner.push_plan_many([s.name for s in specs], uniq, summed, self.slots, wire_code,
                                        self.max_message_bytes, [v.by_shard if v is not None else None for v in versions],
                                        self.push_encoder, self.next_seq)
         self.pushes.dispatch_many(calls, wait=False)
 
     def push_encoder(self, table: str, shard: int) -> wire.PushEncoder:
-        """The encoder of this client's pushes of ``table`` to ``shard`` (made once)."""
-        enc = self._encoders.get((table, shard))
+        """The encoder of this client's pushes of ``table`` to ``shard`` under the current slot map (made once)."""
+        slots = self.slots
+        key = (table, shard, slots.epoch, slots.map_id)
+        enc = self._encoders.get(key)
         if enc is None:
-            enc = self._encoders[(table, shard)] = wire.PushEncoder(
-                table, self.client_id, planner.shard_map(shard, self.num_shards), frame=protocol.stream_field("Push"))
+            if len(self._encoders) > 4096:
+                self._encoders.clear()
+            enc = self._encoders[key] = wire.PushEncoder(
+                table, self.client_id, planner.shard_map(shard, slots), frame=protocol.stream_field("Push"))
         return enc
 
     def see_own_pushes(self, key: str) -> None:

@@ -35,10 +35,10 @@ def env_int(name: str) -> Optional[int]:
 class WorkerClock:
     """One worker's place in the training group, as the shards see it through heartbeats."""
 
-    def __init__(self, transport: Transport, num_shards: int, rank: Optional[int], world_size: Optional[int],
-                 ssp_bound: Optional[int], submit: Callable[[Callable[[], Any]], Any]) -> None:
+    def __init__(self, transport: Transport, shards: Callable[[], list[int]], rank: Optional[int],
+                 world_size: Optional[int], ssp_bound: Optional[int], submit: Callable[[Callable[[], Any]], Any]) -> None:
         self._transport = transport
-        self._num_shards = num_shards
+        self._shards = shards  # the shards heartbeats go to: those of the cluster now
         self._submit = submit  # runs a heartbeat in the background (the client's pool)
         self.rank = rank if rank is not None else env_int("RANK")
         self.world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
@@ -66,7 +66,7 @@ class WorkerClock:
                                   leaving=leaving, wait_s=wait_s)
         if wait_min_clock is not None:
             req.wait_min_clock = wait_min_clock
-        replies = self._transport.fan_out([(s, "Heartbeat", req) for s in range(self._num_shards)])
+        replies = self._transport.fan_out([(s, "Heartbeat", req) for s in self._shards()])
         self.min_clock = min(r.min_clock for r in replies)
 
     def _loop(self, period: float) -> None:

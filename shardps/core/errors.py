@@ -29,6 +29,17 @@ class WrongShard(ShardError):
     """The request addresses ids, rows or a shard map this shard does not own."""
 
 
+class Moved(WrongShard):
+    """Ids or dense rows of a request lie in slots (chunks) another shard owns now: a migration moved them, and the
+    caller's slot map is older. ``redirect`` is the owner's address (empty when this shard does not know it),
+    ``epoch`` the slot map's epoch that says so: the caller refreshes its map and sends them there."""
+
+    def __init__(self, message: str, redirect: str = "", epoch: int = 0) -> None:
+        super().__init__(message)
+        self.redirect = redirect
+        self.epoch = epoch
+
+
 class StaleUpdate(ShardError):
     """A push exceeded the table's max_staleness."""
 

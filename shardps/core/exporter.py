@@ -5,6 +5,7 @@ transport, or the ``shardps export`` command's own channels) and writes a base o
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import shutil
@@ -30,7 +31,7 @@ from shardps.core.exports import (
     write_safetensors,
 )
 from shardps.core.files import fsync_dir
-from shardps.core.specs import DenseSpec, dense_spec_from_pb, spec_to_b64, table_spec_from_pb
+from shardps.core.specs import DenseSpec, dense_spec_from_pb, spec_from_b64, spec_to_b64, table_spec_from_pb
 from shardps.v1 import shardps_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -43,14 +44,19 @@ class Exporter:
 
     Args:
         call: ``call(shard, method, request)`` -> reply, for ``shardps.v1.Shard`` methods.
-        num_shards: shards in the cluster (shard i is call's shard i).
+        num_shards: shards in the cluster (shard i is call's shard i): every index its slot map has.
         hold_s: longest time shards hold pushes back for a cut (the copy itself takes milliseconds).
+        shards: the shards that own rows (default: all); the others (removed by ``shardps reshard``) get empty files.
+
+    A cluster that moved slots (``shardps reshard``) writes its slot map at the cut into the manifest
+    (``slot_map``): shards serving the export route by it. A delta needs the map of the generation before it.
     """
 
-    def __init__(self, call: Caller, num_shards: int, hold_s: float = 30.0) -> None:
+    def __init__(self, call: Caller, num_shards: int, hold_s: float = 30.0, shards: Optional[list[int]] = None) -> None:
         self.call = call
         self.num_shards = num_shards
         self.hold_s = hold_s
+        self.shards = list(range(num_shards)) if shards is None else sorted(shards)
 
     # -- the cut --
 
@@ -58,7 +64,7 @@ class Exporter:
              ) -> tuple[str, list[pb.ExportResponse], float]:
         """PREPARE every shard, then BEGIN on each: (export id, BEGIN replies, seconds pushes were held)."""
         eid = uuid.uuid4().hex[:16]
-        shards = range(self.num_shards)
+        shards = self.shards
         started = time.perf_counter()
         try:
             for s in shards:
@@ -68,6 +74,7 @@ class Exporter:
                 begun.append(self.call(s, "Export", pb.ExportRequest(
                     phase=pb.ExportRequest.BEGIN, export_id=eid, tables=tables, optimizer_state=optimizer_state,
                     delta=since is not None, since_version=since[s] if since is not None else 0)))
+            begun = _with_empty(begun, shards, self.num_shards)
         except BaseException:
             for s in shards:
                 for phase in (pb.ExportRequest.ABORT, pb.ExportRequest.END):
@@ -116,15 +123,31 @@ class Exporter:
                 out["tombstones"][at:at + ids.shape[0]] = ids
         return out
 
+    def _end(self, eid: str) -> None:
+        for s in self.shards:
+            try:
+                self.call(s, "Export", pb.ExportRequest(phase=pb.ExportRequest.END, export_id=eid))
+            except Exception as failure:  # noqa: BLE001 - the shard frees it by itself later
+                log.warning("export %s: ending on shard %d failed: %s", eid, s, failure)
+
     def _write(self, out: pathlib.Path, kind: str, seq: int, previous: Optional[int], tables: list[str],
-               optimizer_state: bool, since: Optional[list[int]], known: Optional[set[str]]) -> ExportResult:
+               optimizer_state: bool, since: Optional[list[int]], known: Optional[set[str]],
+               previous_map: Optional[dict[str, Any]] = None) -> ExportResult:
         t0 = time.perf_counter()
         eid, begun, pause = self._cut(tables, optimizer_state, since)
+        slot_map = _cut_map(begun)
+        if previous_map is not None and kind == "delta" and _map_key(slot_map) != _map_key(previous_map):
+            self._end(eid)
+            raise ExportGap(f"{out}: the cluster's slot map changed since the last cut (epoch "
+                            f"{_map_key(previous_map)[0]} -> {_map_key(slot_map)[0]}: slots moved between shards); "
+                            "write a new base")
         gen = generation_name(kind, seq)
         result = ExportResult(kind, seq, versions=[int(b.version) for b in begun], pause_s=pause)
         entries: dict[str, dict[str, Any]] = {}
         try:
             for s, reply in enumerate(begun):
+                if reply is None:  # a shard that owns nothing: its empty files follow
+                    continue
                 sdir = out / shard_dir(gen, s, self.num_shards)
                 sdir.mkdir(parents=True, exist_ok=True)
                 for k, t in enumerate(reply.tables):
@@ -152,11 +175,23 @@ class Exporter:
                     result.bytes += size
                 fsync_dir(sdir)
         finally:
-            for s in range(self.num_shards):
-                try:
-                    self.call(s, "Export", pb.ExportRequest(phase=pb.ExportRequest.END, export_id=eid))
-                except Exception as failure:  # noqa: BLE001 - the shard frees it by itself later
-                    log.warning("export %s: ending on shard %d failed: %s", eid, s, failure)
+            self._end(eid)
+        for s, reply in enumerate(begun):  # a shard owning nothing: an empty file per table
+            if reply is not None:
+                continue
+            sdir = out / shard_dir(gen, s, self.num_shards)
+            sdir.mkdir(parents=True, exist_ok=True)
+            for k, (name, e) in enumerate(sorted(entries.items())):
+                spec = spec_from_b64(e["spec"], e["kind"] == "dense")
+                arrays = _empty_arrays(e["dim"], spec, optimizer_state, not e["full"])
+                rel = f"{shard_dir(gen, s, self.num_shards)}/{file_name(k, name)}"
+                meta = {"format": FORMAT, "table": name, "kind": kind, "seq": seq, "shard": s,
+                        "num_shards": self.num_shards, "version": 0}
+                size, digest = write_safetensors(out / rel, arrays, meta)
+                e["shards"][s] = {"file": rel, "rows": 0, "tombstones": 0, "bytes": size, "sha256": digest,
+                                  "full": e["full"]}
+                result.bytes += size
+            fsync_dir(sdir)
         for name, entry in entries.items():  # a table a shard did not report (created between two BEGINs): refuse
             if any(part is None for part in entry["shards"]):
                 raise RuntimeError(f"table {name!r} was not in every shard's copy (created during the export?); retry")
@@ -165,6 +200,8 @@ class Exporter:
                 "versions": result.versions, "since": since, "tables": list(entries.values()),
                 "dropped": sorted((known or set()) - set(entries)) if kind == "delta" else [],
                 "rows": result.rows, "tombstones": result.tombstones, "bytes": result.bytes}
+        if slot_map is not None:
+            body["slot_map"] = slot_map
         if kind == "delta" and not result.rows and not result.tombstones and not body["dropped"] \
                 and not any(e["full"] for e in entries.values()):
             shutil.rmtree(out / gen, ignore_errors=True)  # nothing changed: no generation
@@ -207,7 +244,7 @@ class Exporter:
                 raise ExportGap(f"{out}'s last generation was resharded offline: it follows no cut of this cluster")
             known = self._known_tables(out)
             return self._write(out, "delta", gens[-1][0] + 1, gens[-1][0], selection, optimizer_state,
-                               [int(v) for v in last["versions"]], known)
+                               [int(v) for v in last["versions"]], known, last.get("slot_map") or {})
         except Exception as e:
             if not fallback_base or not _is_gap(e):
                 raise
@@ -225,6 +262,37 @@ class Exporter:
             names |= {e["name"] for e in m["tables"]}
             names -= set(m.get("dropped", []))
         return names
+
+
+def _with_empty(begun: list[Any], shards: list[int], n: int) -> list[Any]:
+    """BEGIN replies by shard index, None for the shards not asked (they own nothing)."""
+    out: list[Any] = [None] * n
+    for s, reply in zip(shards, begun):
+        out[s] = reply
+    return out
+
+
+def _cut_map(begun: list[Any]) -> Optional[dict[str, Any]]:
+    """The slot map at the cut (the newest the shards reported), or None for a cluster that never moved a slot."""
+    maps = [json.loads(r.slot_map) for r in begun if r is not None and r.slot_map]
+    if not maps:
+        return None
+    newest = max(maps, key=lambda m: int(m["epoch"]))
+    return newest if newest["epoch"] or newest.get("map_id") else None
+
+
+def _map_key(m: Optional[dict[str, Any]]) -> tuple[int, str]:
+    return (int(m["epoch"]), str(m.get("map_id", ""))) if m else (0, "")
+
+
+def _empty_arrays(dim: int, spec: Spec, optimizer_state: bool, delta: bool) -> dict[str, np.ndarray]:
+    out = {"ids": np.zeros(0, np.int64), "values": np.zeros((0, dim), np.float32)}
+    if optimizer_state:
+        out["steps"] = np.zeros(0, np.int64)
+        out.update({"state." + n: np.zeros((0, dim), np.float32) for n in spec.optimizer.state_names()})
+    if delta:
+        out["tombstones"] = np.zeros(0, np.int64)
+    return out
 
 
 def _is_gap(e: BaseException) -> bool:

@@ -16,7 +16,8 @@ from typing import Optional
 from shardps.core import errors
 
 KIND_METADATA = "shardps-error-kind"
-REDIRECT_METADATA = "shardps-redirect"  # a NotPrimary refusal's primary address (StreamError.redirect on streams)
+# A NotPrimary refusal's primary address, a Moved refusal's new owner (StreamError.redirect on streams).
+REDIRECT_METADATA = "shardps-redirect"
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ TABLE: tuple[Status, ...] = (
     Status("already_exists", "ALREADY_EXISTS", errors.AlreadyExists, "TableExistsError"),
     Status("out_of_range", "OUT_OF_RANGE", errors.OutOfRange, "IdOutOfRangeError"),
     Status("wrong_shard", "FAILED_PRECONDITION", errors.WrongShard, "ShardMapError"),
+    Status("moved", "FAILED_PRECONDITION", errors.Moved, "SlotMovedError"),
     Status("stale_update", "ABORTED", errors.StaleUpdate, "StaleUpdateError"),
     Status("sync_step_failed", "ABORTED", errors.SyncStepFailed, "SyncStepError"),
     Status("resource_exhausted", "RESOURCE_EXHAUSTED", errors.ResourceExhausted, "RequestTooLargeError"),

@@ -31,12 +31,16 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ShardMap(_message.Message):
-    __slots__ = ("shard_index", "num_shards")
+    __slots__ = ("shard_index", "num_shards", "map_epoch", "map_id")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MAP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MAP_ID_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    map_epoch: int
+    map_id: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., map_epoch: _Optional[int] = ..., map_id: _Optional[str] = ...) -> None: ...
 
 class SGDSpec(_message.Message):
     __slots__ = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
@@ -579,7 +583,7 @@ class ShardStats(_message.Message):
     def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket", "data_clients", "data_plane_handoffs", "replica")
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket", "data_clients", "data_plane_handoffs", "replica", "slots")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -597,6 +601,7 @@ class ShardInfoResponse(_message.Message):
     DATA_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -614,7 +619,8 @@ class ShardInfoResponse(_message.Message):
     data_clients: _containers.RepeatedCompositeFieldContainer[DataClient]
     data_plane_handoffs: int
     replica: ReplicaInfo
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ..., replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ...) -> None: ...
+    slots: SlotsInfo
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ..., replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., slots: _Optional[_Union[SlotsInfo, _Mapping]] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("member", "role", "epoch", "lsn", "primary", "group", "ack", "backups", "etcd_age_s")
@@ -828,7 +834,7 @@ class ExportedTable(_message.Message):
     def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., dense: _Optional[_Union[DenseSpec, _Mapping]] = ..., rows: _Optional[int] = ..., tombstones: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
 
 class ExportResponse(_message.Message):
-    __slots__ = ("version", "tables", "ids", "values", "steps", "state")
+    __slots__ = ("version", "tables", "ids", "values", "steps", "state", "slot_map")
     class StateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -842,13 +848,15 @@ class ExportResponse(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAP_FIELD_NUMBER: _ClassVar[int]
     version: int
     tables: _containers.RepeatedCompositeFieldContainer[ExportedTable]
     ids: Tensor
     values: Tensor
     steps: Tensor
     state: _containers.MessageMap[str, Tensor]
-    def __init__(self, version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[ExportedTable, _Mapping]]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., steps: _Optional[_Union[Tensor, _Mapping]] = ..., state: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+    slot_map: str
+    def __init__(self, version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[ExportedTable, _Mapping]]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., steps: _Optional[_Union[Tensor, _Mapping]] = ..., state: _Optional[_Mapping[str, Tensor]] = ..., slot_map: _Optional[str] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("table", "ids", "values", "shard_map")
@@ -867,3 +875,83 @@ class AssignResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class SlotsInfo(_message.Message):
+    __slots__ = ("map_json", "accept_epoch", "moves")
+    MAP_JSON_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    map_json: str
+    accept_epoch: int
+    moves: _containers.RepeatedCompositeFieldContainer[MoveInfo]
+    def __init__(self, map_json: _Optional[str] = ..., accept_epoch: _Optional[int] = ..., moves: _Optional[_Iterable[_Union[MoveInfo, _Mapping]]] = ...) -> None: ...
+
+class MoveInfo(_message.Message):
+    __slots__ = ("id", "role", "state", "peer", "slots", "epoch")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    role: str
+    state: str
+    peer: int
+    slots: int
+    epoch: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., peer: _Optional[int] = ..., slots: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("op", "move_id", "move_json", "table", "since", "offset", "limit", "ids", "arrays", "map_json", "epoch")
+    class ArraysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    OP_FIELD_NUMBER: _ClassVar[int]
+    MOVE_ID_FIELD_NUMBER: _ClassVar[int]
+    MOVE_JSON_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    MAP_JSON_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    move_id: str
+    move_json: str
+    table: str
+    since: int
+    offset: int
+    limit: int
+    ids: Tensor
+    arrays: _containers.MessageMap[str, Tensor]
+    map_json: str
+    epoch: int
+    def __init__(self, op: _Optional[str] = ..., move_id: _Optional[str] = ..., move_json: _Optional[str] = ..., table: _Optional[str] = ..., since: _Optional[int] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., arrays: _Optional[_Mapping[str, Tensor]] = ..., map_json: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ("version", "ids", "total", "arrays", "state")
+    class ArraysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    ids: Tensor
+    total: int
+    arrays: _containers.MessageMap[str, Tensor]
+    state: str
+    def __init__(self, version: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., total: _Optional[int] = ..., arrays: _Optional[_Mapping[str, Tensor]] = ..., state: _Optional[str] = ...) -> None: ...

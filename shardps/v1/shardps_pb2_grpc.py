@@ -120,6 +120,11 @@ class ShardStub:
                 request_serializer=shardps_dot_v1_dot_shardps__pb2.ReplicaAck.SerializeToString,
                 response_deserializer=shardps_dot_v1_dot_shardps__pb2.ReplicaFrame.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/shardps.v1.Shard/Migrate',
+                request_serializer=shardps_dot_v1_dot_shardps__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=shardps_dot_v1_dot_shardps__pb2.MigrateResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -247,6 +252,13 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """One step of a slot migration, or a slot map broadcast (`shardps reshard`; admin role).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -334,6 +346,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=shardps_dot_v1_dot_shardps__pb2.ReplicaAck.FromString,
                     response_serializer=shardps_dot_v1_dot_shardps__pb2.ReplicaFrame.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=shardps_dot_v1_dot_shardps__pb2.MigrateRequest.FromString,
+                    response_serializer=shardps_dot_v1_dot_shardps__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -796,6 +813,33 @@ class Shard:
             '/shardps.v1.Shard/Replicate',
             shardps_dot_v1_dot_shardps__pb2.ReplicaAck.SerializeToString,
             shardps_dot_v1_dot_shardps__pb2.ReplicaFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardps.v1.Shard/Migrate',
+            shardps_dot_v1_dot_shardps__pb2.MigrateRequest.SerializeToString,
+            shardps_dot_v1_dot_shardps__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -116,10 +116,10 @@ class ShardDriver:
         except grpc.RpcError as e:
             return e.code(), None, e.details() or ""
 
-    def stream(self, frames: list[bytes]) -> tuple[grpc.StatusCode, list[bytes], str]:
+    def stream(self, frames: list[bytes], method: str = "Stream") -> tuple[grpc.StatusCode, list[bytes], str]:
         """(status of the call, answers received, details)."""
         assert self.channel is not None
-        fn = self.channel.stream_stream(f"/{SERVICE}/Stream", request_serializer=None, response_deserializer=None)
+        fn = self.channel.stream_stream(f"/{SERVICE}/{method}", request_serializer=None, response_deserializer=None)
         answers: list[bytes] = []
         try:
             for answer in fn(iter(frames), timeout=self.deadline):

@@ -14,6 +14,7 @@ from tests.fuzz.admin_requests import (
     heartbeat_requests,
     register_dense_requests,
 )
+from tests.fuzz.cluster_requests import migrate_requests, replica_acks
 from tests.fuzz.data_requests import (
     assign_requests,
     pull_batch_requests,
@@ -45,6 +46,8 @@ VALID: dict[type, st.SearchStrategy] = {
     pb.HeartbeatRequest: heartbeat_requests(),
     pb.ExportRequest: export_requests(),
     pb.AssignRequest: assign_requests(),
+    pb.MigrateRequest: migrate_requests(),
+    pb.ReplicaAck: replica_acks(),
 }
 _missing = set(INPUT_TYPES.values()) - set(VALID)
 assert not _missing, f"no generator for {_missing}"

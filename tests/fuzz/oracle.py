@@ -26,8 +26,9 @@ ALLOWED = {
 # The few codes only some methods may answer: a two-phase COMMIT that was not prepared is
 # UNAVAILABLE; a heartbeat may legitimately wait (wait_s is capped at 1 s here).
 # A data-plane control message that is not a well-formed hello is UNAUTHENTICATED.
+# A migration's handover is UNAVAILABLE while a checkpoint is being cut.
 ALLOWED_FOR = {"Checkpoint": {grpc.StatusCode.UNAVAILABLE}, "Heartbeat": {grpc.StatusCode.DEADLINE_EXCEEDED},
-               "DataPlane": {grpc.StatusCode.UNAUTHENTICATED}}
+               "DataPlane": {grpc.StatusCode.UNAUTHENTICATED}, "Migrate": {grpc.StatusCode.UNAVAILABLE}}
 
 
 def allowed_codes(method: str) -> set:

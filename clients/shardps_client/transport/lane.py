@@ -34,7 +34,13 @@ import grpc
 
 from shardps.core import protocol, status, wire
 from shardps.v1 import shardps_pb2 as pb
-from shardps_client.errors import ShardpsError, ShardTimeoutError, ShardUnavailableError, error_of
+from shardps_client.errors import (
+    ShardpsError,
+    ShardRemovedError,
+    ShardTimeoutError,
+    ShardUnavailableError,
+    error_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +123,12 @@ class Lane:
     """
 
     def __init__(self, channel: grpc.Channel, address: str, unary: Callable[[str, bytes], Any],
-                 timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False) -> None:
+                 timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
+                 gone: Callable[[], bool] = lambda: False) -> None:
         self.rebind(channel, address)
         self.on_lost = on_lost  # the shard was lost: find its replica group's primary (True: the lane was rebound)
+        self.gone = gone  # the shard was lost: is it out of the cluster (owning nothing in the newest slot map)?
+        self.removed = False  # it is: every call fails at once with ShardRemovedError (the client plans them again)
         self.group = False  # the shard is a replica group: a member's "not primary" sends the calls to the primary
         self._unary = unary
         self.timeout = timeout
@@ -147,6 +156,9 @@ class Lane:
         The future gets the reply the unary call's stub would return, or its error.
         """
         item = _Item(method, request)
+        if self.removed:
+            item.future.set_exception(removed_error(self.address, method))
+            return item.future
         with self._cv:
             if self._closed:
                 raise ShardpsError(f"the client's lane to {self.address} is closed", address=self.address)
@@ -187,6 +199,10 @@ class Lane:
             code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
             if code in RESEND and self.on_lost():  # a replica group's new primary: resend there at once
                 failing_since, delay = None, 0.05
+                continue
+            if code in RESEND and self.gone():  # out of the cluster: the calls are planned again elsewhere
+                self.removed = True
+                self._fail_all(removed_error(self.address, "Stream"))
                 continue
             if code in _UNSUPPORTED and not self._answered:
                 log.info("shard at %s refused a stream (%s: %s); using unary calls",
@@ -283,6 +299,11 @@ class Lane:
 
 def _request_bytes(item: _Item) -> bytes:
     return item.request
+
+
+def removed_error(address: str, what: str) -> ShardpsError:
+    return ShardRemovedError(f"{what} to shard at {address}: the shard is out of the cluster (it owns nothing in the "
+                             "slot map)", address=address, code=grpc.StatusCode.UNAVAILABLE)
 
 
 def timed_out(address: str, message: str) -> ShardpsError:

@@ -24,9 +24,9 @@ import grpc
 
 from shardps.core import protocol, wire
 from shardps.v1 import shardps_pb2 as pb
-from shardps_client.errors import ShardpsError
+from shardps_client.errors import ShardpsError, ShardRemovedError
 from shardps_client.transport.channels import TLS, Channels, Stub, find_backup, find_primary, members
-from shardps_client.transport.lane import Lane, from_rpc_error, resolve, timed_out, unavailable
+from shardps_client.transport.lane import Lane, from_rpc_error, removed_error, resolve, timed_out, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ class Transport:
                  client_id: str = "", stale_reads: bool = False) -> None:
         if data_plane not in ("zmq", "grpc"):
             raise ValueError(f"data_plane must be 'grpc' or 'zmq', got {data_plane!r}")
-        self.groups = [members(a) for a in addresses]
-        self.addresses = [g[0] for g in self.groups]
+        self.groups = [members(a) for a in addresses]  # [] for a shard removed from the cluster (its entry "")
+        self.addresses = [g[0] if g else "" for g in self.groups]
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self.channels = Channels(max_message_bytes, tls, token)
@@ -63,23 +63,48 @@ class Transport:
         for i, group in enumerate(self.groups):  # a replica group: start at its primary, when one answers
             if len(group) > 1:
                 self.addresses[i] = find_primary(self.channels, group, timeout) or group[0]
-        self._stubs = [Stub(self.channels.get(a)) for a in self.addresses]
+        self._stubs = [Stub(self.channels.get(a)) if a else None for a in self.addresses]
+        self._zmq = data_plane == "zmq" and importlib.util.find_spec("zmq") is not None
+        self._client_id = client_id
+        self._token = token
+        self._grow_lock = threading.Lock()
+        # Whether a shard that does not answer is out of the cluster (the session's slot map says so).
+        self.gone: Callable[[int], bool] = lambda shard: False
         # One lane per shard carries this client's pulls and pushes to it on one stream, in the
         # order they were made (optimizers such as Adam are not commutative, and a pull sees the
         # pushes before it), many in flight; lanes of different shards run in parallel.
-        self.lanes: list[Any] = []
-        for i, a in enumerate(self.addresses):
-            lane = Lane(self.channels.get(a), a, functools.partial(self.call, i), timeout, retry_timeout,
-                        functools.partial(self.failover, i))
-            lane.group = len(self.groups[i]) > 1
-            self.lanes.append(lane)
-        if data_plane == "zmq" and importlib.util.find_spec("zmq") is not None:
-            from shardps_client.data_plane import DataLane
+        self.lanes: list[Any] = [self._lane(i) for i in range(len(self.addresses))]
 
-            self.lanes = [DataLane(lane, functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest()),
-                                   a, client_id, token, resolve, timed_out, unavailable, timeout, retry_timeout,
-                                   functools.partial(self.failover, i))
-                          for i, (lane, a) in enumerate(zip(self.lanes, self.addresses))]
+    def _lane(self, i: int) -> Any:
+        """Shard ``i``'s lane: its data plane's, over a gRPC stream lane it falls back to."""
+        a = self.addresses[i]
+        if not a:
+            return _Removed(i)
+        lane = Lane(self.channels.get(a), a, functools.partial(self.call, i), self.timeout, self.retry_timeout,
+                    functools.partial(self.failover, i), lambda: self.gone(i))
+        lane.group = len(self.groups[i]) > 1
+        if not self._zmq:
+            return lane
+        from shardps_client.data_plane import DataLane
+
+        # (its ShardInfo is asked once: a shard that does not answer is retried by the lane, which stops when closed)
+        return DataLane(lane, functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest(), False), a,
+                        self._client_id,
+                        self._token, resolve, timed_out, unavailable, self.timeout, self.retry_timeout,
+                        functools.partial(self.failover, i), removed_error)
+
+    def add_shards(self, entries: Sequence[str]) -> None:
+        """Shards added to the cluster (a slot map naming more than this client knew): their entries (an address,
+        or a replica group's members joined by "|") take the next indices."""
+        with self._grow_lock:
+            for entry in entries:
+                group = members(entry)
+                self.groups.append(group)
+                self._failover_locks.append(threading.Lock())
+                primary = find_primary(self.channels, group, self.timeout) if len(group) > 1 else None
+                self.addresses.append(primary or (group[0] if group else ""))
+                self._stubs.append(Stub(self.channels.get(self.addresses[-1])) if group else None)
+                self.lanes.append(self._lane(len(self.addresses) - 1))
 
     def failover(self, shard: int) -> bool:
         """Point shard ``shard``'s calls at its replica group's primary if that changed (a lost shard's caller asks);
@@ -155,6 +180,8 @@ class Transport:
 
     def call(self, shard: int, method: str, request: Any, retry: bool = True) -> Any:
         """One RPC with a deadline, retried with backoff while the shard is UNAVAILABLE."""
+        if self._stubs[shard] is None:
+            raise _Removed(shard).error(method)
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
         while True:
@@ -179,6 +206,9 @@ class Transport:
         """
         if len(calls) == 1:
             return [self.call(*calls[0])]
+        for s, method, _ in calls:
+            if self._stubs[s] is None:
+                raise _Removed(s).error(method)
         futures = [getattr(self._stubs[s], method).future(req, timeout=self.timeout) for s, method, req in calls]
 
         def result(call: tuple[int, str, Any], f: Any) -> Any:
@@ -209,6 +239,32 @@ class Transport:
         for lane in [*self.lanes, *self._read_lanes.values()]:
             lane.close()
         self.channels.close()
+
+
+class _Removed:
+    """The lane of a shard removed from the cluster (``shardps reshard --remove``): it owns nothing, so nothing is
+    routed to it; a call that is fails at once."""
+
+    streaming = True
+    mode = "grpc"
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+        self.address = ""
+
+    removed = True
+
+    def error(self, method: str) -> ShardpsError:
+        return ShardRemovedError(f"{method}: shard {self.shard} was removed from the cluster (it has no address)",
+                                 address="")
+
+    def submit(self, method: str, request: bytes) -> Future:
+        f: Future = Future()
+        f.set_exception(self.error(method))
+        return f
+
+    def close(self, timeout: float = 30.0) -> None:
+        return None
 
 
 def results(getters: list[Callable[[], Any]]) -> list[Any]:

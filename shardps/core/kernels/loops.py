@@ -53,7 +53,37 @@ def shard_of_ids(ids: np.ndarray, num_shards: int, seed: np.uint64) -> np.ndarra
 @_njit
 def split_by_shard(ids: np.ndarray, num_shards: int, seed: np.uint64) -> tuple[np.ndarray, np.ndarray]:
     """``routing.split_by_shard``: one hashing pass, then a stable counting sort by shard."""
-    owner = shard_of_ids(ids, num_shards, seed)
+    return group_by_owner(shard_of_ids(ids, num_shards, seed), num_shards)
+
+
+_S50 = np.uint64(50)
+
+
+@_njit
+def owner_by_map(ids: np.ndarray, owners: np.ndarray, base: int, seed: np.uint64) -> np.ndarray:
+    """``slots.SlotMap.owner_of``: the owner of each id's hash slot (top 14 bits); a slot split between two shards
+    (owner -1) falls back to the multiply-shift of ``base`` shards on the high 32 bits."""
+    n = np.uint64(base)
+    out = np.empty(ids.shape[0], np.int64)
+    for i in range(ids.shape[0]):
+        z = mix(np.uint64(ids[i]), seed)
+        o = np.int64(owners[np.int64(z >> _S50)])
+        if o < 0:
+            o = np.int64(((z >> _S32) * n) >> _S32)
+        out[i] = o
+    return out
+
+
+@_njit
+def split_by_map(ids: np.ndarray, owners: np.ndarray, base: int, num_shards: int,
+                 seed: np.uint64) -> tuple[np.ndarray, np.ndarray]:
+    """``slots.SlotMap.split``: one hashing pass, then a stable counting sort by owner."""
+    return group_by_owner(owner_by_map(ids, owners, base, seed), num_shards)
+
+
+@_njit
+def group_by_owner(owner: np.ndarray, num_shards: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, bounds) of a stable counting sort of positions by ``owner``."""
     bounds = np.zeros(num_shards + 1, np.int64)
     for i in range(owner.shape[0]):
         bounds[owner[i] + 1] += 1

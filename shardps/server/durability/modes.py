@@ -26,10 +26,11 @@ seam: they see every change, in order, and the cuts of checkpoints.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Protocol, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Union
 
 import numpy as np
 
@@ -46,8 +47,9 @@ from shardps.server.durability import wal
 from shardps.v1 import shardps_pb2 as pb
 
 MODES = ("none", "checkpoint", "log")
-# What ``checkpoint`` logs (and fsyncs before the reply): the tables and dense tensors themselves.
-SCHEMA_KINDS = frozenset({wal.CREATE_TABLE, wal.REGISTER_DENSE, wal.DROP})
+# What ``checkpoint`` logs (and fsyncs before the reply): the tables and dense tensors themselves, the slot map and
+# the rows a migration moved here (a crash must not lose a slot's rows with its ownership).
+SCHEMA_KINDS = frozenset({wal.CREATE_TABLE, wal.REGISTER_DENSE, wal.DROP, wal.SLOTS, wal.ROWS_IN})
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _PER_ROW = 1 << 63  # flag in a push record's staleness word: per-row staleness follows
@@ -96,6 +98,20 @@ def record_evict(name: str, ids: np.ndarray, cause: int) -> Record:
     """Rows evicted from a table: the cause (u32), the name's length (u32) and the name, then the ids."""
     raw = name.encode()
     return wal.EVICT, _U32.pack(cause) + _U32.pack(len(raw)) + raw + np.ascontiguousarray(ids, "<i8").tobytes()
+
+
+def record_slots(change: dict[str, Any]) -> Record:
+    """A change of the slot map or of a migration's state (``shard.migration``), as JSON."""
+    return wal.SLOTS, json.dumps(change, separators=(",", ":")).encode()
+
+
+def record_rows_in(move: str, table: str, ids: np.ndarray, arrays: dict[str, np.ndarray]) -> Record:
+    """Rows a migration brought here with everything they hold (``storage.moves.read_state``'s arrays): a JSON
+    header's length (u32), the header (table, migration, each array's key, dtype and shape), then the arrays."""
+    parts = [("ids", np.ascontiguousarray(ids, "<i8"))] + [(k, np.ascontiguousarray(v)) for k, v in sorted(arrays.items())]
+    header = json.dumps({"table": table, "move": move,
+                         "arrays": [[k, v.dtype.str, list(v.shape)] for k, v in parts]}).encode()
+    return wal.ROWS_IN, b"".join([_U32.pack(len(header)), header, *(v.tobytes() for _, v in parts)])
 
 
 def with_staleness(record: Record, staleness: int, per_row: Optional[np.ndarray] = None,
@@ -172,7 +188,37 @@ class Assign:
     values: np.ndarray
 
 
-Change = Union[CreateTable, RegisterDense, Drop, Push, Evict, Assign]
+@dataclass(frozen=True)
+class Slots:
+    change: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RowsIn:
+    move: str
+    table: str
+    ids: np.ndarray
+    arrays: dict[str, np.ndarray]
+
+
+Change = Union[CreateTable, RegisterDense, Drop, Push, Evict, Assign, Slots, RowsIn]
+
+
+def _read_rows_in(payload: bytes) -> RowsIn:
+    (n,) = _U32.unpack_from(payload)
+    header = json.loads(bytes(payload[4:4 + n]))
+    at, arrays = 4 + n, {}
+    for key, dtype, shape in header["arrays"]:
+        dt = np.dtype(dtype)
+        size = int(np.prod(shape)) * dt.itemsize
+        if at + size > len(payload):
+            raise ValueError("rows-moved-in record cut short")
+        arrays[key] = np.frombuffer(payload, dt, int(np.prod(shape)), at).reshape(shape).copy()
+        at += size
+    if at != len(payload):
+        raise ValueError("rows-moved-in record has trailing bytes")
+    ids = arrays.pop("ids")
+    return RowsIn(str(header["move"]), str(header["table"]), ids, arrays)
 
 
 def read_record(kind: int, payload: bytes) -> Change:
@@ -197,6 +243,13 @@ def read_record(kind: int, payload: bytes) -> Change:
         name = bytes(payload[8:8 + n]).decode()
         ids = np.frombuffer(payload[8 + n:], "<i8").astype(np.int64)
         return Evict(name, ids, cause[0])
+    if kind == wal.SLOTS:
+        change = json.loads(bytes(payload))
+        if not isinstance(change, dict) or "op" not in change:
+            raise ValueError("slot map record without an op")
+        return Slots(change)
+    if kind == wal.ROWS_IN:
+        return _read_rows_in(payload)
     raise ValueError(f"unknown write-ahead log record kind {kind}")
 
 

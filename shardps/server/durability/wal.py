@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIB")
 CRC32C_FLAG = 0x80  # in the kind byte: the checksum is CRC-32C of the kind byte and the payload
-CREATE_TABLE, REGISTER_DENSE, PUSH, PUSH_DENSE, DROP, EVICT, ASSIGN = 1, 2, 3, 4, 5, 6, 7
+CREATE_TABLE, REGISTER_DENSE, PUSH, PUSH_DENSE, DROP, EVICT, ASSIGN, SLOTS, ROWS_IN = 1, 2, 3, 4, 5, 6, 7, 8, 9
 KIND_NAMES = {CREATE_TABLE: "create table", REGISTER_DENSE: "register dense", PUSH: "push", PUSH_DENSE: "dense push",
-              DROP: "drop", EVICT: "evict", ASSIGN: "assign"}
+              DROP: "drop", EVICT: "evict", ASSIGN: "assign", SLOTS: "slot map", ROWS_IN: "rows moved in"}
 
 
 def checksum(kind: int, payload: bytes | memoryview) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 
 from shardps.core.errors import ShardError
 from shardps.core.exports import CorruptExport, generations, load_shard_file, read_manifest, spec_from_entry
+from shardps.core.slots import SlotMap
 from shardps.server.storage.table import Table
 from shardps.v1 import shardps_pb2 as pb
 
@@ -84,6 +85,13 @@ class Follower:
             raise ServeMismatch(
                 f"{path} was written by a cluster of {n} shards, but this shard is {s.index} of {s.num_shards}: serve "
                 f"it with {n} shards, or reshard it first: shardps compact {self.root} --to NEW_DIR --shards {s.num_shards}")
+        if m.get("slot_map"):  # written by a cluster that moved slots: its rows lie where that map put them
+            try:
+                cut_map = SlotMap.from_json(m["slot_map"])
+            except ValueError as e:
+                raise CorruptExport(f"{path}: {e}") from None
+            if cut_map.key() != s.slots.map.key():
+                s.slots.set_map(cut_map)
 
     def _table(self, entry: dict[str, Any], arrays: dict[str, np.ndarray], path: str, seq: int) -> Table:
         spec = spec_from_entry(entry)

@@ -11,9 +11,10 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from shardps.probe import add_tls_args
+from shardps.server.ops.online import add_reshard_parser, run_reshard
 from shardps.server.replica.member import ReplicaConfig
 from shardps.server.rpc.auth import TLSFiles, Tokens
 from shardps.server.rpc.fair import FairConfig
@@ -25,7 +26,7 @@ _LIMITS = Limits()
 _FAIR = FairConfig()
 
 # (flag, type, default, help) of `shardps serve`: the one list; docs/configuration.md is generated from it.
-SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
+SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
     ("host", str, "127.0.0.1", "address to bind (0.0.0.0 inside containers)"),
     ("port", int, 0, "port to bind; 0 picks a free port (printed on start)"),
     ("shard-index", int, None, "this shard's index in [0, num-shards) (required)"),
@@ -59,6 +60,10 @@ SERVE_FLAGS: list[tuple[str, Callable[[str], object], object, str]] = [
     ("lease-ttl", int, 2, "seconds of a member's etcd lease: a primary silent this long is replaced"),
     ("advertise", str, None, "the address clients and the other members reach this shard at (host:port; default: the "
      "bound host and port, or the machine's name when bound to every interface)"),
+    ("join", "switch", False, "this shard joins a running cluster (shardps reshard --add): it owns no hash slot until "
+     "slots are moved to it; give it the next --shard-index and --num-shards of at least that index + 1"),
+    ("handover-hold", float, 10.0, "longest a slot migration's handover holds writes to its slots (seconds) before it "
+     "is given up and they go on here"),
     ("worker-timeout", float, 10.0, "seconds of silence after which a training worker counts as gone"),
     ("workers", int, 8, "gRPC handler threads"),
     ("max-streams", int, 64, "call streams open at once (one per client); each holds a handler thread"),
@@ -106,6 +111,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p = sub.add_parser("serve", help="run one shard server")
     for flag, cast, default, help_ in SERVE_FLAGS:
         # default=None: resolve_env fills unset flags from the environment, then the built-in default.
+        if cast == "switch":  # a flag without a value (its variable: 1 / true / yes)
+            p.add_argument(f"--{flag}", action="store_const", const=True, default=None,
+                           help=f"{help_} [env {env_name(flag)}=1]")
+            continue
         p.add_argument(f"--{flag}", type=cast, default=None, help=f"{help_} [env {env_name(flag)}; default {default}]")
     return p
 
@@ -121,6 +130,9 @@ def resolve_env(args: argparse.Namespace, environ: Mapping[str, str]) -> argpars
         raw = environ.get(env_name(flag), "")
         if raw == "":
             setattr(args, dest, default)
+            continue
+        if cast == "switch":
+            setattr(args, dest, raw.strip().lower() in ("1", "true", "yes", "on"))
             continue
         try:
             setattr(args, dest, cast(raw))
@@ -198,11 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=None, help="with --to: partition it for this many shards")
     p.add_argument("--keep-bases", type=int, default=2, help="in place: bases kept (older ones and their deltas go)")
     p.add_argument("--log-level", default="INFO")
-    p = sub.add_parser("reshard", help="turn the data of N shards into M shards (offline)")
-    p.add_argument("--from", dest="src", required=True, help="cluster data dir holding shard-0 .. shard-(N-1)")
-    p.add_argument("--to", dest="dst", required=True, help="new cluster data dir (shard-0 .. shard-(M-1) are written)")
-    p.add_argument("--shards", type=int, required=True, help="new number of shards M")
-    p.add_argument("--log-level", default="INFO")
+    add_reshard_parser(sub)
     return parser
 
 
@@ -215,6 +223,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
         with open(args.cluster_file) as f:
             data = json.load(f)
         addresses += [m for g in data["groups"] for m in g] if data.get("groups") else data["addresses"]
+        addresses = [a for a in addresses if a]  # (a shard removed from the cluster has no address)
         tls = data.get("tls") or {}
         args.tls_ca = args.tls_ca or tls.get("ca")
         args.tls_cert = args.tls_cert or tls.get("cert")
@@ -222,6 +231,19 @@ def _addresses(args: argparse.Namespace) -> list[str]:
     if not addresses:
         raise SystemExit(f"shardps {args.command}: give shard addresses or --cluster-file") from None
     return addresses
+
+
+def _entries(args: argparse.Namespace) -> list[str]:
+    """Each shard's entry, in index order: its address, a replica group's members joined by "|", "" for a removed
+    shard (from the cluster file; given addresses are one shard each)."""
+    import json
+
+    if not args.cluster_file:
+        return _addresses(args)
+    with open(args.cluster_file) as f:
+        data = json.load(f)
+    _addresses(args)  # its TLS files
+    return ["|".join(g) for g in data["groups"]] if data.get("groups") else [str(a) for a in data["addresses"]]
 
 
 def run_health(args: argparse.Namespace) -> int:
@@ -258,7 +280,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from shardps.server.ops.launcher import LocalCluster
+    from shardps.server.ops.launcher import LocalCluster, handle_request
 
     serve_args = ["--durability", args.durability, "--fsync", args.fsync,
                   "--checkpoint-interval", str(args.checkpoint_interval)]
@@ -271,7 +293,8 @@ def run_cluster(args: argparse.Namespace) -> int:
             raise SystemExit(f"shardps cluster --replicas {args.replicas}: {INSTALL}")
         serve_args += ["--ack", args.ack]
     cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
-                           serve_args=serve_args, tls=args.tls, replicas=args.replicas, etcd=args.etcd)
+                           serve_args=serve_args, tls=args.tls, replicas=args.replicas, etcd=args.etcd,
+                           serves_requests=True)
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -294,6 +317,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         while not stop["now"]:
             time.sleep(0.5)
+            done = handle_request(cluster, args.cluster_file)  # shardps reshard --add / --remove
+            if done:
+                print(f"shardps cluster: {done}", flush=True)
             for index, rc in cluster.dead():
                 p = cluster.procs[index]
                 print(f"shardps cluster: shard {p.index} ({p.address}) died with exit code {rc}",
@@ -322,21 +348,6 @@ def _data_ports(address: str, tls: Optional[dict]) -> str:
     return f", data plane on port{'s' if len(ports) > 1 else ''} {', '.join(map(str, ports))}" if ports else ""
 
 
-def run_reshard(args: argparse.Namespace) -> int:
-    import json
-    import pathlib
-
-    from shardps.server.ops.reshard import reshard
-    from shardps.server.shard.facade import ShardMapMismatch
-
-    try:
-        summary = reshard(pathlib.Path(args.src), pathlib.Path(args.dst), args.shards)
-    except (ValueError, ShardMapMismatch) as e:
-        raise SystemExit(f"shardps reshard: {e}") from None
-    print(json.dumps(summary, indent=2))
-    return 0
-
-
 def run_export(args: argparse.Namespace) -> int:
     import json
     import pathlib
@@ -346,11 +357,11 @@ def run_export(args: argparse.Namespace) -> int:
     from shardps.core.errors import ShardError
     from shardps.core.exporter import Exporter
     from shardps.core.exports import CorruptExport, compact, generations
-    from shardps.server.ops.report import caller
+    from shardps.server.ops.resharding import ShardCalls
 
-    addresses = _addresses(args)
-    exporter = Exporter(caller(addresses, args.timeout, {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}),
-                        len(addresses), hold_s=args.hold)
+    entries = _entries(args)
+    calls = ShardCalls(entries, {"ca": args.tls_ca, "cert": args.tls_cert, "key": args.tls_key}, args.timeout)
+    exporter = Exporter(calls.call, len(entries), hold_s=args.hold, shards=[i for i, e in enumerate(entries) if e])
     try:
         if args.delta_interval <= 0:
             result = exporter.delta(args.out) if args.delta else exporter.base(args.out, args.tables,
@@ -439,7 +450,8 @@ def run_serve(args: argparse.Namespace) -> int:
             durability=args.durability, fsync=args.fsync, fsync_interval_s=args.fsync_interval,
             worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
             serve_from=args.serve_from, disk_dir=args.disk_dir, disk_cache_mb=args.disk_cache_mb,
-            disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack,
+            disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack, join=bool(args.join),
+            handover_hold_s=args.handover_hold,
             limits=Limits(
                 max_memory_mb=args.max_memory_mb, max_tables=args.max_tables, max_table_rows=args.max_table_rows,
                 max_ids_per_request=args.max_ids_per_request, max_name_length=args.max_name_length,

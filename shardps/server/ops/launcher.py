@@ -89,12 +89,18 @@ class LocalCluster:
     procs: list[_Proc] = field(default_factory=list)
     certs: Optional[DevCerts] = None
     local_etcd: Optional[LocalEtcd] = None
+    joined: set[int] = field(default_factory=set)  # shards added while running (``shardps reshard --add``)
+    retired: set[int] = field(default_factory=set)  # shards removed (``shardps reshard --remove``): stopped
+    serves_requests: bool = False  # a ``shardps cluster`` process that adds and retires shards on request
 
     def command(self, index: int, port: int, ready_file: str, member: int = 0) -> list[str]:
         """The command that runs shard ``index`` (member ``member`` of its replica group; the same flags the Compose
         file passes)."""
+        count = index + 1 if index in self.joined else self.num_shards - len(self.joined)
         cmd = [sys.executable, "-m", "shardps", "serve", "--host", self.host, "--port", str(port),
-               "--shard-index", str(index), "--num-shards", str(self.num_shards), "--ready-file", ready_file]
+               "--shard-index", str(index), "--num-shards", str(count), "--ready-file", ready_file]
+        if index in self.joined:
+            cmd.append("--join")
         if self.data_dir:
             d = pathlib.Path(self.data_dir) / f"shard-{index}"
             cmd += ["--data-dir", str(d / f"member-{member}" if self.replicas > 1 else d)]
@@ -178,13 +184,43 @@ class LocalCluster:
 
     @property
     def groups(self) -> list[list[str]]:
-        """Each shard's members' addresses."""
+        """Each shard's members' addresses (none for a retired shard)."""
         return [[p.address for p in self.procs if p.index == i] for i in range(self.num_shards)]
 
-    def write_cluster_file(self, path: str) -> None:
-        """Write the JSON file ``Client.from_file`` reads."""
+    def add_shards(self, count: int, timeout: float = 60.0) -> list[int]:
+        """Start ``count`` more shards (each a replica group with replicas) that join the running cluster, owning no
+        slot until ``shardps reshard`` moves some to them; their indices."""
+        first = self.num_shards
+        new = list(range(first, first + count))
+        self.joined.update(new)
+        self.num_shards += count
+        procs = [self._spawn(i, 0, m) for i in new for m in range(self.replicas)]
+        self.procs += procs
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            self._await_ready(p, deadline)
+        return new
+
+    def retire(self, index: int, timeout: float = 30.0) -> None:
+        """Stop shard ``index`` for good (it owns nothing any more: ``shardps reshard --remove``)."""
+        for p in [p for p in self.procs if p.index == index]:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+                try:
+                    p.popen.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait()
+            self.procs.remove(p)
+        self.retired.add(index)
+
+    def write_cluster_file(self, path: str, **extra: Any) -> None:
+        """Write the JSON file ``Client.from_file`` reads (``extra``: more keys)."""
         data: dict[str, Any] = {"addresses": self.addresses, "num_shards": self.num_shards, "data_dir": self.data_dir,
-                                "pids": [p.popen.pid for p in self.procs], "logs": self.log_dir}
+                                "pids": [p.popen.pid for p in self.procs], "logs": self.log_dir,
+                                "retired": sorted(self.retired), **extra}
+        if self.serves_requests:
+            data["launcher_pid"] = os.getpid()
         if self.replicas > 1:
             data.update(groups=self.groups, etcd=self.etcd, cluster_name=self.cluster_name)
         if self.tls_files is not None:
@@ -238,6 +274,59 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def handle_request(cluster: LocalCluster, cluster_file: str) -> Optional[str]:
+    """A request ``shardps reshard`` left for the running ``shardps cluster`` (``<cluster file>.request``: shards to
+    add or to retire), carried out; the cluster file then says it was (``request_done``) or why not
+    (``request_error``). What was done, for the log (None: no request)."""
+    path = pathlib.Path(cluster_file + ".request")
+    if not path.exists():
+        return None
+    try:
+        req = json.loads(path.read_text())
+        rid = str(req["id"])
+    except (OSError, ValueError, KeyError):
+        return None  # still being written
+    path.unlink(missing_ok=True)
+    done = ""
+    try:
+        if int(req.get("add", 0)) > 0:
+            new = cluster.add_shards(int(req["add"]))
+            done = f"added shards {new}"
+        for index in req.get("retire", []):
+            cluster.retire(int(index))
+            done += f"{'; ' if done else ''}retired shard {index}"
+        cluster.write_cluster_file(cluster_file, request_done=rid)
+    except Exception as e:  # noqa: BLE001 - told to the requester
+        cluster.write_cluster_file(cluster_file, request_error=f"{rid}: {e}")
+        done = f"request {rid} failed: {e}"
+    return done
+
+
+def request(cluster_file: str, timeout: float = 120.0, **what: Any) -> dict[str, Any]:
+    """Ask the ``shardps cluster`` that wrote ``cluster_file`` to add or retire shards (``add=K``, ``retire=[i]``);
+    the cluster file once it did."""
+    import uuid
+
+    rid = uuid.uuid4().hex[:12]
+    tmp = pathlib.Path(cluster_file + ".request.tmp")
+    tmp.write_text(json.dumps({"id": rid, **what}))
+    os.replace(tmp, cluster_file + ".request")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            data = json.loads(pathlib.Path(cluster_file).read_text())
+        except (OSError, ValueError):
+            data = {}
+        if data.get("request_done") == rid:
+            return data
+        err = str(data.get("request_error", ""))
+        if err.startswith(rid + ":"):
+            raise RuntimeError(f"shardps cluster could not do it: {err[len(rid) + 1:].strip()}")
+        time.sleep(0.1)
+    raise TimeoutError(f"shardps cluster did not answer the request in {cluster_file}.request within {timeout:.0f} s "
+                       "(is it running?)")
 
 
 def _tail(path: pathlib.Path, lines: int = 20) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable, Optional
 
@@ -9,6 +10,7 @@ import grpc
 
 from shardps.core import status
 from shardps.core.optim import optimizer_to_dict
+from shardps.core.slots import SlotMap
 from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
 from shardps.core.tokens import bearer, token_from_environment
 from shardps.probe import channel
@@ -102,6 +104,12 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
                                   "primary": r.primary, "group": r.group, "ack": r.ack,
                                   "backups": {m: {"lsn": lsn, "lag": r.lsn - lsn} for m, lsn in sorted(r.backups.items())},
                                   "etcd_age_s": round(r.etcd_age_s, 1)}
+        if info.HasField("slots") and info.slots.map_json:
+            m = SlotMap.from_json(json.loads(info.slots.map_json))
+            out[-1]["slots"] = {"epoch": m.epoch, "map_id": m.map_id, "owned": int(m.holds(info.shard_index).sum()),
+                                "shards": m.num_shards, "accept_epoch": info.slots.accept_epoch,
+                                "moves": [{"id": mv.id, "role": mv.role, "state": mv.state, "peer": mv.peer,
+                                           "slots": mv.slots, "epoch": mv.epoch} for mv in info.slots.moves]}
         if info.HasField("serving"):
             sv = info.serving
             out[-1]["serving"] = {"directory": sv.directory, "base": sv.base, "delta": sv.delta,
@@ -143,6 +151,12 @@ def render(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{'':>5}   member {rp['member']} of {rp['group']}: {rp['role']}, epoch {rp['epoch']}, log at "
                          f"record {rp['lsn']}" + (f"; backups: {lag}" if lag else "") +
                          (f"; primary {rp['primary']}" if rp["role"] != "primary" else "") + f"; --ack {rp['ack']}")
+        if "slots" in r and (r["slots"]["epoch"] or r["slots"]["moves"]):
+            sl = r["slots"]
+            moving = "; ".join(f"{m['role']} of move {m['id']} ({m['slots']} slots, {m['state']}, shard {m['peer']}, "
+                               f"to epoch {m['epoch']})" for m in sl["moves"])
+            lines.append(f"{'':>5}   owns {sl['owned']} of 16384 hash slots (slot map epoch {sl['epoch']}, "
+                         f"{sl['shards']} shards)" + (f"; {moving}" if moving else ""))
         if "serving" in r:
             sv = r["serving"]
             lines.append(f"{'':>5}   serving {sv['directory']}: base {sv['base']} + delta {sv['delta']} "

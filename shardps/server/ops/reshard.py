@@ -61,6 +61,7 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
         meta, arrays, _ = shard.snapshot()
         if meta.get("disk_tier"):  # tables with a disk tier: their rows on disk join the hot ones
             _add_disk_rows(shard, meta, arrays)
+        _owned_only(shard, meta, arrays)
         snapshots.append((meta, arrays))
         shard.close()
     # Every shard knows every table's spec; check they agree.
@@ -127,6 +128,21 @@ def reshard(src: pathlib.Path, dst: pathlib.Path, num_shards: int) -> dict[str, 
         assert sum(t["per_shard"]) == t["rows"], f"{name}: rows lost or duplicated"
     log.info("resharded %s (%d shards) into %s (%d shards)", src, old_n, dst, num_shards)
     return summary
+
+
+def _owned_only(shard: Shard, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Keep the rows the shard owns under its slot map (a migration stopped midway leaves rows on its target that
+    are still the source's)."""
+    for i, entry in enumerate(meta["tables"]):
+        p = f"t{i}."
+        ids = arrays.get(p + "ids")
+        if ids is None or not ids.shape[0]:
+            continue
+        keep = shard.slots.owned(checkpoints.spec_of(entry), ids)
+        if keep.all():
+            continue
+        for k in [k for k in arrays if k.startswith(p) and not k[len(p):].startswith(TABLE_WIDE)]:
+            arrays[k] = arrays[k][keep]
 
 
 def _tiered(entry: dict[str, Any]) -> bool:

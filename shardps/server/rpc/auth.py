@@ -9,7 +9,8 @@ exit), before the request is decoded. Roles:
 - ``reader``: pulls (rows and dense tensors), DescribeTable, ShardInfo: serving and inference.
 - ``trainer``: a reader's calls, pushes, assignments (a loaded state dict), heartbeats, and CreateTable / RegisterDense of what exists
   already with the same spec (a job restarting); creating anything new is an admin's.
-- ``admin``: every call (create and drop tables, checkpoints, exports, a backup following its primary).
+- ``admin``: every call (create and drop tables, checkpoints, exports, a backup following its primary, slot
+  migrations).
 
 A call without a known token gets UNAUTHENTICATED, one whose role may not make it
 PERMISSION_DENIED. The gRPC health service stays open (orchestrators probe it with no token).
@@ -29,7 +30,7 @@ from shardps.core.tokens import token_of
 
 READER = frozenset({"Pull", "PullDense", "PullBatch", "DescribeTable", "ShardInfo"})
 TRAINER = READER | {"Push", "PushDense", "PushBatch", "Heartbeat", "CreateTable", "RegisterDense", "Assign"}
-ADMIN = TRAINER | {"DropTable", "Checkpoint", "Export", "Replicate"}
+ADMIN = TRAINER | {"DropTable", "Checkpoint", "Export", "Replicate", "Migrate"}
 ALLOWED: dict[str, frozenset[str]] = {"reader": READER, "trainer": TRAINER, "admin": ADMIN}
 # A trainer may call these only for what exists already with the same spec.
 CREATE = frozenset({"CreateTable", "RegisterDense"})

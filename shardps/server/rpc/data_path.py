@@ -31,7 +31,8 @@ class DataPath:
 
     def check_map(self, shard_map: Any) -> None:
         if shard_map is not None:
-            self.shard.check_shard_map(shard_map.shard_index, shard_map.num_shards)
+            self.shard.check_shard_map(shard_map.shard_index, shard_map.num_shards, shard_map.map_epoch,
+                                       shard_map.map_id)
 
     # ---- pulls -------------------------------------------------------------------------
 
@@ -80,10 +81,14 @@ class DataPath:
         return convert.push_response(self._apply(t, ids, d, request))
 
     def _validated_push(self, request: Buffer, dense: bool) -> tuple[Any, Any, Any]:
-        """Decode and check a push without applying it: (table, row ids, decoded push)."""
+        """Decode and check a push without applying it: (table, row ids, decoded push); table None for a push this
+        shard applied before (a resend: answered as a duplicate before ownership is checked, since its rows may
+        have moved to another shard since, with the push in them)."""
         d = wire.decode_push(request, dense=dense)
         self.check_map(d.shard_map)
         assert d.grads is not None
+        if d.client_id and self.shard.updates.seen.contains(d.client_id, d.seq):
+            return None, None, d
         if dense:
             t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads, convert.sync_part(d.sync))
         else:
@@ -92,6 +97,8 @@ class DataPath:
         return t, ids, d
 
     def _apply(self, t: Any, ids: Any, d: Any, raw: Buffer) -> PushResult:
+        if t is None:
+            return self.shard.duplicate_push()
         return self.shard.apply_push(t, ids, d.grads, d.pulled_version, d.client_id, d.seq,
                                      convert.sync_part(d.sync), raw=raw)
 

@@ -2,15 +2,11 @@
 (``GrpcStream``), translating between ``ReplicaAck`` / ``ReplicaFrame`` and the replica layer's plain values
 (``shardps.server.replica.member``).
 
-A backup's outbound calls authenticate as every client-side tool does: TLS from ``SHARDPS_TLS_CA`` /
-``SHARDPS_TLS_CLIENT_CERT`` / ``SHARDPS_TLS_CLIENT_KEY`` and the admin token in ``SHARDPS_TOKEN_FILE`` or
-``SHARDPS_TOKEN`` (a tokens file keeps only digests: a member cannot use the tokens it checks).
+A backup's outbound calls authenticate as every client-side tool does (``rpc.outbound``).
 """
 
 from __future__ import annotations
 
-import os
-import pathlib
 import queue
 from typing import Any, Iterator, Optional
 
@@ -18,14 +14,14 @@ import grpc
 
 from shardps.core import protocol
 from shardps.core.errors import InvalidArgument
-from shardps.core.tokens import bearer, token_from_environment
 from shardps.server.durability.replication import Shipped
 from shardps.server.replica import shipping
 from shardps.server.replica.frames import Frame, Hello
 from shardps.server.replica.member import ReplicaMember
+from shardps.server.rpc import outbound
 from shardps.v1 import shardps_pb2 as pb
 
-MAX_MESSAGE = 64 << 20
+MAX_MESSAGE = outbound.MAX_MESSAGE
 
 
 def hello_of(msg: pb.ReplicaAck) -> Hello:
@@ -62,9 +58,9 @@ def frame_of(msg: pb.ReplicaFrame) -> Frame:
 def serve(member: Optional[ReplicaMember], requests: Iterator[pb.ReplicaAck],
           context: grpc.ServicerContext) -> Iterator[pb.ReplicaFrame]:
     """The primary's side of a backup's stream (the call chain authenticated it)."""
+    hello = hello_of(next(requests))  # (a malformed first message is refused as such)
     if member is None:
         raise InvalidArgument("this shard is not a member of a replica group (shardps serve --replicas)")
-    hello = hello_of(next(requests))
 
     def acks() -> Iterator[int]:
         for msg in requests:
@@ -79,16 +75,7 @@ class GrpcStream:
 
     def __init__(self, address: str, hello: Hello, timeout: float = 10.0) -> None:
         self.address = address
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
-        ca = os.environ.get("SHARDPS_TLS_CA")
-        if ca:
-            read = lambda v: pathlib.Path(os.environ[v]).read_bytes() if os.environ.get(v) else None  # noqa: E731
-            creds = grpc.ssl_channel_credentials(pathlib.Path(ca).read_bytes(), read("SHARDPS_TLS_CLIENT_KEY"),
-                                                 read("SHARDPS_TLS_CLIENT_CERT"))
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
-        token = token_from_environment()
+        self._channel = outbound.channel(address)
         method = self._channel.stream_stream(protocol.METHODS["Replicate"].path,
                                              request_serializer=pb.ReplicaAck.SerializeToString,
                                              response_deserializer=pb.ReplicaFrame.FromString)
@@ -96,7 +83,7 @@ class GrpcStream:
         self._queue.put(pb.ReplicaAck(hello=pb.ReplicaHello(
             cluster=hello.cluster, shard_map=pb.ShardMap(shard_index=hello.shard_index, num_shards=hello.num_shards),
             member=hello.member, lsn=hello.lsn, last_epoch=hello.last_epoch, epoch=hello.epoch)))
-        self._call: Any = method(self._requests(), metadata=bearer(token) if token else None)
+        self._call: Any = method(self._requests(), metadata=outbound.metadata())
         self._timeout = timeout
 
     def _requests(self) -> Iterator[pb.ReplicaAck]:

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardps.core import kernels
+from shardps.core.errors import NotPrimary
 from shardps.core.memory import release_free_memory, tune_malloc
 from shardps.server.exports.serving import Follower
 from shardps.server.replica.member import ReplicaConfig, ReplicaMember
@@ -29,6 +30,7 @@ from shardps.server.rpc import fair
 from shardps.server.rpc.auth import TLSFiles, Tokens
 from shardps.server.rpc.fair import FairConfig
 from shardps.server.rpc.metrics import Metrics
+from shardps.server.rpc.migrate import ArrivalResolver
 from shardps.server.rpc.replication import GrpcStream
 from shardps.server.rpc.servicer import ShardServicer, add_to_server
 from shardps.server.shard.facade import Shard, ShardConfig
@@ -166,6 +168,8 @@ class ShardServer:
         self._trim_thread = threading.Thread(target=self._trim_when_idle, name="trimmer", daemon=True)
         self._sweep_thread = threading.Thread(target=self._sweep_loop, name="sweeper", daemon=True)
         self._follow_thread = threading.Thread(target=self._follow_loop, name="follower", daemon=True)
+        # A move prepared here and left so by its driver is settled with its source (``rpc.migrate``).
+        self._arrivals = ArrivalResolver(self.shard, lambda: self.replica is None or self.replica.is_primary)
         self._started = False
 
     @property
@@ -210,6 +214,8 @@ class ShardServer:
             self._follow_thread.start()
         if self.replica is not None:
             self.replica.start()
+        if not self.shard.read_only:
+            self._arrivals.start()
         log.info("shard %d of %d serving on %s%s; %s", self.shard.index, self.shard.num_shards, self.address,
                  f" (data plane: ports {', '.join(map(str, self.data_plane.ports))})" if self.data_plane else "",
                  self._keeps())
@@ -297,6 +303,7 @@ class ShardServer:
         if self._stopped.is_set():
             return
         self._stop.set()
+        self._arrivals.stop()
         if self.replica is not None:  # a primary gives its key back: its backups elect at once
             self.replica.stop()
         self._health.enter_graceful_shutdown()
@@ -310,7 +317,10 @@ class ShardServer:
         if self._trim_thread.is_alive():
             self._trim_thread.join()
         if checkpoint and self.shard.data_dir is not None and self.shard.config.durability != "none":
-            self.shard.checkpoint("shutdown")
+            try:
+                self.shard.checkpoint("shutdown")
+            except NotPrimary as e:  # a replica group's member that is not (or no longer) the primary: its log
+                log.info("shard %d: no checkpoint on shutdown (%s); its log holds every record", self.shard.index, e)
         self.shard.close()
         if isinstance(self.metrics, Metrics):
             self.metrics.close()

@@ -8,15 +8,17 @@ pulls and pushes, as unary calls and as frames of a ``Stream``.
 from __future__ import annotations
 
 import functools
+import json
 import threading
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import grpc
 
 from shardps.core import protocol, status
+from shardps.core.errors import Unavailable
 from shardps.core.specs import dense_spec_from_pb, table_spec_from_pb
 from shardps.core.wire import parse
-from shardps.server.rpc import convert, replication
+from shardps.server.rpc import convert, migrate, replication
 from shardps.server.rpc.auth import Grant, Tokens
 from shardps.server.rpc.chain import CallChain, caller_limits
 from shardps.server.rpc.data_path import DataPath
@@ -207,7 +209,12 @@ class ShardServicer(pb_grpc.ShardServicer):
                                   idle_s=idle)
         if self.replica is not None:
             info.replica.CopyFrom(pb.ReplicaInfo(**self.replica.info()))
+        info.slots.CopyFrom(migrate.slots_info(self.shard))
         return info
+
+    @_rpc
+    def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> pb.MigrateResponse:
+        return migrate.handle(self.shard, request)
 
     @_rpc
     def Checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointResponse:
@@ -237,10 +244,16 @@ class ShardServicer(pb_grpc.ShardServicer):
             return pb.ExportResponse()
         if phase == pb.ExportRequest.BEGIN:
             since = request.since_version if request.delta else None
+            cut_map = shard.slots.map
             # After PREPARE (a cluster-wide cut) the copy resumes pushes; without it, this shard is copied now.
-            return convert.export_begun(*shard.export_begin(request.export_id, list(request.tables),
-                                                            request.optimizer_state, since,
-                                                            prepared=not shard.gate.is_open))
+            begun = convert.export_begun(*shard.export_begin(request.export_id, list(request.tables),
+                                                             request.optimizer_state, since,
+                                                             prepared=not shard.gate.is_open))
+            if shard.slots.map is not cut_map:  # a slot migration committed around the copy: its map is unknown
+                shard.export_end(request.export_id)
+                raise Unavailable(f"shard {shard.index}: its slot map changed during the export's copy; retry")
+            begun.slot_map = json.dumps(cut_map.to_json(), separators=(",", ":"))
+            return begun
         return convert.export_page(shard.export_read(request.export_id, request.table, request.offset,
                                                      request.max_rows, request.read_tombstones))
 

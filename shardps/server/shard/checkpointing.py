@@ -58,6 +58,7 @@ class Checkpointer:
         self.check_writable = check_writable
         self.lock = threading.Lock()  # one cut at a time (checkpoints, exports)
         self.files = CheckpointFiles()
+        self.migrations: Any = None  # the shard's slot migrations (``shard.migration``): a cut waits for a handover
 
     # ---- holding pushes back ---------------------------------------------------------
 
@@ -67,6 +68,9 @@ class Checkpointer:
         self.check_writable("a checkpoint or export")
         hold = self.hold_s if not hold_s else min(hold_s, self.hold_s)
         with self.lock:
+            handing = self.migrations.handing_over() if self.migrations is not None else ""
+            if handing:  # its slots change hands any moment: a cluster-wide cut would miss or double them
+                raise Unavailable(f"shard {self.index}: slot migration {handing} is handing over; retry the cut")
             self.gate.close()
             for t in self.registry.tables():  # pushes that passed the gate before it closed finish first
                 with t.lock:
@@ -96,6 +100,8 @@ class Checkpointer:
         """Every (name, table) by name, with the registry lock and every table's lock held (one version), and
         when the table locks began to be taken (``time.perf_counter``: from then on pushes wait)."""
         with ExitStack() as stack:
+            if self.migrations is not None:  # the slot map and the rows it decides are copied together
+                stack.enter_context(self.migrations.lock)
             stack.enter_context(self.registry.lock)
             tables = self.registry.sorted_items()
             t0 = time.perf_counter()
@@ -114,6 +120,8 @@ class Checkpointer:
             }
             if isinstance(self.durability, ReplicatedLog):  # a replica group's member: where its log ends
                 meta["lsn"], meta["epochs"] = self.durability.lsn, self.durability.history
+            if self.migrations is not None:
+                meta["slots"] = self.migrations.to_meta()
             tier_dir = None
             if self.registry.tiers is not None and self.registry.tiered():
                 meta["disk_tier"] = tier_name or f"snapshot-{uuid.uuid4().hex[:12]}"

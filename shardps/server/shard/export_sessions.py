@@ -5,10 +5,11 @@ pages until the exporter ends the session (or leaves it idle).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
@@ -31,8 +32,10 @@ class DiskRows:
     after version ``since``. Read page by page in order; a page out of order starts the scan again."""
 
     def __init__(self, reader: CheckpointReader, name: str, codec: RecordCodec, hot: dict[str, np.ndarray],
-                 since: Optional[int], optimizer_state: bool, rows: Optional[int]) -> None:
+                 since: Optional[int], optimizer_state: bool, rows: Optional[int],
+                 keep: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> None:
         self.reader, self.name, self.codec, self.hot = reader, name, codec, hot
+        self.keep = keep  # which ids the copy keeps (None: all)
         self.hot_ids = np.sort(hot["ids"])
         self.since, self.optimizer_state = since, optimizer_state
         self.rows = rows if rows is not None else sum(b["ids"].shape[0] for b in self._batches())
@@ -41,7 +44,9 @@ class DiskRows:
     def _batches(self) -> Iterator[dict[str, np.ndarray]]:
         for lo in range(0, self.hot["ids"].shape[0], 1 << 16):
             part = {k: np.asarray(v[lo:lo + (1 << 16)]) for k, v in self.hot.items()}
-            keep = part["meta.last_version"] > self.since if self.since is not None else slice(None)
+            keep = part["meta.last_version"] > self.since if self.since is not None else np.ones(part["ids"].shape, bool)
+            if self.keep is not None:
+                keep &= self.keep(part["ids"])
             out = {"ids": part["ids"][keep], "values": part["rows"][keep]}
             if self.optimizer_state:
                 out["steps"] = part["steps"][keep].astype(np.int64)
@@ -52,6 +57,8 @@ class DiskRows:
             keep = ~np.isin(ids, self.hot_ids, assume_unique=True)
             if self.since is not None:
                 keep &= rec["last_version"] > self.since
+            if self.keep is not None:
+                keep &= self.keep(ids)
             if keep.any():
                 rec = rec[keep]
                 out = {"ids": ids[keep], "values": np.ascontiguousarray(rec["rows"])}
@@ -144,6 +151,9 @@ class ExportSessions:
         self.check_writable = check_writable
         self.floor: Optional[int] = None  # removals are tracked since this version (None: not yet)
         self._exports: dict[str, _Export] = {}
+        # While slots arrive here (a migration's rows held but not yet owned), a copy keeps the owned rows only.
+        self.owned: Optional[Callable[[Any, np.ndarray], np.ndarray]] = None
+        self.arriving: Callable[[], bool] = lambda: False
 
     def created(self, t: Table) -> None:
         """A new table or dense tensor: while an export follows the shard, its evictions are tracked."""
@@ -173,8 +183,9 @@ class ExportSessions:
         tier = ""
         with self.cuts.lock, self.cuts.phase_two(f"export {export_id}", prepared):
             with self.cuts.all_locked() as (tables, _):
+                arriving = self.arriving()
                 version = self.version()
-                copies = self._copy(tables, set(names), optimizer_state, since, version)
+                copies = self._copy(tables, set(names), optimizer_state, since, version, arriving)
                 tiered = {name: t.hot for name, t in tables if name in copies and t.hot is not None}
                 if tiered:  # a checkpoint of the disk tier, the hot rows spilled into it: no copy in memory
                     tier = f"export-{export_id}"
@@ -186,11 +197,13 @@ class ExportSessions:
         if tier:  # the rows, read from the tier's checkpoint of the cut, after the locks
             assert self.registry.tiers is not None
             reader = self.registry.tiers.open_checkpoint(tier)
+            keep = self.owned if self.owned is not None and arriving else None
             for name, h in tiered.items():
                 c = copies[name]
                 hot, _ = read_spill(tier_dir, h.store.name, h.codec.describe())
                 c.disk = DiskRows(reader, name, h.codec, hot, None if c.full else since, optimizer_state,
-                                  counts[name] if c.full else None)
+                                  counts[name] if c.full and keep is None else None,
+                                  None if keep is None else functools.partial(keep, c.spec))
         self._exports[export_id] = _Export(version, copies, time.monotonic(), tier)
         rows = sum(c.rows for c in copies.values())
         log.info("shard %d: export %s at version %d: %d tables, %d rows%s", self.index, export_id, version,
@@ -198,7 +211,7 @@ class ExportSessions:
         return version, copies
 
     def _copy(self, tables: list[tuple[str, Table]], wanted: set[str], optimizer_state: bool,
-              since: Optional[int], version: int) -> dict[str, ExportedCopy]:
+              since: Optional[int], version: int, arriving: bool = False) -> dict[str, ExportedCopy]:
         """The copies of a cut (every table locked); from it on, evictions are kept for the next delta."""
         missing = wanted - {name for name, _ in tables}
         if missing and since is None:
@@ -219,7 +232,11 @@ class ExportSessions:
                 copies[name] = ExportedCopy(t.spec, full, _no_rows(t.dim, t.optimizer.state_names(), optimizer_state,
                                                                   since is not None))
                 continue
-            copies[name] = ExportedCopy(t.spec, full, t.export_copy(version, None if full else since, optimizer_state))
+            arrays = t.export_copy(version, None if full else since, optimizer_state)
+            if arriving and self.owned is not None:  # rows of slots arriving here are not this shard's yet
+                keep = self.owned(t.spec, arrays["ids"])
+                arrays = {k: (v if k == "tombstones" else v[keep]) for k, v in arrays.items()}
+            copies[name] = ExportedCopy(t.spec, full, arrays)
             if since is not None and t.removals is not None:
                 t.removals.trim(since)
         if self.floor is None:

@@ -38,8 +38,10 @@ from shardps.server.shard.cuts import ShardCuts
 from shardps.server.shard.export_sessions import ExportedCopy, ExportSessions
 from shardps.server.shard.limits import Limits
 from shardps.server.shard.metrics import NO_METRICS, NullMetrics
+from shardps.server.shard.migration import Migrations
 from shardps.server.shard.recovery import LogReplayError, Recovery, ShardMapMismatch
 from shardps.server.shard.registry import TableRegistry
+from shardps.server.shard.slots import SlotOwnership
 from shardps.server.shard.sync import Membership, SyncCoordinator, SyncPart, check_sync
 from shardps.server.shard.updates import Counters, PushResult, UpdatePath
 from shardps.server.shard.validation import Validator
@@ -90,6 +92,9 @@ class ShardConfig:
         disk_cache_mb: RocksDB's block cache of the disk tier, MiB (beyond the tables' memory budget).
         disk_min_free_mb: free space the disk tier keeps on its file system: a write that would leave less is
             refused (RocksDB stops after a write that fails for want of space).
+        join: a shard added to a running cluster (``shardps reshard --add``): it owns no slot until the driver moves
+            some to it (without a data dir holding a slot map).
+        handover_hold_s: longest a slot handover holds writes to its slots before it is given up.
         replicas: members of this shard's replica group (1: no replicas); with more, its changes are numbered and
             shipped (``shardps.server.durability.replication``) and ``shardps.server.replica`` runs the group.
         ack: with replicas, when a write is acknowledged: "quorum" (a majority of the group has it in its log) or
@@ -113,6 +118,8 @@ class ShardConfig:
     disk_min_free_mb: int = 256
     replicas: int = 1
     ack: str = "quorum"
+    join: bool = False
+    handover_hold_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.serve_from is not None and self.data_dir is not None:
@@ -212,19 +219,24 @@ class Shard(ShardCuts):
                                             before_wait=functools.partial(before_wait, ordered=False),
                                             epochs_path=self.data_dir / "replica-epochs.json" if self.data_dir else None)
         self.gate = CheckpointGate(f"shard {self.index}")
+        self.slots = SlotOwnership(self.index, self.num_shards, config.join, before_wait)
+        self.slots.hold_s = config.handover_hold_s + 5
         self.updates = UpdatePath(self.index, self.durability, self.gate, config.checkpoint_hold_s + 5, metrics,
-                                  before_wait)
+                                  before_wait, self.slots)
         self.sync = SyncCoordinator(self.index, Membership(config.worker_timeout_s, config.limits.max_workers),
                                     self._apply_step, metrics, before_wait)
         self.membership = self.sync.membership
         self.read_only = config.serve_from is not None
         self.serving: Optional[Any] = None  # set by a serving shard's follower
-        self.check = Validator(self.index, self.num_shards, self.registry, self.limits, config.serve_from)
+        self.check = Validator(self.slots, self.registry, self.limits, config.serve_from)
         self.checkpointer = Checkpointer(self.index, self.num_shards, self.data_dir, self.registry, self.updates,
                                          self.durability, self.gate, config.checkpoint_hold_s,
                                          config.keep_checkpoints, metrics, self.check.writable)
         self.exports = ExportSessions(self.index, self.registry, self.limits, self.checkpointer,
                                       lambda: self.updates.version, self.check.writable)
+        self.migrations = Migrations(self, config.handover_hold_s)
+        self.checkpointer.migrations = self.migrations  # cuts and handovers exclude each other
+        self.exports.owned, self.exports.arriving = self.slots.owned, lambda: bool(self.migrations.into)
         if self.data_dir is not None and self.durability.mode != "none":
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._recovery().restore()
@@ -259,8 +271,8 @@ class Shard(ShardCuts):
 
     # ---- checks (shard.validation) ------------------------------------------------------
 
-    def check_shard_map(self, shard_index: int, num_shards: int) -> None:
-        self.check.check_shard_map(shard_index, num_shards)
+    def check_shard_map(self, shard_index: int, num_shards: int, map_epoch: int = 0, map_id: str = "") -> None:
+        self.check.check_shard_map(shard_index, num_shards, map_epoch, map_id)
 
     def check_reply(self, t: Table, rows: int, itemsize: int) -> None:
         self.check.check_reply(t, rows, itemsize)
@@ -367,6 +379,11 @@ class Shard(ShardCuts):
             self.updates.release(client_id, seq, e)
             raise
         return PushResult(version, staleness, False)
+
+    def duplicate_push(self) -> PushResult:
+        """The answer to a push applied before (its resend), counted."""
+        self.updates.stats.count("duplicates")
+        return PushResult(self.version, 0, True)
 
     def _apply_step(self, t: Table, ids: np.ndarray, grads: np.ndarray) -> int:
         """The update path of a complete synchronous step: logged as a row push, even for a dense tensor."""

@@ -39,6 +39,7 @@ class Replayable(Protocol):
 
     registry: TableRegistry
     updates: UpdatePath
+    migrations: Any  # shard.migration.Migrations
 
     def create_table(self, spec: TableSpec, may_create: bool = True) -> bool: ...
 
@@ -146,6 +147,10 @@ def replay(shard: Replayable, change: durability.Change) -> None:
         updates.assign(found, change.ids, change.values, replaying=True)
     elif isinstance(change, durability.Evict):
         updates.evict(_table(shard, change.name, "evicts from"), change.ids, change.cause)
+    elif isinstance(change, durability.Slots):
+        shard.migrations.replay(change.change)
+    elif isinstance(change, durability.RowsIn):
+        shard.migrations.apply_rows_in(change)
     else:
         d = change.push
         assert d.grads is not None
@@ -198,5 +203,6 @@ def load_state(shard: Replayable, meta: dict[str, Any], arrays: dict[str, np.nda
                 t.hot.restore(registry.tiers.checkpoint_root / tier)
         shard.updates.version = int(meta["version"])
         shard.updates.seen.load_json(meta.get("seen", {}))
+        shard.migrations.load_meta(meta.get("slots"))
         for t in registry.tables():
             t.restart_history(shard.updates.version)

@@ -22,6 +22,7 @@ from shardps.core.ids import coalesce
 from shardps.server.durability.gate import CheckpointGate
 from shardps.server.durability.modes import Durability, Record, record_evict, with_staleness
 from shardps.server.shard.metrics import NO_METRICS, NullMetrics
+from shardps.server.shard.slots import SlotOwnership
 from shardps.server.storage.bounded import CAUSE_CAPACITY, CAUSE_TTL
 from shardps.server.storage.table import Table, now_ticks
 
@@ -64,6 +65,12 @@ class SeenPushes:
                 del self._clients[gone]
                 self._in_flight.pop(gone, None)
             return True
+
+    def contains(self, client: str, seq: int) -> bool:
+        """Whether (client, seq) was claimed (applied, or being applied)."""
+        with self._lock:
+            entry = self._clients.get(client)
+            return entry is not None and (seq <= entry[0] or seq in entry[1])
 
     def settle(self, client: str, seq: int) -> None:
         """The claimed push was applied (callers hold the lock of the table it changed)."""
@@ -165,8 +172,10 @@ class UpdatePath:
     """Version, exactly-once records and counters, and ``apply``: the only code that changes rows."""
 
     def __init__(self, shard_index: int, durability: Durability, gate: CheckpointGate, gate_wait_s: float,
-                 metrics: NullMetrics = NO_METRICS, before_wait: Callable[[], None] = lambda: None) -> None:
+                 metrics: NullMetrics = NO_METRICS, before_wait: Callable[[], None] = lambda: None,
+                 slots: Optional[SlotOwnership] = None) -> None:
         self.shard_index = shard_index
+        self.slots = slots  # what the shard owns: a change re-checks it under the table's lock (``_turn``)
         self.metrics = metrics
         self.before_wait = before_wait  # called before a push waits (a checkpoint's hold): the scheduler's hook
         self.durability = durability
@@ -206,7 +215,7 @@ class UpdatePath:
         """
         replaying = replayed_staleness is not None
         uniq, summed = coalesce(ids, grads) if ids.size else (ids, grads)
-        with self._turn(t, replaying, "pushes"):
+        with self._turn(t, replaying, "pushes", uniq):
             staleness, per_row = self._staleness(t, uniq, pulled_version, replayed_staleness, replayed_per_row)
             stamp = self._next_version()
             policy = t.spec.staleness
@@ -237,7 +246,7 @@ class UpdatePath:
                replaying: bool = False) -> int:
         """Set the rows of sorted unique ``ids`` to ``values``: a new version, like a push, logged (``record``)
         before the capacity evictions it causes (replay applies the logged ones instead). The version after."""
-        with self._turn(t, replaying, "changes"):
+        with self._turn(t, replaying, "changes", ids):
             stamp = self._next_version()
             done = t.assign_rows(ids, values, stamp, now_ticks(), evict=not replaying)
             if t.history is not None:
@@ -249,22 +258,51 @@ class UpdatePath:
         self.durability.wait(ticket)
         return version
 
+    def write(self, t: Table, change: Callable[[int], object], record: Record = (0, b""), replaying: bool = False,
+              durable: bool = False) -> int:
+        """A change that is neither a push nor an assignment (rows a migration moves in or out): ``change(stamp)``
+        under the table's lock (a checkpoint's hold waited out first, no slot checks), a new version, ``record``
+        appended; the version after it."""
+        with self._turn(t, replaying, "changes"):
+            change(self._next_version())
+            version = self._advance()
+            ticket = self.durability.append(record) if record[0] else 0
+        self.durability.wait(ticket, durable)
+        return version
+
     @contextmanager
-    def _turn(self, t: Table, replaying: bool, what: str) -> Iterator[None]:
-        """Hold ``t.lock`` for one change, once no prepared two-phase checkpoint holds ``what`` back: that is
-        waited out (bounded) outside the lock. Replay never waits."""
+    def _turn(self, t: Table, replaying: bool, what: str, ids: Optional[np.ndarray] = None) -> Iterator[None]:
+        """Hold ``t.lock`` for one change of ``ids``, once no prepared two-phase checkpoint holds ``what`` back and
+        no slot handover holds those rows: both are waited out (bounded) outside the lock; rows this shard no longer
+        owns (a handover committed since the request was checked) are refused. Replay never waits."""
         while True:
             t.lock.acquire()
-            if replaying or self.gate.is_open:
+            if replaying:
                 try:
                     yield
                 finally:
                     t.lock.release()
                 return
-            t.lock.release()
-            self.before_wait()
-            if not self.gate.wait(self.gate_wait_s):
-                raise Unavailable(f"shard {self.shard_index}: {what} held back by a checkpoint for too long")
+            if not self.gate.is_open:
+                t.lock.release()
+                self.before_wait()
+                if not self.gate.wait(self.gate_wait_s):
+                    raise Unavailable(f"shard {self.shard_index}: {what} held back by a checkpoint for too long")
+                continue
+            slots = self.slots
+            if slots is not None and slots.guarded and ids is not None and ids.size:
+                state = slots.blocked(t.spec, ids)
+                if state:
+                    t.lock.release()
+                    if state == "moved":
+                        raise slots.moved(t.spec, ids)
+                    slots.wait_for(t.spec, ids, True, f"{what} to {t.spec.name!r}")
+                    continue
+            try:
+                yield
+            finally:
+                t.lock.release()
+            return
 
     def _next_version(self) -> int:
         """The version the change being applied will have (caller holds its table's lock)."""
@@ -316,9 +354,18 @@ class UpdatePath:
 
     def read(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of validated ``ids`` of ``t`` (absent ones created) and the version they were read at."""
-        with t.lock:
-            version = self.version
-            rows = t.read(ids, version)
+        slots = self.slots
+        while True:
+            with t.lock:
+                state = slots.blocked(t.spec, ids, write=False) if slots is not None and slots.guarded else ""
+                if not state:
+                    version = self.version
+                    rows = t.read(ids, version)
+                    break
+            assert slots is not None
+            if state == "moved":
+                raise slots.moved(t.spec, ids)
+            slots.wait_for(t.spec, ids, False, f"a pull of {t.spec.name!r}")
         self.stats.pulled(ids.shape[0])
         self.metrics.pulled(t.spec.name, ids.shape[0], t.dim * 4)
         return rows, version

@@ -9,22 +9,22 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from shardps.core.errors import InvalidArgument, OutOfRange, ReadOnly, ResourceExhausted, WrongShard
-from shardps.core.routing import dense_rows_owned, shard_of_ids
+from shardps.core.errors import InvalidArgument, OutOfRange, ReadOnly, ResourceExhausted
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.shard.limits import Limits
 from shardps.server.shard.registry import TableRegistry
+from shardps.server.shard.slots import Owns, SlotOwnership
 from shardps.server.shard.sync import SyncPart, check_sync
 from shardps.server.storage.table import Table
 
 
 class Validator:
-    """Checks of one shard (index of num_shards); ``serve_from`` is set on a read-only serving shard."""
+    """Checks of one shard (what it owns: ``slots``); ``serve_from`` is set on a read-only serving shard."""
 
-    def __init__(self, shard_index: int, num_shards: int, registry: TableRegistry, limits: Limits,
+    def __init__(self, slots: SlotOwnership, registry: TableRegistry, limits: Limits,
                  serve_from: Optional[str]) -> None:
-        self.index = shard_index
-        self.num_shards = num_shards
+        self.index = slots.index
+        self.slots = slots
         self.registry = registry
         self.limits = limits
         self.serve_from = serve_from
@@ -38,16 +38,12 @@ class Validator:
         if self.guard is not None:
             self.guard(what)
 
-    def check_shard_map(self, shard_index: int, num_shards: int) -> None:
-        """Refuse requests addressed to another (index, count) than this shard's (count 0: not given)."""
-        if num_shards == 0:
+    def check_shard_map(self, shard_index: int, num_shards: int, map_epoch: int = 0, map_id: str = "") -> None:
+        """Refuse requests addressed to another shard, or naming another cluster's slot map or one from the future
+        (count 0: no shard map given)."""
+        if num_shards == 0 and not map_epoch and not map_id:
             return
-        if (shard_index, num_shards) != (self.index, self.num_shards):
-            raise WrongShard(
-                f"request meant for shard {shard_index} of {num_shards} reached "
-                f"shard {self.index} of {self.num_shards}: the client's address list does not match the cluster "
-                f"(expected shard map: index {self.index}, {self.num_shards} shards)"
-            )
+        self.slots.check_request(shard_index, num_shards, map_epoch, map_id)
 
     def check_ids_count(self, ids: np.ndarray) -> None:
         self.limits.check("ids in one request", ids.shape[0] if ids.ndim else 1, "max_ids_per_request")
@@ -63,17 +59,7 @@ class Validator:
 
     def ownership(self, spec: Union[TableSpec, DenseSpec]) -> tuple[Callable[[np.ndarray], np.ndarray], int]:
         """(which ids of an array this shard owns, rows it is expected to hold) of a table or dense tensor."""
-        if isinstance(spec, DenseSpec):
-            owned = dense_rows_owned(spec.name, spec.rows, spec.chunk_rows, self.num_shards, self.index)
-
-            def owns(ids: np.ndarray, owned: np.ndarray = owned) -> np.ndarray:
-                return owned[ids]
-
-            return owns, int(owned.sum())
-        return self._owns_ids, 1024 if spec.num_embeddings is None else spec.num_embeddings // self.num_shards + 1024
-
-    def _owns_ids(self, ids: np.ndarray) -> np.ndarray:
-        return shard_of_ids(ids, self.num_shards) == self.index
+        return Owns(self.slots, spec), self.slots.expected_rows(spec)
 
     def pull(self, name: str, ids: np.ndarray, itemsize: int) -> Table:
         """Check a row pull; returns its table."""

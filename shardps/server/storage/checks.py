@@ -24,6 +24,9 @@ def ids(table: str, what: str, num_embeddings: Optional[int], owns: Callable[[np
             raise OutOfRange(f"{table}: id {lo if lo < 0 else hi} out of range [0, {num_embeddings})")
     owned = owns(values)
     if not owned.all():
+        refuse = getattr(owns, "refuse", None)  # the shard's slot ownership names the owner (``shard.slots.Owns``)
+        if refuse is not None:
+            raise refuse(values)
         raise WrongShard(f"{table}: id {int(values[np.argmin(owned)])} is not owned by this shard")
 
 

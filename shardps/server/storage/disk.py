@@ -29,68 +29,21 @@ import numpy as np
 
 from shardps.core.errors import InvalidArgument, ResourceExhausted
 from shardps.core.files import fsync_dir
-from shardps.core.routing import slot_of_ids
+from shardps.server.storage.records import (  # noqa: F401 (re-exported: the tier's users import them from here)
+    KEY,
+    META_FIELDS,
+    RecordCodec,
+    decode_keys,
+    encode_keys,
+    slot_range,
+)
 
 log = logging.getLogger(__name__)
 
 MARKER = "shardps-disk.json"
-KEY = np.dtype([("slot", ">u2"), ("id", ">u8")])
-_KEY_VOID = np.dtype(f"V{KEY.itemsize}")
-META_FIELDS = (("steps", "<i4"), ("last_version", "<i8"), ("last_time", "<u4"), ("touches", "<i4"))
-
-
 class DiskTierError(Exception):
     """The disk tier cannot be opened or restored: a directory that is not a shard's disk tier, another shard's,
     a checkpoint's store missing or damaged, or a store written for another table spec. The shard does not start."""
-
-
-def encode_keys(ids: np.ndarray) -> list[bytes]:
-    """The keys of ``ids`` (int64), one bytes object each."""
-    rec = np.empty(ids.shape[0], KEY)
-    rec["slot"] = slot_of_ids(ids)
-    rec["id"] = ids.view(np.uint64)
-    return rec.view(_KEY_VOID).tolist()  # type: ignore[no-any-return]
-
-
-def decode_keys(keys: Sequence[bytes]) -> np.ndarray:
-    """The ids of ``keys`` (int64)."""
-    if not keys:
-        return np.zeros(0, np.int64)
-    return np.frombuffer(b"".join(keys), KEY)["id"].astype(np.int64)
-
-
-def slot_range(first: int, last: int) -> tuple[bytes, bytes]:
-    """The keys bounding slots [first, last]: every key of those slots is >= the first and < the second."""
-    return first.to_bytes(2, "big"), (last + 1).to_bytes(2, "big")
-
-
-class RecordCodec:
-    """A table's rows as fixed-size records: values, one array per optimizer state name, then the step count and
-    the metadata (last push's version and time, pushes), little-endian and packed."""
-
-    def __init__(self, dim: int, state_names: Sequence[str]) -> None:
-        self.dim = dim
-        self.state_names = list(state_names)
-        self.dtype = np.dtype([("rows", "<f4", (dim,))] + [("state." + n, "<f4", (dim,)) for n in self.state_names]
-                              + list(META_FIELDS))
-        self._void = np.dtype(f"V{self.dtype.itemsize}")
-
-    def describe(self) -> dict[str, Any]:
-        return {"dim": self.dim, "state": self.state_names, "record_bytes": self.dtype.itemsize}
-
-    def encode(self, fields: dict[str, np.ndarray]) -> list[bytes]:
-        """One record per row of ``fields`` (``rows``, ``state.<name>``, ``steps`` and the metadata)."""
-        n = fields["rows"].shape[0]
-        rec = np.empty(n, self.dtype)
-        for name in self.dtype.names or ():
-            rec[name] = fields[name]
-        return rec.view(self._void).tolist()  # type: ignore[no-any-return]
-
-    def decode(self, values: Sequence[bytes]) -> np.ndarray:
-        """The records ``values`` (all present) as one structured array (a view of their concatenation)."""
-        if not values:
-            return np.zeros(0, self.dtype)
-        return np.frombuffer(b"".join(values), self.dtype)
 
 
 def _raise_write(root: pathlib.Path, what: str, e: Exception) -> None:
@@ -139,6 +92,44 @@ class TableStore:
         except Exception as e:  # noqa: BLE001 - rocksdict raises plain exceptions for I/O errors
             self.tiers.failed = str(e)  # RocksDB takes no write after a failed one until it is reopened
             _raise_write(self.tiers.root, f"writing {ids.shape[0]:,} rows of {self.name!r} back", e)
+
+
+    def scan(self, first: int, last: int, batch: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(ids, records) of the rows of hash slots [first, last] in the live database, in batches."""
+        it = self.tiers.cf(self.name).iter()
+        lo, hi = slot_range(first, last)
+        it.seek(lo)
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        while it.valid():
+            k = it.key()
+            if k >= hi:
+                break
+            keys.append(k)
+            values.append(it.value())
+            if len(keys) >= batch:
+                yield decode_keys(keys), self.codec.decode(values)
+                keys, values = [], []
+            it.next()
+        del it
+        if keys:
+            yield decode_keys(keys), self.codec.decode(values)
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Remove the rows of ``ids`` from disk (absent ones are no-ops)."""
+        if not ids.shape[0]:
+            return
+        import rocksdict
+
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        batch.set_default_column_family(self.tiers.handle(self.name))
+        for k in encode_keys(ids):
+            batch.delete(k)
+        try:
+            self.tiers.db().write(batch)
+        except Exception as e:  # noqa: BLE001
+            self.tiers.failed = str(e)
+            _raise_write(self.tiers.root, f"removing {ids.shape[0]:,} rows of {self.name!r}", e)
 
 
 class DiskTiers:

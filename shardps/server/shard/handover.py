@@ -1,0 +1,172 @@
+"""The source's side of slot migrations (``shard.migration``): the copy's rows listed and read, the handover
+that holds writes, the commit that gives the slots away, and giving a handover up."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from shardps.core.errors import InvalidArgument, Unavailable
+from shardps.server.shard.move import Move, check_move
+from shardps.server.shard.move_base import MoveBase
+from shardps.server.storage import moves
+from shardps.server.storage.table import Table
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Out:
+    move: Move
+    since: int  # the shard version when the copy began
+    state: str = "copying"  # -> "frozen" -> committed (then forgotten, in ``finished``)
+    listed: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (table, since) -> ids, for paging
+    timer: Optional[threading.Timer] = None
+
+
+class Handovers(MoveBase):
+    """Slots this shard hands over (``out``: in flight, by id)."""
+
+    out: dict[str, _Out]
+
+    def _get_out(self, move_id: str, *states: str) -> _Out:
+        o = self.out.get(move_id)
+        if o is None or (states and o.state not in states):
+            raise InvalidArgument(f"migration {move_id} is {o.state if o else self.finished.get(move_id, 'unknown')} "
+                                  f"on source shard {self.shard.index}, not {' or '.join(states) or 'in flight'}")
+        return o
+
+    def out_begin(self, move: Move) -> int:
+        """Start handing ``move`` over: the shard version the copy starts at."""
+        self.shard.check.writable(f"migration {move.id}")
+        with self.lock:
+            existing = self.out.get(move.id)
+            if existing is not None:
+                return existing.since
+            if move.id in self.finished:  # a late or repeated begin of a move settled here
+                raise InvalidArgument(f"migration {move.id} is {self.finished[move.id]} on shard {self.shard.index}")
+            check_move(move, "source", self.slots.map, self.shard.index, self.shard.registry.tables(),
+                       [o.move for o in self.out.values()])
+            since = self.shard.version
+            self.out[move.id] = _Out(move, since)
+        log.info("shard %d: migration %s: handing %d slots and %d dense chunks to shard %d", self.shard.index,
+                 move.id, move.slots.size, len(move.dense), move.target)
+        return since
+
+    def out_ids(self, move_id: str, table: str, since: int, offset: int, limit: int) -> tuple[np.ndarray, int]:
+        """Ids of the rows of ``table`` the move takes, changed after version ``since`` (-1: all), from ``offset``:
+        (at most ``limit`` of them, how many there are). Listed once per (table, since) and paged."""
+        with self.lock:
+            o = self._get_out(move_id, "copying", "frozen")
+            key = (table, since)
+            listed = o.listed.get(key)
+        if listed is None or offset == 0:
+            t = self._table(table)
+            with t.lock:
+                listed = moves.ids_in(t, o.move.selection(t), None if since < 0 else since)
+            with self.lock:
+                o.listed[key] = listed
+        return listed[offset:offset + limit], int(listed.shape[0])
+
+    def out_rows(self, move_id: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Everything the rows of ``ids`` hold (those still present)."""
+        with self.lock:
+            o = self._get_out(move_id, "copying", "frozen")
+        t = self._table(table)
+        if not o.move.selection(t).of(t, ids).all():
+            raise InvalidArgument(f"migration {move_id}: ids outside its slots requested")
+        with t.lock:
+            return moves.read_state(t, ids)
+
+    def out_handover(self, move_id: str) -> int:
+        """Hold writes to the move's slots (reads go on) and make every change before durable; the version the
+        handover starts at (rows changed after the copy's start and up to it are read again)."""
+        with self.shard.checkpointer.lock, self.lock:  # never inside a cluster-wide cut
+            o = self._get_out(move_id, "copying", "frozen")
+            if o.state == "frozen":
+                return self.shard.version
+            if not self.shard.gate.is_open:
+                raise Unavailable(f"shard {self.shard.index}: a checkpoint or export is being cut; retry the handover")
+            slots = self.slots
+            with slots.cv:
+                slots.frozen[o.move.slots] = True
+                slots.frozen_dense.update(o.move.dense)
+                slots.guarded = True
+            for t in self.shard.registry.tables():  # a write past its checks applies before this returns
+                with t.lock:
+                    pass
+            o.state = "frozen"
+            o.timer = threading.Timer(self.hold_s, self._expire, (move_id,))
+            o.timer.daemon = True
+            o.timer.start()
+        self._log({"op": "handover", "id": move_id})  # fsyncs every change before it
+        return self.shard.version
+
+    def _expire(self, move_id: str) -> None:
+        """A handover nobody committed within ``hold_s``: given up, the writes it held go on here."""
+        try:
+            self.out_abort(move_id, "it was not committed within "
+                           f"{self.hold_s:.0f} s (the driving command stopped?)")
+        except InvalidArgument:
+            pass
+
+    def _unfreeze(self, move: Move) -> None:
+        slots = self.slots
+        with slots.cv:
+            slots.frozen[move.slots] = False
+            slots.frozen_dense.difference_update(move.dense)
+            slots.cv.notify_all()
+
+    def out_commit(self, move_id: str) -> None:
+        """Give the slots to the target (the durable commit point); their rows are dropped here."""
+        with self.lock:
+            if self.finished.get(move_id) == "committed":
+                return
+            o = self._get_out(move_id, "frozen")
+            if o.timer is not None:
+                o.timer.cancel()
+            self._log({"op": "out", "move": o.move.to_json()})
+            self.apply_out(o.move)
+            del self.out[move_id]
+            self._finish(move_id, "committed")
+        log.info("shard %d: migration %s committed: %d slots are shard %d's (slot map epoch %d)", self.shard.index,
+                 move_id, o.move.slots.size, o.move.target, o.move.epoch)
+
+    def apply_out(self, move: Move, replaying: bool = False) -> None:
+        """The committed handover (live, or replayed): the new map, the slots' rows dropped."""
+        slots = self.slots
+        with slots.cv:
+            slots.guarded = True
+            slots.set_map(move.new_map)
+        self._drop(move, replaying)
+        self._unfreeze(move)
+
+    def _drop(self, move: Move, replaying: bool) -> None:
+        """Drop the move's rows from every table (a new version each: replay makes the same ones)."""
+        for t in self.shard.registry.tables():
+            def drop(stamp: int, t: Table = t) -> None:
+                moves.drop(t, moves.ids_in(t, move.selection(t)), stamp)
+            self.shard.updates.write(t, drop, replaying=replaying)
+
+    def out_abort(self, move_id: str, why: str = "the driver gave it up") -> None:
+        """Give a handover up before it committed: the slots stay here and their held writes go on."""
+        with self.lock:
+            if self.finished.get(move_id) == "aborted":
+                return
+            if move_id not in self.out and move_id not in self.finished:
+                # Never begun here (the driver stopped before its out_begin arrived), or forgotten by a restart
+                # before its commit: nothing to give up. Remembered, so a late begin of it is refused.
+                self._finish(move_id, "aborted")
+                return
+            o = self._get_out(move_id)
+            if o.timer is not None:
+                o.timer.cancel()
+            self._unfreeze(o.move)
+            del self.out[move_id]
+            self._finish(move_id, "aborted")
+        log.warning("shard %d: migration %s given up: %s", self.shard.index, move_id, why)
+

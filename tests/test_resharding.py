@@ -1,0 +1,369 @@
+"""Live resharding: hash slots moved between running ``shardps serve`` processes while two clients push +1s with
+SGD, through the real ``shardps cluster`` and ``shardps reshard`` commands and through the driver with processes
+killed mid-move. The table must end equal to the exact push counts; a client with an old map is redirected; a
+request naming a future or foreign slot map is refused. Every test is bounded and stops what it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from shardps_client import SGD, Client, Initializer, SlotMovedError
+
+from shardps.core import codec, wire
+from shardps.core.slots import SlotMap
+from shardps.core.specs import SyncPolicy
+from shardps.server.ops.launcher import LocalCluster
+from shardps.server.ops.resharding import Journal, Resharder, ShardCalls
+from shardps.server.shard.move import Move
+from shardps.v1 import shardps_pb2 as pb
+
+ROWS = 6000
+DENSE = (64, 4)  # a dense tensor in 8 row chunks, moved chunk by chunk
+
+
+class Trainers:
+    """Two clients pushing +1 rows (and +1 to a dense tensor) with SGD(lr=1) until stopped; what they acknowledged."""
+
+    def __init__(self, connect) -> None:
+        self.counts = np.zeros(ROWS, np.int64)
+        self.dense_pushes = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=(connect, k), daemon=True) for k in range(2)]
+        for t in self.threads:
+            t.start()
+        _running.append(self)
+
+    def _run(self, connect, k: int) -> None:
+        rng = np.random.default_rng(k)
+        try:
+            with connect() as c:
+                while not self.stop.is_set():
+                    ids = rng.choice(ROWS, 256, replace=False)
+                    c.push("t", torch.from_numpy(ids), torch.ones(256, 4))
+                    c.push_dense("w", torch.ones(*DENSE))
+                    with self.lock:
+                        self.counts[ids] += 1
+                        self.dense_pushes += 1
+                c.flush()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            self.errors.append(e)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in self.threads), "a trainer did not stop within 120 s"
+        assert not self.errors, self.errors
+
+    def halt(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+    def check(self, c: Client) -> None:
+        got = c.pull("t", torch.arange(ROWS))[:, 0].numpy()
+        wrong = np.flatnonzero(got != -self.counts.astype(np.float32))
+        assert not wrong.size, f"{wrong.size} rows off the exact counts, e.g. id {wrong[0]}: {got[wrong[0]]} vs " \
+                               f"{-self.counts[wrong[0]]}"
+        dense, _ = c.pull_dense("w")
+        assert torch.equal(dense, torch.full(DENSE, -float(self.dense_pushes))), (dense[0], self.dense_pushes)
+
+
+_running: list[Trainers] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_trainers():
+    """A failed test stops its trainers too, before its cluster goes."""
+    yield
+    while _running:
+        _running.pop().halt()
+
+
+def _tables(c: Client) -> None:
+    c.create_table("t", dim=4, num_embeddings=ROWS, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    c.register_dense("w", torch.zeros(*DENSE), optimizer=SGD(lr=1.0), chunk_bytes=8 * 4 * 4)
+
+
+def _reshard(cluster_file: pathlib.Path, *args: str, timeout: float = 180) -> str:
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "shardps", "reshard", "--cluster-file", str(cluster_file),
+                        "--batch-slots", "2048", *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(f"shardps reshard {' '.join(args)}: {time.monotonic() - t0:.1f} s")
+    return r.stdout
+
+
+def test_two_three_four_two_shards_under_two_training_clients_keep_exact_counts(tmp_path):
+    """shardps cluster, then shardps reshard --add 1, --add 1, --remove 3, --remove 2 while two clients train."""
+    cluster_file = tmp_path / "cluster.json"
+    proc = subprocess.Popen([sys.executable, "-m", "shardps", "cluster", "--shards", "2", "--data-dir",
+                             str(tmp_path / "data"), "--cluster-file", str(cluster_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not cluster_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "shardps cluster did not start"
+            time.sleep(0.1)
+        with Client.from_file(str(cluster_file)) as c:
+            _tables(c)
+        trainers = Trainers(lambda: Client.from_file(str(cluster_file)))
+        time.sleep(1.0)
+        out = _reshard(cluster_file, "--add", "1")
+        assert "shards [2] joined" in out and "slots per shard [5462, 5461, 5461]" in out, out
+        out = _reshard(cluster_file, "--add", "1")
+        assert "slots per shard [4096, 4096, 4096, 4096]" in out, out
+        stats = subprocess.run([sys.executable, "-m", "shardps", "stats", "--cluster-file", str(cluster_file),
+                                "--interval", "0"], capture_output=True, text=True, timeout=60).stdout
+        assert stats.count("owns 4096 of 16384 hash slots") == 4, stats
+        _reshard(cluster_file, "--remove", "3")
+        out = _reshard(cluster_file, "--remove", "2", "--json")
+        summary = json.loads(out[out.index("{"):])
+        assert summary["active"] == [0, 1] and summary["slots_per_shard"][:2] == [8192, 8192], summary
+        time.sleep(0.5)
+        trainers.finish()
+        data = json.loads(cluster_file.read_text())
+        assert data["addresses"][2:] == ["", ""] and data["retired"] == [2, 3], data
+        with Client.from_file(str(cluster_file)) as c:
+            trainers.check(c)
+            assert c.shard_info()[2:] == [None, None]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+class DriverDied(Exception):
+    """The driving command stopped here (a kill -9, as far as the shards can tell)."""
+
+
+@pytest.mark.parametrize("victim,phase", [("source", "handed_over"), ("target", "prepared"),
+                                          ("driver", "committed")])
+def test_a_kill_mid_move_then_resume_keeps_exact_counts(tmp_path, victim, phase):
+    """kill -9 of the source after its handover, of the target once prepared, of the driver right after the source
+    committed: settled (rolled back or finished; the target asks its source by itself when the driver is gone) and
+    resumed, the table holds every acknowledged push exactly once."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        with Client(cluster.addresses) as c:
+            _tables(c)
+        two = list(cluster.addresses)  # what the trainers were given: the cluster before shard 2 joined
+        trainers = Trainers(lambda: Client(two))
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        killed = []
+
+        def at(p: str, move: Move) -> None:
+            if p != phase or killed:
+                return
+            killed.append(move.id)
+            if victim == "driver":
+                raise DriverDied(move.id)
+            shard = move.source if victim == "source" else move.target
+            cluster.kill(shard)
+            cluster.restart(shard)
+            calls.primary[shard] = cluster.procs[shard].address
+
+        journal = Journal(tmp_path / "journal.json", batch_slots=1024)
+        driver = Resharder(calls, journal, at=at)
+        driver.ensure_lineage()
+        try:
+            driver.run([0, 1, 2])
+            raise AssertionError("the driver went on through its kill")
+        except (DriverDied, Exception) as e:  # noqa: BLE001
+            assert killed, e
+        if victim == "driver":  # the target asks its source, which committed: it activates by itself
+            deadline = time.monotonic() + 30
+            while calls.info(2).slots.moves:
+                assert time.monotonic() < deadline, "the prepared target never settled with its source"
+                time.sleep(0.2)
+        resumed = Resharder(calls, Journal.load(journal.path))
+        resumed.settle()
+        resumed.run([0, 1, 2])
+        assert resumed.map.slot_counts().tolist() == [5462, 5461, 5461]
+        time.sleep(0.3)
+        trainers.finish()
+        with Client(cluster.addresses) as c:
+            trainers.check(c)
+        calls.close()
+
+
+def test_kill9_of_the_reshard_command_then_resume(tmp_path):
+    """shardps reshard killed with SIGKILL in the middle of its moves; shardps reshard --resume finishes."""
+    cluster_file = tmp_path / "cluster.json"
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        cluster.write_cluster_file(str(cluster_file))
+        with Client(cluster.addresses) as c:
+            _tables(c)
+        two = list(cluster.addresses)
+        trainers = Trainers(lambda: Client(two))
+        cluster.add_shards(1)
+        cluster.write_cluster_file(str(cluster_file))
+        new = cluster.addresses[2]
+        data = json.loads(cluster_file.read_text())
+        data["addresses"] = data["addresses"][:2]  # as an operator would: the new shard named on the command line
+        cluster_file.write_text(json.dumps(data))
+        journal = pathlib.Path(str(cluster_file) + ".reshard.json")
+        driver = subprocess.Popen([sys.executable, "-m", "shardps", "reshard", "--cluster-file", str(cluster_file),
+                                   "--add-address", new, "--batch-slots", "256"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # kill it in the middle of a move (the journal names one), a few moves in
+                state = json.loads(journal.read_text()) if journal.exists() else {}
+                if state.get("move") and state.get("moved_slots", 0) >= 512:
+                    break
+                assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()
+                time.sleep(0.005)
+            driver.kill()
+            driver.wait(10)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+        assert json.loads(journal.read_text())["move"], "the kill landed between moves"
+        out = _reshard(cluster_file, "--resume")
+        assert "settled 1 move(s) in flight" in out and "slots per shard [5462, 5461, 5461]" in out, out
+        assert not journal.exists()
+        time.sleep(0.3)
+        trainers.finish()
+        with Client(cluster.addresses) as c:
+            trainers.check(c)
+
+
+def _raw_push(address: str, ids: list[int], shard: int, epoch: int, map_id: str, num_shards: int) -> grpc.RpcError:
+    req = wire.encode_push("t", np.ones((len(ids), 4), np.float32), pb.FLOAT32, ids=np.asarray(ids, np.int64),
+                           shard_map=pb.ShardMap(shard_index=shard, num_shards=num_shards, map_epoch=epoch,
+                                                 map_id=map_id))
+    with grpc.insecure_channel(address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/shardps.v1.Shard/Push")(req, timeout=10)
+    return e.value
+
+
+def test_a_stale_client_is_redirected_and_future_or_foreign_maps_are_refused(tmp_path):
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        with Client(cluster.addresses) as c:
+            _tables(c)
+            c.create_table("s", dim=2, sync=SyncPolicy(workers=1), optimizer=SGD(lr=1.0))
+        stale = Client(cluster.addresses)  # routes by the 2-shard map of epoch 0 from here on
+        old = stale._session.slots
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses)
+        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
+        driver.ensure_lineage()
+        with pytest.raises(Exception, match="synchronous tables"):  # their steps do not move while training runs
+            driver.run([0, 1, 2])
+        with Client(cluster.addresses) as c:
+            c.drop_table("s")
+        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
+        driver.run([0, 1, 2])
+        new = driver.map
+        moved = np.flatnonzero(new.owner_of(np.arange(ROWS)) == 2)
+        assert moved.size > 1000
+        # A push and a pull by the stale client land where the rows are now: it was redirected, once.
+        ids = torch.from_numpy(moved[:50])
+        stale.push("t", ids, torch.ones(50, 4), wait=True)
+        assert stale._session.slots.epoch == new.epoch and stale.num_shards == 3
+        assert torch.equal(stale.pull("t", ids), -torch.ones(50, 4))
+        stale.close()
+        # A request routed by the old map to the old owner is refused with the new owner's address, not applied.
+        src = int(old.owner_of(moved[:1])[0])
+        before = calls.info(src).version
+        e = _raw_push(cluster.addresses[src], [int(moved[0])], src, old.epoch, old.map_id, old.num_shards)
+        kind = dict(e.trailing_metadata()).get("shardps-error-kind")
+        redirect = dict(e.trailing_metadata()).get("shardps-redirect")
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and kind == "moved", e.details()
+        assert redirect == cluster.addresses[2] and f"epoch {new.epoch}" in e.details(), (redirect, e.details())
+        # A future epoch, another cluster's lineage: refused, nothing applied.
+        owner = int(new.owner_of(moved[:1])[0])
+        e = _raw_push(cluster.addresses[owner], [int(moved[0])], owner, new.epoch + 100, new.map_id, 3)
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "from the future" in e.details(), e.details()
+        e = _raw_push(cluster.addresses[owner], [int(moved[0])], owner, new.epoch, "another-cluster", 3)
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and "another cluster" in e.details(), e.details()
+        assert calls.info(src).version == before
+        with Client(cluster.addresses) as c:
+            assert torch.equal(c.pull("t", ids), -torch.ones(50, 4))
+        # Bad migration steps are refused, naming the problem; the map does not change.
+        theirs = np.array([new.slots_of(2)[0]])  # shard 2's slot, which shard 0 cannot hand over
+        fake = Move(uuid.uuid4().hex[:8], 0, 1, theirs, (), new.moved(theirs, 1))
+        with pytest.raises(Exception, match="does not own slot"):
+            calls.migrate(0, "out_begin", move_id=fake.id, move_json=json.dumps(fake.to_json()))
+        with pytest.raises(Exception, match="would change what this shard owns"):
+            calls.migrate(1, "install", map_json=json.dumps(new.moved(new.slots_of(1)[:3], 0).to_json()))
+        with pytest.raises(Exception, match="not a slot map"):
+            calls.migrate(1, "install", map_json='{"epoch": 9}')
+        with pytest.raises(Exception, match="migration nope is unknown"):
+            calls.migrate(0, "out_commit", move_id="nope")
+        with pytest.raises(Exception, match="int64"):
+            calls.migrate(2, "in_drop", move_id="nope", ids=codec.encode(np.zeros(2, np.float32)))
+        assert SlotMap.from_json(json.loads(calls.info(1).slots.map_json)) == new
+        calls.close()
+
+
+def test_slot_moved_errors_reach_clients_that_cannot_reroute():
+    """The client error a refusal of kind "moved" becomes names the owner (what a caller of raw RPCs gets)."""
+    from shardps_client.errors import error_of
+
+    err = error_of(grpc.StatusCode.FAILED_PRECONDITION, "id 3 is owned by shard 2", "a:1", "Push", "moved", "b:2")
+    assert isinstance(err, SlotMovedError) and err.owner == "b:2"
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    from shardps.server.ops.etcd import INSTALL, LocalEtcd, etcd_binary
+
+    if etcd_binary() is None:  # CI installs it (SHARDPS_REQUIRE_ETCD=1): there a missing etcd fails
+        (pytest.fail if os.environ.get("SHARDPS_REQUIRE_ETCD") else pytest.skip)(INSTALL)
+    with LocalEtcd(str(tmp_path / "etcd")) as e:
+        yield e
+
+
+def test_replica_groups_move_slots_and_the_backups_follow(tmp_path, etcd):
+    """2 -> 3 shards, each a group of 2 members (primary and backup, --ack quorum, etcd on loopback), while two
+    clients train; then the new shard's primary is killed with SIGKILL: its backup, promoted, owns the moved slots
+    and holds their rows (the move's records reached it through the replicated log), and the counts are exact."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
+                      etcd=etcd.url, serve_args=["--ack", "quorum"]) as cluster:
+        with Client(cluster.addresses) as c:
+            _tables(c)
+        two = list(cluster.addresses)
+        trainers = Trainers(lambda: Client(two, retry_timeout=60))
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=2048))
+        driver.ensure_lineage()
+        driver.run([0, 1, 2])
+        assert driver.map.slot_counts().tolist() == [5462, 5461, 5461]
+        calls.info(2)  # its primary, found
+        primary = next(k for k, p in enumerate(cluster.procs) if p.address == calls.primary[2])
+        time.sleep(0.5)
+        cluster.kill(primary)
+        deadline = time.monotonic() + 30
+        while True:  # the backup takes over (its lease, then the election)
+            calls.primary[2] = next(p.address for k, p in enumerate(cluster.procs) if p.index == 2 and k != primary)
+            try:
+                info = calls.call(2, "ShardInfo", pb.ShardInfoRequest(), retry_s=1)
+            except Exception:  # noqa: BLE001 - not up yet
+                info = None
+            if info is not None and info.replica.role == "primary":
+                break
+            assert time.monotonic() < deadline, "shard 2's backup was never promoted"
+            time.sleep(0.2)
+        assert SlotMap.from_json(json.loads(info.slots.map_json)).slot_counts().tolist() == [5462, 5461, 5461]
+        cluster.restart(primary)  # back as a backup: a quorum of 2 again (writes to shard 2 waited for it)
+        time.sleep(1.0)  # training goes on against the promoted member
+        trainers.finish()
+        with Client(cluster.addresses) as c:
+            trainers.check(c)
+        calls.close()
