@@ -88,10 +88,10 @@ class ClusterOps:
         self._session.catalog.forget(name)
         return any(r.dropped for r in results)
 
-    def shard_info(self) -> list[pb.ShardInfoResponse]:
+    def shard_info(self) -> list[Optional[pb.ShardInfoResponse]]:
         return admin.shard_info(self._session.transport)
 
-    def check_shard_map(self) -> list[pb.ShardInfoResponse]:
+    def check_shard_map(self) -> list[Optional[pb.ShardInfoResponse]]:
         infos, maps = admin.check_shard_map(self._session.transport)
         if maps:
             self._session.adopt_slots(maps)

@@ -208,7 +208,7 @@ class PushPipeline:
         if not calls:
             outer.set_result(pb.PushBatchResponse() if call[1] == "PushBatch" else pb.PushResponse())
             return
-        parts = [Future() for _ in calls]
+        parts: list[Future] = [Future() for _ in calls]
         left = [len(parts)]
         lock = threading.Lock()
 

@@ -215,7 +215,7 @@ class SlotMap:
         return self._with(dense=dense, dense_shards=tuple(dense_shards))
 
     def _with(self, **changes: Any) -> SlotMap:
-        fields = dict(epoch=self.epoch, owners=self.owners, base=self.base, num_shards=self.num_shards,
+        fields: dict[str, Any] = dict(epoch=self.epoch, owners=self.owners, base=self.base, num_shards=self.num_shards,
                       dense=self.dense, addresses=self.addresses, map_id=self.map_id, dense_shards=self.dense_shards)
         fields.update(changes)
         return SlotMap(**fields)

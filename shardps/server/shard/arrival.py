@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -27,6 +28,7 @@ class Arrivals(MoveBase):
     """Slots arriving at this shard (``into``: in flight, by id)."""
 
     into: dict[str, _In]
+    _drop: Callable[[Move, bool], None]  # the source's side (``Handovers``): the move's rows dropped here
 
     def _get_in(self, move_id: str, *states: str) -> _In:
         i = self.into.get(move_id)
