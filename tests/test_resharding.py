@@ -367,3 +367,68 @@ def test_replica_groups_move_slots_and_the_backups_follow(tmp_path, etcd):
         with Client(cluster.addresses) as c:
             trainers.check(c)
         calls.close()
+
+
+def test_a_push_batch_caught_by_a_handover_applies_each_push_exactly_once(tmp_path):
+    """A PushBatch (deferred pushes, as ShardedOptimizer sends them) reaches the source during a handover: its first
+    push (rows staying there) applies, its second (rows of the moving slots) waits, then is refused as moved. The
+    batch's answer marks that push alone; the client sends it to the new owner. Each push applies once: a client
+    that resent the whole batch would apply the first one twice."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        two = list(cluster.addresses)
+        with Client(two) as c:
+            _tables(c)
+            c.create_table("u", dim=4, num_embeddings=ROWS, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
+        driver.ensure_lineage()
+        client = Client(two)
+        done: list[BaseException | None] = []
+
+        def at(phase: str, move: Move) -> None:
+            if phase != "handed_over" or done or move.source != 0:
+                return
+            old = client._session.slots
+            ids = np.arange(ROWS)
+            on_source = ids[old.owner_of(ids) == 0]
+            moving = on_source[np.isin(routing_slots(on_source), move.slots)]
+            staying = on_source[~np.isin(routing_slots(on_source), move.slots)]
+            assert moving.size and staying.size
+
+            def send() -> None:
+                try:
+                    client.defer_pushes = True
+                    client.push("t", torch.from_numpy(staying), torch.ones(staying.size, 4))
+                    client.push("u", torch.from_numpy(moving), torch.ones(moving.size, 4))
+                    client.defer_pushes = False
+                    client.flush()
+                    done.append(None)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    done.append(e)
+
+            threading.Thread(target=send, daemon=True).start()
+            time.sleep(1.0)  # the batch's first push applied, its second waiting at the handover
+            expected.update(staying=staying, moving=moving)
+
+        expected: dict[str, np.ndarray] = {}
+        driver.at = at
+        driver.run([0, 1, 2])
+        deadline = time.monotonic() + 60
+        while not done:
+            assert time.monotonic() < deadline, "the batch was never answered"
+            time.sleep(0.05)
+        assert done[0] is None, done[0]
+        client.close()
+        with Client(cluster.addresses) as c:
+            got_t = c.pull("t", torch.from_numpy(expected["staying"]))
+            got_u = c.pull("u", torch.from_numpy(expected["moving"]))
+        assert torch.equal(got_t, -torch.ones_like(got_t)), f"{int((got_t != -1).any(1).sum())} rows not pushed once"
+        assert torch.equal(got_u, -torch.ones_like(got_u)), f"{int((got_u != -1).any(1).sum())} rows not pushed once"
+        calls.close()
+
+
+def routing_slots(ids: np.ndarray) -> np.ndarray:
+    from shardps.core.routing import slot_of_ids
+
+    return slot_of_ids(ids).astype(np.int64)

@@ -104,7 +104,7 @@ class PushPipeline:
         self.sync_reports: collections.deque = collections.deque(maxlen=1000)
         #: A refused push call planned again by a refreshed slot map (the session's ``replan``); runs off the lanes'
         #: threads (``run_async``: the client's pool).
-        self.replan: Optional[Callable[[planner.Call], list[planner.Call]]] = None
+        self.replan: Optional[Callable[[planner.Call, Optional[list[int]]], list[planner.Call]]] = None
         self.run_async: Callable[..., Any] = lambda fn, *args: threading.Thread(target=fn, args=args,
                                                                                 daemon=True).start()
 
@@ -192,21 +192,33 @@ class PushPipeline:
         if isinstance(e, (SlotMovedError, ShardRemovedError)) and self.replan is not None \
                 and attempt < self.MAX_REROUTES:
             self.run_async(self._reroute, outer, call, attempt + 1)
-        elif e is not None:
+            return
+        if e is not None:
             outer.set_exception(e)
+            return
+        reply = inner.result()
+        moved = moved_entries(reply)
+        if not moved:
+            outer.set_result(reply)
+        elif self.replan is not None and attempt < self.MAX_REROUTES:  # a batch applied but for these: sent again
+            self.run_async(self._reroute, outer, call, attempt + 1, moved, reply)
         else:
-            outer.set_result(inner.result())
+            outer.set_exception(ShardpsError(f"{len(moved)} push(es) of a batch not applied: their slots kept moving "
+                                             f"({self.MAX_REROUTES} reroutes)"))
 
-    def _reroute(self, outer: Future, call: planner.Call, attempt: int) -> None:
-        """Plan a refused call again and send its parts; ``outer`` resolves once every part has."""
+    def _reroute(self, outer: Future, call: planner.Call, attempt: int, only: Optional[list[int]] = None,
+                 reply: Any = None) -> None:
+        """Plan a refused call again (``only`` those of its pushes: a batch's that were not applied, ``reply`` its
+        answer) and send its parts; ``outer`` resolves once every part has."""
         try:
             assert self.replan is not None
-            calls = self.replan(call)
+            calls = self.replan(call, only)
         except BaseException as e:  # noqa: BLE001
             outer.set_exception(e)
             return
         if not calls:
-            outer.set_result(pb.PushBatchResponse() if call[1] == "PushBatch" else pb.PushResponse())
+            outer.set_result(reply if reply is not None else
+                             pb.PushBatchResponse() if call[1] == "PushBatch" else pb.PushResponse())
             return
         parts: list[Future] = [Future() for _ in calls]
         left = [len(parts)]
@@ -220,6 +232,8 @@ class PushPipeline:
             errors = [p.exception() for p in parts if p.exception() is not None]
             if errors:
                 outer.set_exception(errors[0])
+            elif reply is not None:  # a batch's answer stands, its moved pushes applied where they are now
+                outer.set_result(reply)
             else:  # the original call's reply stands for its parts (a batch's: with no entries)
                 outer.set_result(pb.PushBatchResponse() if call[1] == "PushBatch" else parts[0].result())
 
@@ -272,3 +286,11 @@ class PushPipeline:
             for e in errors[1:]:
                 log.error("another push failed: %s", e)
             raise errors[0]
+
+
+def moved_entries(reply: Any) -> list[int]:
+    """Positions (pushes, then dense pushes) of a PushBatch's pushes the shard did not apply because their slots
+    moved while they waited (``PushResponse.moved``); empty for any other answer."""
+    if not isinstance(reply, pb.PushBatchResponse):
+        return []
+    return [k for k, r in enumerate(list(reply.pushes) + list(reply.dense)) if r.moved]

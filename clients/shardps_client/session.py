@@ -138,9 +138,12 @@ class Session:
                     time.sleep(delay)
                     delay = min(delay * 2, 0.5)
 
-    def replan(self, call: planner.Call) -> list[planner.Call]:
-        """A push call a shard refused because its slots moved, planned again by a refreshed map."""
+    def replan(self, call: planner.Call, only: Optional[list[int]] = None) -> list[planner.Call]:
+        """A push call a shard refused because its slots moved (``only``: those of its pushes, by position, a
+        batch's answer marked moved), planned again by a refreshed map."""
         pushes = planner.pushes_of(call)
+        if only is not None:
+            pushes = [pushes[k] for k in only]
         planned = max((d.shard_map.map_epoch for _, d in pushes if d.shard_map is not None), default=0)
         slots = self._refresh(planned)
         out: list[planner.Call] = []

@@ -381,18 +381,20 @@ class PushRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("version", "staleness", "duplicate", "late", "missing_ranks")
+    __slots__ = ("version", "staleness", "duplicate", "late", "missing_ranks", "moved")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
     MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     version: int
     staleness: int
     duplicate: bool
     late: bool
     missing_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ..., late: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    moved: bool
+    def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ..., late: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., moved: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "world_size", "clock", "leaving", "wait_min_clock", "wait_s")

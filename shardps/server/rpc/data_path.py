@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from shardps.core import codec, wire
-from shardps.core.errors import ResourceExhausted, StaleUpdate, SyncStepFailed
+from shardps.core.errors import Moved, ResourceExhausted, StaleUpdate, SyncStepFailed
 from shardps.core.wire import Buffer, parse
 from shardps.server.rpc import convert
 from shardps.server.shard.facade import Shard
@@ -120,6 +120,11 @@ class DataPath:
                 r = self._apply(t, ids, d, view)
             except (StaleUpdate, SyncStepFailed) as e:  # this entry alone is refused, as a push of its own would be
                 first_error = first_error or e
+                continue
+            except Moved:  # its slots moved while it waited (a handover): not applied, and the entries before it
+                # were, so the batch is not refused whole (its resend would apply them twice): marked for the client
+                # to send this one again to the new owner.
+                (out.dense if dense else out.pushes).append(pb.PushResponse(moved=True))
                 continue
             (out.dense if dense else out.pushes).append(convert.push_response(r))
         if first_error is not None:
