@@ -343,3 +343,20 @@ def test_the_log_reads_old_crc32_records_and_checks_new_crc32c_ones(tmp_path):
     seg.write_bytes(bytes(data))
     with pytest.raises(wal.CorruptLog, match="fails its checksum"):
         list(wal.replay(tmp_path, 0))
+
+
+def test_a_failed_push_claim_is_forgotten_even_after_it_was_folded_into_the_low_mark():
+    """A push claimed, then failed (e.g. held at a handover that gave its slots away): its retry with the same
+    sequence number must apply, whether or not later pushes were claimed in between."""
+    from shardps.server.shard.updates import SeenPushes
+
+    seen = SeenPushes()
+    for seq in (1, 2, 3):
+        assert seen.begin("c", seq)
+    seen.abort("c", 2)  # 1..3 were folded into the low mark: 2's gap reopens, 1 and 3 stay claimed
+    assert not seen.contains("c", 2) and seen.contains("c", 1) and seen.contains("c", 3)
+    assert seen.begin("c", 2) and not seen.begin("c", 2) and not seen.begin("c", 3)
+    assert seen.begin("c", 5)
+    seen.abort("c", 5)  # a claim above a gap
+    assert seen.begin("c", 4) and seen.begin("c", 5)
+    assert not any(seen.begin("c", s) for s in range(1, 6))

@@ -411,6 +411,10 @@ class Resharder:
             sources = [s for s, role, _ in parts if role == "source"]
             source = sources[0] if sources else next(peer for _, role, peer in parts if role == "target")
             state = self._state(source, move_id)
+            if state == "committing":  # its commit record is logged, not yet known durable: it goes forward
+                log.info("migration %s: its source was committing it: committing again", move_id)
+                self.calls.migrate(source, "out_commit", move_id=move_id, retry_s=60)
+                state = "committed"
             if state == "committed":
                 log.info("migration %s: its source committed: activating it", move_id)
                 for shard, role, _ in parts:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from shardps.core.errors import InvalidArgument, Unavailable
+from shardps.core.specs import DenseSpec
 from shardps.server.durability import modes as durability
 from shardps.server.shard.move import Move, check_arrays, check_move
 from shardps.server.shard.move_base import MoveBase
 from shardps.server.storage import moves
+from shardps.server.storage.table import Table
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ class Arrivals(MoveBase):
     """Slots arriving at this shard (``into``: in flight, by id)."""
 
     into: dict[str, _In]
-    _drop: Callable[[Move, bool], None]  # the source's side (``Handovers``): the move's rows dropped here
 
     def _get_in(self, move_id: str, *states: str) -> _In:
         i = self.into.get(move_id)
@@ -130,8 +130,14 @@ class Arrivals(MoveBase):
         log.warning("shard %d: migration %s given up: its rows dropped here", self.shard.index, move_id)
 
     def apply_in_abort(self, move: Move, replaying: bool = True) -> None:
-        if not (self.slots.map.holds(self.shard.index)[move.slots].any()):  # never drop rows this shard owns
-            self._drop(move, replaying)
+        """The move's rows dropped here, except rows this shard owns (a split slot's other part is its own)."""
+        for t in self.shard.registry.tables():
+            def drop(stamp: int, t: Table = t) -> None:
+                ids = moves.ids_in(t, move.selection(t))
+                if ids.size and not isinstance(t.spec, DenseSpec):
+                    ids = ids[~self.slots.owned(t.spec, ids)]
+                moves.drop(t, ids, stamp)
+            self.shard.updates.write(t, drop, replaying=replaying)
         self._arriving(move, False)
         self.into.pop(move.id, None)
         self._finish(move.id, "aborted")

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class _Out:
     move: Move
     since: int  # the shard version when the copy began
-    state: str = "copying"  # -> "frozen" -> committed (then forgotten, in ``finished``)
+    state: str = "copying"  # -> "frozen" -> "committing" -> committed (then forgotten, in ``finished``)
     listed: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)  # (table, since) -> ids, for paging
     timer: Optional[threading.Timer] = None
 
@@ -122,13 +122,19 @@ class Handovers(MoveBase):
             slots.cv.notify_all()
 
     def out_commit(self, move_id: str) -> None:
-        """Give the slots to the target (the durable commit point); their rows are dropped here."""
+        """Give the slots to the target (the durable commit point); their rows are dropped here.
+
+        Once the commit record is in the log the move only goes forward: if waiting for it to be durable (an
+        fsync, a replica group's quorum) fails, the move stays "committing" (writes to its slots still held), is
+        never given up, and a repeated ``out_commit`` (the driver's retry, ``--resume``) logs the record again and
+        finishes it: replaying it twice changes nothing more than once."""
         with self.lock:
             if self.finished.get(move_id) == "committed":
                 return
-            o = self._get_out(move_id, "frozen")
+            o = self._get_out(move_id, "frozen", "committing")
             if o.timer is not None:
                 o.timer.cancel()
+            o.state = "committing"
             self._log({"op": "out", "move": o.move.to_json()})
             self.apply_out(o.move)
             del self.out[move_id]
@@ -162,7 +168,7 @@ class Handovers(MoveBase):
                 # before its commit: nothing to give up. Remembered, so a late begin of it is refused.
                 self._finish(move_id, "aborted")
                 return
-            o = self._get_out(move_id)
+            o = self._get_out(move_id, "copying", "frozen")  # a move "committing" only goes forward
             if o.timer is not None:
                 o.timer.cancel()
             self._unfreeze(o.move)

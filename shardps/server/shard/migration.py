@@ -61,7 +61,7 @@ class Migrations(Handovers, Arrivals):
     def handing_over(self) -> str:
         """The id of a move handing over here (frozen on the source, prepared on the target), else ""."""
         with self.lock:
-            return next((k for k, o in self.out.items() if o.state == "frozen"),
+            return next((k for k, o in self.out.items() if o.state in ("frozen", "committing")),
                         next((k for k, i in self.into.items() if i.state == "prepared"), ""))
 
     def pending(self) -> list[Move]:

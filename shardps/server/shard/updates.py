@@ -85,12 +85,20 @@ class SeenPushes:
                 del self._in_flight[client]
 
     def abort(self, client: str, seq: int) -> None:
-        """Forget a seq whose push failed, so a retry is applied."""
+        """Forget a seq whose push failed, so a retry is applied. A claim already folded into ``low`` (every seq
+        below it claimed too) reopens its gap: ``low`` goes below it and the claims above stay (unless more than
+        ``max_pending`` would then wait above it: the gap is forgotten, as other old gaps are)."""
         with self._lock:
             self._done(client, seq)
             entry = self._clients.get(client)
-            if entry is not None:
-                entry[1].discard(seq)
+            if entry is None:
+                return
+            low, above = entry
+            if seq in above:
+                above.discard(seq)
+            elif 0 < seq <= low and low - seq + len(above) <= self._max_pending:
+                above.update(range(seq + 1, low + 1))
+                self._clients[client] = (seq - 1, above)
 
     def to_json(self) -> dict[str, list]:
         """The applied pushes (claims in flight left out), as ``load_json`` reads them."""
