@@ -147,11 +147,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--batch-slots", type=int, default=256, help="hash slots per move (shardps reshard's default)")
     p.add_argument("--repeat", type=int, default=1, help="rounds of live and offline, interleaved")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 100k rows, short phases, one round")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 50k rows, short phases, one round")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for reshard.json and reshard.png")
     args = p.parse_args(argv)
     if args.quick:
-        args.rows, args.phase, args.warmup, args.repeat, args.batch_slots = 100_000, 1.5, 0.5, 1, 2048
+        args.rows, args.phase, args.warmup, args.repeat, args.batch_slots = 50_000, 1.0, 0.3, 1, 2048
     progress = Progress(2 * args.repeat, "reshard")
     rounds = []
     for r in range(args.repeat):

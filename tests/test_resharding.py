@@ -175,7 +175,7 @@ def test_a_kill_mid_move_then_resume_keeps_exact_counts(tmp_path, victim, phase)
             cluster.restart(shard)
             calls.primary[shard] = cluster.procs[shard].address
 
-        journal = Journal(tmp_path / "journal.json", batch_slots=1024)
+        journal = Journal(tmp_path / "journal.json", batch_slots=2048)
         driver = Resharder(calls, journal, at=at)
         driver.ensure_lineage()
         try:
@@ -347,7 +347,7 @@ def test_replica_groups_move_slots_and_the_backups_follow(tmp_path, etcd):
         assert driver.map.slot_counts().tolist() == [5462, 5461, 5461]
         calls.info(2)  # its primary, found
         primary = next(k for k, p in enumerate(cluster.procs) if p.address == calls.primary[2])
-        time.sleep(0.5)
+        time.sleep(0.2)
         cluster.kill(primary)
         deadline = time.monotonic() + 30
         while True:  # the backup takes over (its lease, then the election)
@@ -362,7 +362,7 @@ def test_replica_groups_move_slots_and_the_backups_follow(tmp_path, etcd):
             time.sleep(0.2)
         assert SlotMap.from_json(json.loads(info.slots.map_json)).slot_counts().tolist() == [5462, 5461, 5461]
         cluster.restart(primary)  # back as a backup: a quorum of 2 again (writes to shard 2 waited for it)
-        time.sleep(1.0)  # training goes on against the promoted member
+        time.sleep(0.5)  # training goes on against the promoted member
         trainers.finish()
         with Client(cluster.addresses) as c:
             trainers.check(c)
@@ -408,7 +408,7 @@ def test_a_push_batch_caught_by_a_handover_applies_each_push_exactly_once(tmp_pa
                     done.append(e)
 
             threading.Thread(target=send, daemon=True).start()
-            time.sleep(1.0)  # the batch's first push applied, its second waiting at the handover
+            time.sleep(0.6)  # the batch's first push applied, its second waiting at the handover
             expected.update(staying=staying, moving=moving)
 
         expected: dict[str, np.ndarray] = {}
