@@ -88,6 +88,8 @@ def test_scraped_counters_follow_pulls_pushes_errors_wal_checkpoints_and_workers
     assert value(after, "shardps_table_rows", table="emb") == 100
     assert value(after, "shardps_table_bytes", table="emb") >= 100 * 8 * 4 * 2  # rows and Adagrad's state
     assert value(after, "shardps_live_workers") == 1
+    # The slot map: one shard owns every hash slot, no slot ever moved.
+    assert value(after, "shardps_slots_owned") == 16384 and value(after, "shardps_slot_map_epoch") == 0
     # The data path's connections by transport (the client's default: the data plane), and the synchronous
     # step's push, which waited off its data-plane socket's thread (--fsync always: every push did).
     assert value(after, "shardps_clients", transport="zmq") == 1

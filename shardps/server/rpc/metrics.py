@@ -30,7 +30,8 @@ tables ``table_admitted_total{table}``, ``table_rejected_total{table}`` (pushed 
 tier ``table_tier_rows{table,tier}`` (memory, disk), ``table_disk_bytes{table}``,
 ``table_tier_lookups_total{table,result}`` (hit, miss) and ``table_tier_rows_moved_total{table,direction}``
 (promoted, written_back); members of a replica group ``replica_role{role}``, ``replica_epoch``, ``replica_lsn`` and,
-on the primary, ``replica_backup_lag{member}``.
+on the primary, ``replica_backup_lag{member}``; live resharding's ``slot_map_epoch``, ``slots_owned`` and
+``migrations_in_flight{role,state}`` (source: copying, frozen, committing; target: receiving, prepared).
 """
 
 from __future__ import annotations
@@ -278,4 +279,17 @@ class _ShardCollector:
         yield GaugeMetricFamily("shardps_live_workers", "Training workers heard from recently", value=len(live))
         yield GaugeMetricFamily("shardps_gone_workers", "Workers silent for longer than --worker-timeout",
                                 value=len(gone))
+        slots = self.shard.slots
+        yield GaugeMetricFamily("shardps_slot_map_epoch", "The epoch of this shard's slot map (+1 per committed "
+                                "slot migration in the cluster it has installed)", value=slots.map.epoch)
+        yield GaugeMetricFamily("shardps_slots_owned", "Hash slots (of 16,384) this shard owns, a split slot counted "
+                                "once", value=int(slots.map.holds(self.shard.index).sum()))
+        moving = GaugeMetricFamily("shardps_migrations_in_flight", "Slot migrations in flight here, by role and state",
+                                   labels=["role", "state"])
+        counts: dict[tuple[str, str], int] = {}
+        for mv in self.shard.migrations.in_flight():
+            counts[(mv["role"], mv["state"])] = counts.get((mv["role"], mv["state"]), 0) + 1
+        for (role, state), n in sorted(counts.items()):
+            moving.add_metric([role, state], n)
+        yield moving
 
