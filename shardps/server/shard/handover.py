@@ -127,7 +127,7 @@ class Handovers(MoveBase):
         Once the commit record is in the log the move only goes forward: if waiting for it to be durable (an
         fsync, a replica group's quorum) fails, the move stays "committing" (writes to its slots still held), is
         never given up, and a repeated ``out_commit`` (the driver's retry, ``--resume``) logs the record again and
-        finishes it: replaying it twice changes nothing more than once."""
+        finishes it (replay applies the first of the two records and skips the second)."""
         with self.lock:
             if self.finished.get(move_id) == "committed":
                 return

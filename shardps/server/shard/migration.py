@@ -109,7 +109,8 @@ class Migrations(Handovers, Arrivals):
             self.slots.announce(int(change["epoch"]))
         elif op == "out":
             move = Move.from_json(change["move"])
-            self.apply_out(move, replaying=True)
+            if self.finished.get(move.id) != "committed":  # a commit logged twice (its first wait failed) applies once
+                self.apply_out(move, replaying=True)
             self.out.pop(move.id, None)
             self._finish(move.id, "committed")
         elif op == "in_begin":
