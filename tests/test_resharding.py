@@ -432,3 +432,55 @@ def routing_slots(ids: np.ndarray) -> np.ndarray:
     from shardps.core.routing import slot_of_ids
 
     return slot_of_ids(ids).astype(np.int64)
+
+
+def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd):
+    """The source (a replica group, --ack quorum) logs a move's commit record, but its backup is dead: the wait for
+    the quorum fails and the driver stops. The record is in the source's log and reaches the backup once it is
+    back, so the move must go forward: --resume commits it again and the target activates (rolling it back would
+    leave the slots, once the backup replays the record, to a target that dropped their rows). Then the source's
+    primary is killed with SIGKILL: its backup, promoted, agrees on the map, and the counts are exact."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
+                      etcd=etcd.url, serve_args=["--ack", "quorum"]) as cluster:
+        with Client(cluster.addresses) as c:
+            _tables(c)
+        two = list(cluster.addresses)
+        trainers = Trainers(lambda: Client(two, retry_timeout=120))
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        for s in range(3):
+            calls._find_primary(s)
+        calls.retry_s = 0  # the commit's failed quorum wait stops the driver at once
+        killed: list[int] = []
+
+        def at(phase: str, move: Move) -> None:
+            if phase == "prepared" and not killed:
+                calls.info(move.source)
+                backup = next(k for k, p in enumerate(cluster.procs)
+                              if p.index == move.source and p.address != calls.primary[move.source])
+                cluster.kill(backup)
+                killed.append(backup)
+
+        journal = Journal(tmp_path / "journal.json", batch_slots=4096)
+        driver = Resharder(calls, journal, at=at)
+        driver.ensure_lineage()
+        with pytest.raises(Exception, match="quorum"):
+            driver.run([0, 1, 2])
+        source = Move.from_json(journal.move).source
+        assert calls.migrate(source, "status", move_id=journal.move["id"]).state == "committing"
+        cluster.restart(killed[0])  # the backup is back: a quorum again
+        calls.retry_s = 60
+        resumed = Resharder(calls, Journal.load(journal.path))
+        resumed.settle()
+        resumed.run([0, 1, 2])
+        assert resumed.map.slot_counts().tolist() == [5462, 5461, 5461]
+        primary = next(k for k, p in enumerate(cluster.procs) if p.address == calls.primary[source])
+        cluster.kill(primary)  # the backup takes over, with the commit record it got from the log
+        cluster.restart(primary)
+        time.sleep(0.5)
+        trainers.finish()
+        with Client(cluster.addresses) as c:
+            trainers.check(c)
+            for info in c.shard_info():
+                assert SlotMap.from_json(json.loads(info.slots.map_json)).slot_counts().tolist() == [5462, 5461, 5461]
+        calls.close()
