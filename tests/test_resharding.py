@@ -329,46 +329,6 @@ def etcd(tmp_path):
         yield e
 
 
-def test_replica_groups_move_slots_and_the_backups_follow(tmp_path, etcd):
-    """2 -> 3 shards, each a group of 2 members (primary and backup, --ack quorum, etcd on loopback), while two
-    clients train; then the new shard's primary is killed with SIGKILL: its backup, promoted, owns the moved slots
-    and holds their rows (the move's records reached it through the replicated log), and the counts are exact."""
-    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
-                      etcd=etcd.url, serve_args=["--ack", "quorum"]) as cluster:
-        with Client(cluster.addresses) as c:
-            _tables(c)
-        two = list(cluster.addresses)
-        trainers = Trainers(lambda: Client(two, retry_timeout=60))
-        cluster.add_shards(1)
-        calls = ShardCalls(cluster.addresses, retry_s=30)
-        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=2048))
-        driver.ensure_lineage()
-        driver.run([0, 1, 2])
-        assert driver.map.slot_counts().tolist() == [5462, 5461, 5461]
-        calls.info(2)  # its primary, found
-        primary = next(k for k, p in enumerate(cluster.procs) if p.address == calls.primary[2])
-        time.sleep(0.2)
-        cluster.kill(primary)
-        deadline = time.monotonic() + 30
-        while True:  # the backup takes over (its lease, then the election)
-            calls.primary[2] = next(p.address for k, p in enumerate(cluster.procs) if p.index == 2 and k != primary)
-            try:
-                info = calls.call(2, "ShardInfo", pb.ShardInfoRequest(), retry_s=1)
-            except Exception:  # noqa: BLE001 - not up yet
-                info = None
-            if info is not None and info.replica.role == "primary":
-                break
-            assert time.monotonic() < deadline, "shard 2's backup was never promoted"
-            time.sleep(0.2)
-        assert SlotMap.from_json(json.loads(info.slots.map_json)).slot_counts().tolist() == [5462, 5461, 5461]
-        cluster.restart(primary)  # back as a backup: a quorum of 2 again (writes to shard 2 waited for it)
-        time.sleep(0.5)  # training goes on against the promoted member
-        trainers.finish()
-        with Client(cluster.addresses) as c:
-            trainers.check(c)
-        calls.close()
-
-
 def test_a_push_batch_caught_by_a_handover_applies_each_push_exactly_once(tmp_path):
     """A PushBatch (deferred pushes, as ShardedOptimizer sends them) reaches the source during a handover: its first
     push (rows staying there) applies, its second (rows of the moving slots) waits, then is refused as moved. The
@@ -439,7 +399,8 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
     the quorum fails and the driver stops. The record is in the source's log and reaches the backup once it is
     back, so the move must go forward: --resume commits it again and the target activates (rolling it back would
     leave the slots, once the backup replays the record, to a target that dropped their rows). Then the source's
-    primary is killed with SIGKILL: its backup, promoted, agrees on the map, and the counts are exact."""
+    primary and the new shard's are killed with SIGKILL: each backup, promoted, agrees on the map and holds the
+    rows the moves brought (they reached it through the replicated log), and the counts are exact."""
     with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
                       etcd=etcd.url, serve_args=["--ack", "quorum"]) as cluster:
         with Client(cluster.addresses) as c:
@@ -448,8 +409,12 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
         trainers = Trainers(lambda: Client(two, retry_timeout=120))
         cluster.add_shards(1)
         calls = ShardCalls(cluster.addresses, retry_s=30)
-        for s in range(3):
-            calls._find_primary(s)
+        deadline = time.monotonic() + 30
+        for s in range(3):  # every group's primary found (the new one's election may still run)
+            while calls.info(s).replica.role != "primary":
+                assert time.monotonic() < deadline, f"shard {s} has no primary"
+                time.sleep(0.2)
+                calls._find_primary(s)
         calls.retry_s = 0  # the commit's failed quorum wait stops the driver at once
         killed: list[int] = []
 
@@ -474,9 +439,24 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
         resumed.settle()
         resumed.run([0, 1, 2])
         assert resumed.map.slot_counts().tolist() == [5462, 5461, 5461]
-        primary = next(k for k, p in enumerate(cluster.procs) if p.address == calls.primary[source])
-        cluster.kill(primary)  # the backup takes over, with the commit record it got from the log
-        cluster.restart(primary)
+        for shard in (source, 2):  # each one's backup takes over: it has the moves' records (the rows moved in too)
+            calls._find_primary(shard)
+            primary = next(k for k, p in enumerate(cluster.procs) if p.address == calls.primary[shard])
+            cluster.kill(primary)
+            deadline = time.monotonic() + 30
+            while True:
+                calls.primary[shard] = next(p.address for k, p in enumerate(cluster.procs)
+                                            if p.index == shard and k != primary)
+                try:
+                    info = calls.call(shard, "ShardInfo", pb.ShardInfoRequest(), retry_s=1)
+                except Exception:  # noqa: BLE001 - not up yet
+                    info = None
+                if info is not None and info.replica.role == "primary":
+                    break
+                assert time.monotonic() < deadline, f"shard {shard}'s backup was never promoted"
+                time.sleep(0.2)
+            assert SlotMap.from_json(json.loads(info.slots.map_json)).slot_counts().tolist() == [5462, 5461, 5461]
+            cluster.restart(primary)  # back as a backup: a quorum of 2 again
         time.sleep(0.5)
         trainers.finish()
         with Client(cluster.addresses) as c:
