@@ -25,13 +25,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def channel(address: str, ca: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None
-            ) -> grpc.Channel:
-    """A channel to a shard: plaintext, or TLS trusting ``ca`` (with a client certificate for mutual TLS)."""
-    if ca is None:
-        return grpc.insecure_channel(address)
+def channel(address: str, ca: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None,
+            options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
+    """A channel to a shard: plaintext, or TLS trusting ``ca`` (with a client certificate for mutual TLS);
+    ``options``: gRPC channel options (message size limits)."""
+    if not ca:
+        return grpc.insecure_channel(address, options=options)
     read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(read(ca), read(key), read(cert)))
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(read(ca), read(key), read(cert)), options=options)
 
 
 def check(address: str, timeout: float = 2.0, service: str = "", ca: Optional[str] = None,

@@ -305,25 +305,20 @@ def pushes_of(call: Call) -> list[tuple[bool, wire.DecodedPush]]:
             + [(True, wire.decode_push(v, dense=True)) for v in groups_.get(pb.PushBatchRequest.DENSE_FIELD_NUMBER, [])])
 
 
-def replan_push(d: wire.DecodedPush, dense: Optional[DenseSpec], slots: SlotMap, max_bytes: int,
+def replan_push(d: wire.DecodedPush, spec: TableSpec | DenseSpec, slots: SlotMap, max_bytes: int,
                 next_seq: Callable[[int], int]) -> list[Call]:
     """A push a shard refused (its slots moved) planned again by ``slots``: the same gradients (float32 on the
     wire), new sequence numbers on the shards they now go to, and no pulled version (its staleness is not
-    measured: the version it carried was another shard's)."""
+    measured: the version it carried was another shard's). A row push's ids are sorted and unique: planned as
+    ``push_plan`` plans any; a dense push's rows are a piece of the tensor, cut by the chunks' owners now."""
     assert d.grads is not None
     grads = np.asarray(d.grads, dtype=np.float32)
-    calls: list[Call] = []
-    if dense is None:
+    if isinstance(spec, TableSpec):
         assert d.ids is not None
-        step = rows_per_message(max_bytes, grads.shape[1], pb.FLOAT32)
-        for s, part in id_pieces(d.ids, slots, step):
-            calls.append((s, "Push", wire.encode_push(d.name, grads[part], pb.FLOAT32, ids=d.ids[part],
-                                                      client_id=d.client_id, seq=next_seq(s),
-                                                      shard_map=shard_map(s, slots),
-                                                      frame=protocol.stream_field("Push"))))
-        return calls
+        return push_plan(spec, d.ids, grads, slots, pb.FLOAT32, max_bytes, None, d.client_id, next_seq)
+    calls: list[Call] = []
     lo, hi = d.row_start, d.row_start + grads.shape[0]
-    for s, a, b in dense_pieces(dense, slots, max_bytes, pb.FLOAT32):
+    for s, a, b in dense_pieces(spec, slots, max_bytes, pb.FLOAT32):
         a, b = max(a, lo), min(b, hi)
         if a < b:
             calls.append((s, "PushDense", wire.encode_push(d.name, grads[a - lo:b - lo], pb.FLOAT32, row_start=a,

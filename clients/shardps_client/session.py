@@ -148,7 +148,7 @@ class Session:
         slots = self._refresh(planned)
         out: list[planner.Call] = []
         for dense, d in pushes:
-            spec = self.catalog.dense(d.name) if dense else None
+            spec = self.catalog.dense(d.name) if dense else self.catalog.table(d.name)
             out += planner.replan_push(d, spec, slots, self.max_message_bytes, self.next_seq)
         return out
 

@@ -14,7 +14,8 @@ import sys
 from typing import Any, Mapping, Optional, Sequence
 
 from shardps.probe import add_tls_args
-from shardps.server.ops.online import add_reshard_parser, run_reshard
+from shardps.server.ops.online import add_reshard_parser, cluster_file, run_reshard
+from shardps.server.ops.online import entries as cluster_entries
 from shardps.server.replica.member import ReplicaConfig
 from shardps.server.rpc.auth import TLSFiles, Tokens
 from shardps.server.rpc.fair import FairConfig
@@ -216,18 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _addresses(args: argparse.Namespace) -> list[str]:
     """The shards to ask, from the arguments and the cluster file (whose TLS files are used too)."""
-    import json
-
     addresses = list(args.addresses)
     if args.cluster_file:
-        with open(args.cluster_file) as f:
-            data = json.load(f)
+        data = cluster_file(args)
         addresses += [m for g in data["groups"] for m in g] if data.get("groups") else data["addresses"]
         addresses = [a for a in addresses if a]  # (a shard removed from the cluster has no address)
-        tls = data.get("tls") or {}
-        args.tls_ca = args.tls_ca or tls.get("ca")
-        args.tls_cert = args.tls_cert or tls.get("cert")
-        args.tls_key = args.tls_key or tls.get("key")
     if not addresses:
         raise SystemExit(f"shardps {args.command}: give shard addresses or --cluster-file") from None
     return addresses
@@ -236,14 +230,7 @@ def _addresses(args: argparse.Namespace) -> list[str]:
 def _entries(args: argparse.Namespace) -> list[str]:
     """Each shard's entry, in index order: its address, a replica group's members joined by "|", "" for a removed
     shard (from the cluster file; given addresses are one shard each)."""
-    import json
-
-    if not args.cluster_file:
-        return _addresses(args)
-    with open(args.cluster_file) as f:
-        data = json.load(f)
-    _addresses(args)  # its TLS files
-    return ["|".join(g) for g in data["groups"]] if data.get("groups") else [str(a) for a in data["addresses"]]
+    return cluster_entries(cluster_file(args)) if args.cluster_file else _addresses(args)
 
 
 def run_health(args: argparse.Namespace) -> int:

@@ -70,24 +70,32 @@ def run_reshard(args: argparse.Namespace) -> int:
         raise SystemExit(f"shardps reshard: {e}") from None
 
 
+def cluster_file(args: argparse.Namespace) -> dict[str, Any]:
+    """The cluster file ``--cluster-file`` names (as ``shardps cluster`` writes it); its TLS files fill the TLS
+    options not given."""
+    data: dict[str, Any] = json.loads(pathlib.Path(args.cluster_file).read_text())
+    tls = data.get("tls") or {}
+    args.tls_ca = args.tls_ca or tls.get("ca")
+    args.tls_cert = args.tls_cert or tls.get("cert")
+    args.tls_key = args.tls_key or tls.get("key")
+    return data
+
+
+def entries(data: dict[str, Any]) -> list[str]:
+    """Each shard's entry of a cluster file, in index order: its address, a replica group's members joined by "|",
+    "" for a shard removed from the cluster."""
+    if data.get("groups"):
+        return ["|".join(g) for g in data["groups"]]
+    return [str(a) for a in data["addresses"]]
+
+
 def _cluster_data(args: argparse.Namespace) -> dict[str, Any]:
     if args.cluster_file:
-        data: dict[str, Any] = json.loads(pathlib.Path(args.cluster_file).read_text())
-        tls = data.get("tls") or {}
-        args.tls_ca = args.tls_ca or tls.get("ca")
-        args.tls_cert = args.tls_cert or tls.get("cert")
-        args.tls_key = args.tls_key or tls.get("key")
-        return data
+        return cluster_file(args)
     if args.addresses:
         return {"addresses": list(args.addresses)}
     raise SystemExit("shardps reshard: give --cluster-file (or --addresses) of the running cluster, or --from/--to "
                      "for offline resharding")
-
-
-def _entries(data: dict[str, Any]) -> list[str]:
-    if data.get("groups"):
-        return ["|".join(g) for g in data["groups"]]
-    return [str(a) for a in data["addresses"]]
 
 
 def _online(args: argparse.Namespace) -> int:
@@ -107,7 +115,7 @@ def _online(args: argparse.Namespace) -> int:
                          "first")
     if args.resume and not journal_path.exists():
         raise SystemExit(f"shardps reshard --resume: no journal at {journal_path}: nothing to resume")
-    calls = ShardCalls(_entries(data), tls, args.timeout)
+    calls = ShardCalls(entries(data), tls, args.timeout)
     t0 = time.monotonic()
     try:
         journal = Journal.load(journal_path) if args.resume else Journal(journal_path, batch_slots=args.batch_slots)
@@ -160,7 +168,7 @@ def _add(args: argparse.Namespace, data: dict[str, Any], calls: Any, driver: Any
             raise SystemExit("shardps reshard --add K needs the cluster file of a running shardps cluster (it starts "
                              "the shards); elsewhere start them with shardps serve --join and give --add-address")
         data = launcher.request(args.cluster_file, add=args.add)
-        calls.add(_entries(data)[before:])
+        calls.add(entries(data)[before:])
     else:
         calls.add(list(args.add_address))
         if args.cluster_file and not data.get("launcher_pid"):  # a cluster file of our own: list them there

@@ -20,7 +20,8 @@ from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
 def _info(address: str, timeout: float, tls: Optional[dict[str, Optional[str]]],
           metadata: Optional[tuple[tuple[str, str], ...]]) -> pb.ShardInfoResponse:
-    with channel(address, **(tls or {})) as ch:
+    t = tls or {}
+    with channel(address, t.get("ca"), t.get("cert"), t.get("key")) as ch:
         try:
             return pb_grpc.ShardStub(ch).ShardInfo(pb.ShardInfoRequest(), timeout=timeout, metadata=metadata)
         except grpc.RpcError as e:
@@ -33,7 +34,8 @@ def caller(addresses: list[str], timeout: float = 60.0, tls: Optional[dict[str, 
     SHARDPS_TOKEN_FILE / SHARDPS_TOKEN). A refusal raises the shard's own error class (shardps.core.status)."""
     token = token_from_environment()
     metadata = bearer(token) if token else None
-    stubs = [pb_grpc.ShardStub(channel(a, **(tls or {}))) for a in addresses]
+    t = tls or {}
+    stubs = [pb_grpc.ShardStub(channel(a, t.get("ca"), t.get("cert"), t.get("key"))) for a in addresses]
 
     def call(shard: int, method: str, request: Any) -> Any:
         try:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import grpc
 import numpy as np
 
+from shardps import probe
 from shardps.core import codec, protocol, status
 from shardps.core.errors import ShardError, Unavailable
 from shardps.core.slots import SlotMap
@@ -124,12 +125,8 @@ def request_name(request: Any) -> str:
 
 
 def _channel(address: str, tls: dict[str, Optional[str]]) -> grpc.Channel:
-    opts = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
-    if not tls.get("ca"):
-        return grpc.insecure_channel(address, options=opts)
-    read = lambda p: pathlib.Path(p).read_bytes() if p else None  # noqa: E731
-    creds = grpc.ssl_channel_credentials(read(tls.get("ca")), read(tls.get("key")), read(tls.get("cert")))
-    return grpc.secure_channel(address, creds, options=opts)
+    return probe.channel(address, tls.get("ca"), tls.get("cert"), tls.get("key"),
+                         [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)])
 
 
 @dataclass
@@ -223,8 +220,7 @@ class Resharder:
         """Make ``new`` the map of every reachable shard: announced first (every shard accepts its epoch), then
         installed."""
         shards = self.reachable() if shards is None else shards
-        for s in shards:
-            self.calls.migrate(s, "announce", epoch=new.epoch)
+        self.publish_epoch(new.epoch, shards)
         map_json = json.dumps(new.to_json())
         for s in shards:
             self.calls.migrate(s, "install", map_json=map_json)
@@ -337,8 +333,9 @@ class Resharder:
         self.journal.moved_slots += len(step.slots)
         self.journal.moved_rows = self.progress.rows
 
-    def publish_epoch(self, epoch: int) -> None:
-        for s in self.reachable():
+    def publish_epoch(self, epoch: int, shards: Optional[list[int]] = None) -> None:
+        """Every shard (of ``shards``, or every reachable one) accepts requests naming ``epoch`` from now on."""
+        for s in self.reachable() if shards is None else shards:
             self.calls.migrate(s, "announce", epoch=epoch)
 
     def _finish(self, move: Move) -> None:

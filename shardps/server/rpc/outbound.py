@@ -6,11 +6,11 @@ migration ended): a channel authenticated as every client-side tool is, with TLS
 from __future__ import annotations
 
 import os
-import pathlib
 from typing import Any, Optional
 
 import grpc
 
+from shardps import probe
 from shardps.core.tokens import bearer, token_from_environment
 
 MAX_MESSAGE = 64 << 20
@@ -18,14 +18,9 @@ MAX_MESSAGE = 64 << 20
 
 def channel(address: str, max_message: int = MAX_MESSAGE) -> grpc.Channel:
     """A channel to another shard at ``address``."""
-    options = [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)]
-    ca = os.environ.get("SHARDPS_TLS_CA")
-    if not ca:
-        return grpc.insecure_channel(address, options=options)
-    read = lambda v: pathlib.Path(os.environ[v]).read_bytes() if os.environ.get(v) else None  # noqa: E731
-    creds = grpc.ssl_channel_credentials(pathlib.Path(ca).read_bytes(), read("SHARDPS_TLS_CLIENT_KEY"),
-                                         read("SHARDPS_TLS_CLIENT_CERT"))
-    return grpc.secure_channel(address, creds, options=options)
+    return probe.channel(address, os.environ.get("SHARDPS_TLS_CA"), os.environ.get("SHARDPS_TLS_CLIENT_CERT"),
+                         os.environ.get("SHARDPS_TLS_CLIENT_KEY"),
+                         [("grpc.max_receive_message_length", max_message), ("grpc.max_send_message_length", max_message)])
 
 
 def metadata() -> Optional[Any]:

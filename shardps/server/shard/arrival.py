@@ -31,11 +31,7 @@ class Arrivals(MoveBase):
     into: dict[str, _In]
 
     def _get_in(self, move_id: str, *states: str) -> _In:
-        i = self.into.get(move_id)
-        if i is None or (states and i.state not in states):
-            raise InvalidArgument(f"migration {move_id} is {i.state if i else self.finished.get(move_id, 'unknown')} "
-                                  f"on target shard {self.shard.index}, not {' or '.join(states)}")
-        return i
+        return self._get(self.into, "target", move_id, states)
 
     def in_begin(self, move: Move) -> None:
         self.shard.check.writable(f"migration {move.id}")
@@ -121,8 +117,7 @@ class Arrivals(MoveBase):
         with self.lock:
             if self.finished.get(move_id) == "aborted":
                 return
-            if move_id not in self.into and move_id not in self.finished:  # never begun here: nothing to drop
-                self._finish(move_id, "aborted")
+            if self._never_begun(self.into, move_id):
                 return
             i = self._get_in(move_id, "receiving", "prepared")
             self._log({"op": "in_abort", "id": move_id})

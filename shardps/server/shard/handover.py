@@ -34,11 +34,7 @@ class Handovers(MoveBase):
     out: dict[str, _Out]
 
     def _get_out(self, move_id: str, *states: str) -> _Out:
-        o = self.out.get(move_id)
-        if o is None or (states and o.state not in states):
-            raise InvalidArgument(f"migration {move_id} is {o.state if o else self.finished.get(move_id, 'unknown')} "
-                                  f"on source shard {self.shard.index}, not {' or '.join(states) or 'in flight'}")
-        return o
+        return self._get(self.out, "source", move_id, states)
 
     def out_begin(self, move: Move) -> int:
         """Start handing ``move`` over: the shard version the copy starts at."""
@@ -163,10 +159,7 @@ class Handovers(MoveBase):
         with self.lock:
             if self.finished.get(move_id) == "aborted":
                 return
-            if move_id not in self.out and move_id not in self.finished:
-                # Never begun here (the driver stopped before its out_begin arrived), or forgotten by a restart
-                # before its commit: nothing to give up. Remembered, so a late begin of it is refused.
-                self._finish(move_id, "aborted")
+            if self._never_begun(self.out, move_id):
                 return
             o = self._get_out(move_id, "copying", "frozen")  # a move "committing" only goes forward
             if o.timer is not None:

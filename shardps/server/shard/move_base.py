@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from shardps.core.errors import NotFound
+from shardps.core.errors import InvalidArgument, NotFound
 from shardps.server.durability import modes as durability
 from shardps.server.shard.slots import SlotOwnership
 from shardps.server.storage.table import Table
@@ -33,6 +33,23 @@ class MoveBase:
     def _log(self, change: dict[str, Any], durable: bool = True) -> None:
         d = self.shard.durability
         d.wait(d.append(durability.record_slots(change)) if d.wants_schema else 0, durable=durable)
+
+    def _get(self, moves: dict[str, Any], side: str, move_id: str, states: tuple[str, ...]) -> Any:
+        """The move ``move_id`` in flight here as ``side`` ("source": in ``moves`` = ``out``, "target": ``into``),
+        in one of ``states`` (any, when none are named); else refused, naming the state it is in."""
+        m = moves.get(move_id)
+        if m is None or (states and m.state not in states):
+            raise InvalidArgument(f"migration {move_id} is {m.state if m else self.finished.get(move_id, 'unknown')} "
+                                  f"on {side} shard {self.shard.index}, not {' or '.join(states) or 'in flight'}")
+        return m
+
+    def _never_begun(self, moves: dict[str, Any], move_id: str) -> bool:
+        """An abort of a move this shard never began (the driver stopped before its begin arrived, or a restart
+        forgot it before it settled): nothing to undo. Remembered as aborted, so a late begin of it is refused."""
+        if move_id in moves or move_id in self.finished:
+            return False
+        self._finish(move_id, "aborted")
+        return True
 
     def _finish(self, move_id: str, outcome: str) -> None:
         self.finished[move_id] = outcome
