@@ -10,8 +10,10 @@ client's gRPC channel (authenticated, and with TLS encrypted: the key is then as
 certificate), connects one DEALER socket to the port its client id picks, and presents its token and ticket.
 A shard without a data plane, or a client without pyzmq, gets the gRPC ``Lane`` (``fallback``) instead.
 
-One thread per lane owns the socket (ZeroMQ sockets belong to one thread): callers queue calls and wake it
-through a pipe; it sends them, receives answers and resolves the callers' futures. Requests are
+Who uses the socket, and when (``shardps_client.lane_turns``): the thread that makes a call sends it, and the
+thread that waits for an answer receives it, whenever the socket is free; the lane's thread keeps the
+connection (connects, presents the credentials, watches the socket's monitor, times calls out, reconnects and
+resends) and takes the answers nobody waits for (a push's acknowledgement) while calls are out. Requests are
 ``[request id, StreamRequest]``, answers ``[request id, StreamResponse]`` (``shardps.server.rpc.data_plane``).
 """
 
@@ -28,9 +30,8 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from shardps.core import protocol, wire
-from shardps.core.wake import WakePipe
 from shardps_client.errors import ShardpsError, ShardUnavailableError
+from shardps_client.lane_turns import TICK_MS, Item, SocketTurns, settle
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +41,7 @@ HEARTBEAT_TIMEOUT_MS = 5000
 SEND_TIMEOUT_MS = 2000  # a send with no connection to queue on gives up (the lane reconnects)
 
 
-class _Item:
-    __slots__ = ("future", "method", "request", "sent_at", "rid")
-
-    def __init__(self, method: str, request: bytes, rid: bytes) -> None:
-        self.future: Future = Future()
-        self.method = method
-        self.request = request  # framed as a StreamRequest
-        self.rid = rid
-        self.sent_at = 0.0
-
-
-class DataLane:
+class DataLane(SocketTurns):
     """Ordered, pipelined calls to one shard over its data plane (see the module docstring).
 
     Args:
@@ -82,14 +72,11 @@ class DataLane:
         self._resolve, self._timed_out, self._unavailable = resolve, timed_out, unavailable
         self.timeout = timeout
         self.retry_timeout = retry_timeout
-        self._lock = threading.Lock()
-        self._queue: collections.deque[_Item] = collections.deque()
+        super().__init__()
         self._closed = False
         self._ids = 0
         self._thread: Optional[threading.Thread] = None
-        self._wake = WakePipe()  # callers wake the lane's thread (which owns the socket) through it
         self.mode: Optional[str] = None  # "zmq" or "grpc" once known
-        self._reached = False  # a connection of this lane got its hello answered
         self.endpoint = ""
 
     def rebind(self, address: str) -> None:
@@ -113,8 +100,7 @@ class DataLane:
                 raise ShardpsError(f"the client's lane to {self.address} is closed", address=self.address)
             else:
                 self._ids += 1
-                item = _Item(method, request, self._ids.to_bytes(8, "little"))
-                wake = not self._queue
+                item = Item(method, request, self._ids.to_bytes(8, "little"), self)
                 self._queue.append(item)
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=f"shardps-data-{self.address}",
@@ -122,8 +108,7 @@ class DataLane:
                     self._thread.start()
         if item is None:
             return self.fallback.submit(method, request)
-        if wake:
-            self._wake.wake()
+        self._send_now()
         return item.future
 
     def close(self, timeout: float = 30.0) -> None:
@@ -136,12 +121,13 @@ class DataLane:
             thread.join(timeout)
         self.fallback.close(timeout)
         self._wake.close()
+        self._kick.close()
 
     # ---- the lane's thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
-        unacked: collections.OrderedDict[bytes, _Item] = collections.OrderedDict()
+        unacked: collections.OrderedDict[bytes, Item] = collections.OrderedDict()
         failing_since: Optional[float] = None
         delay = 0.05
         while True:
@@ -227,39 +213,54 @@ class DataLane:
     def _serve(self, conn: tuple[zmq.Socket, zmq.Socket], unacked: collections.OrderedDict) -> str:
         """Send and answer calls until the lane closes ("closed"), the connection breaks ("broken": unanswered
         calls are then resent first, in order, on the next connection), or the data plane of a shard this
-        lane never reached cannot be connected ("unreachable")."""
+        lane never reached cannot be connected ("unreachable"). Callers use the socket too, under ``_io``."""
         sock, monitor = conn
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake.fd, zmq.POLLIN)
         retries = 0
+        answers: list[Callable[[], None]] = []
         try:
-            for item in unacked.values():  # resent in order (the shard drops pushes it applied)
-                item.sent_at = time.monotonic()
-                sock.send_multipart([item.rid, item.request], copy=False)
+            with self._owning_io():
+                try:
+                    for item in unacked.values():  # resent in order (the shard drops pushes it applied)
+                        item.sent_at = time.monotonic()
+                        sock.send_multipart([item.rid, item.request], copy=False)
+                except zmq.Again:  # the connection went away under a send: resent on the next one
+                    return "broken"
+                self._sock, self._unacked, self._broken = sock, unacked, False
+            force, last_turn, idle_since = True, time.monotonic(), None
             while True:
-                events = dict(poller.poll(250))
+                if force or time.monotonic() - last_turn > 1.0:  # woken, or a caller held the socket for a while
+                    ended = self._turn(sock, unacked, answers)
+                    last_turn = time.monotonic()
+                elif self._io.acquire(blocking=False):  # a tick: only when no caller is receiving
+                    self._io.release()
+                    ended = self._turn(sock, unacked, answers)
+                    last_turn = time.monotonic()
+                else:
+                    ended = None
+                settle(answers)
+                if answers and self._released_waiters:
+                    with self._released:
+                        self._released.notify_all()
+                answers.clear()
+                if ended:
+                    return ended
+                # Callers receive their own answers; what nobody waits for (a push's acknowledgement) is taken
+                # here every TICK_MS while calls are out. (Polling the socket's descriptor instead woke this thread
+                # for every answer a caller was receiving: a one-row pull took 567 us against 422.)
+                now = time.monotonic()
+                idle_since = None if unacked else idle_since or now
+                timeout = TICK_MS
+                if idle_since is not None and now - idle_since > 1.0:  # nothing out for a second: sleep longer
+                    self._dozing = True  # then a caller that sends wakes this thread (Dekker: set, then look)
+                    timeout = TICK_MS if unacked else 250
+                events = dict(poller.poll(timeout))
+                self._dozing = False
+                force = bool(events)
                 if self._wake.fd in events:
                     self._wake.drain()
-                with self._lock:
-                    items = list(self._queue)
-                    self._queue.clear()
-                    closed = self._closed
-                now = time.monotonic()
-                for item in items:
-                    item.sent_at = now
-                    unacked[item.rid] = item
-                for item in items:
-                    sock.send_multipart([item.rid, item.request], copy=False)
-                if sock in events:
-                    while True:
-                        try:
-                            parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        if self._answer(parts, unacked) == "not primary":
-                            return "broken"  # the unanswered calls go to the group's primary, in order
                 if monitor in events:
                     event = monitor.recv_multipart()
                     what = int.from_bytes(event[0][:2], "little")
@@ -268,74 +269,35 @@ class DataLane:
                     retries += 1
                     if retries >= 3 and not self._reached:
                         return "unreachable"
-                    if unacked and retries >= 3:  # connection refused: the shard moved (restarted elsewhere)?
+                    if retries >= 3 and self._has_unacked(unacked):  # refused: the shard moved (restarted elsewhere)?
                         return "broken"
-                if unacked:
-                    oldest = next(iter(unacked.values()))
-                    if time.monotonic() - oldest.sent_at > self.timeout:
-                        self._fail(unacked, self._timed_out(self.address,
-                            f"data plane of shard at {self.address}: no answer within {self.timeout}s"))
-                        return "broken"
-                if closed and not unacked:
-                    with self._lock:
-                        if not self._queue:
-                            return "closed"
-        except zmq.Again:  # the connection went away under a send: what is unanswered is resent on the next one
-            return "broken"
         finally:
+            with self._owning_io():
+                self._sock = self._unacked = None
+                self._lead_poller = None
+            settle(answers)
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
 
-    def _answer(self, parts: list[Any], unacked: collections.OrderedDict) -> Optional[str]:
-        if len(parts) == 3 and not len(parts[0]):  # the hello refused: [b"", b"error", StreamResponse]
-            refused: Future = Future()
-            try:
-                field, view = wire.unframe(parts[2].buffer)
-                self._resolve(refused, self.address, "data-plane hello", field, view)
-            except Exception as e:  # noqa: BLE001 - a malformed refusal is still a refusal
-                refused.set_exception(e)
-            exc = refused.exception()
-            if not isinstance(exc, ShardpsError):
-                exc = ShardpsError(f"data plane of shard at {self.address} refused the hello: {exc}",
-                                   address=self.address)
-            self._fail(unacked, exc)
+    def _turn(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
+        """The lane's thread's turn with the socket: send what is queued, answer what came, time calls out; why
+        the connection ends, if it does."""
+        with self._owning_io():
+            if self._broken:
+                return "broken"
+            if self._pump(sock, unacked, answers) is not None:
+                return "broken"
+            if unacked:
+                oldest = next(iter(unacked.values()))
+                if time.monotonic() - oldest.sent_at > self.timeout:
+                    self._fail(unacked, self._timed_out(self.address,
+                        f"data plane of shard at {self.address}: no answer within {self.timeout}s"), answers)
+                    return "broken"
+            with self._lock:
+                if self._closed and not unacked and not self._queue:
+                    return "closed"
             return None
-        if len(parts) == 2 and not len(parts[0]) and parts[1].bytes == b"ok":
-            self._reached = True
-            return None
-        if len(parts) != 2:
-            return None
-        item = unacked.get(parts[0].bytes)
-        if item is None:
-            return None  # the answer to a call resent after its first answer was lost: already resolved
-        try:
-            field, view = wire.unframe(parts[1].buffer)
-        except BaseException as e:  # noqa: BLE001 - a malformed answer fails its call alone
-            unacked.pop(parts[0].bytes)
-            item.future.set_exception(e)
-            return None
-        if self.fallback.group and protocol.not_primary(field, view):  # not the primary: the call stays unanswered
-            return "not primary"
-        unacked.pop(parts[0].bytes)
-        self._resolve(item.future, self.address, item.method, field, view)
-        return None
-
-    def _take_all(self, unacked: collections.OrderedDict, mode: Optional[str] = None) -> list[_Item]:
-        """Every call not answered yet (sent first, then queued), in order; both emptied (and, in the same
-        step, ``mode`` set if given: no call submitted after it can overtake them)."""
-        with self._lock:
-            if mode is not None:
-                self.mode = mode
-            items = list(unacked.values()) + list(self._queue)
-            self._queue.clear()
-        unacked.clear()
-        return items
-
-    def _fail(self, unacked: collections.OrderedDict, exc: ShardpsError) -> None:
-        for item in self._take_all(unacked):
-            if not item.future.done():
-                item.future.set_exception(exc)
 
     def _wait_for_work(self) -> bool:
         """After a failure: wait for the next call (True), or the lane's close (False)."""

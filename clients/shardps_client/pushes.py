@@ -172,6 +172,7 @@ class PushPipeline:
             futures.append(f)
         if wait:
             for f in futures:
+                _answer_here(f)
                 f.result()
         return futures
 
@@ -184,6 +185,8 @@ class PushPipeline:
             self._inflight.release()
             outer.set_exception(e)
             return
+        outer.inner = inner  # type: ignore[attr-defined]  # what ``wait`` waits on first (a data-plane lane's call
+        # is answered sooner by the thread that waits for it: ``DataLane.lead``)
         inner.add_done_callback(lambda f: self._answered(outer, call, f, attempt))
 
     def _answered(self, outer: Future, call: planner.Call, inner: Future, attempt: int) -> None:
@@ -272,6 +275,7 @@ class PushPipeline:
             else:
                 waiting = list(self._pending.get(key, ()))
         for f in waiting:
+            _answer_here(f)
             try:
                 f.result()
             except BaseException:  # noqa: BLE001 - recorded by _done, raised by flush()
@@ -294,3 +298,11 @@ def moved_entries(reply: Any) -> list[int]:
     if not isinstance(reply, pb.PushBatchResponse):
         return []
     return [k for k, r in enumerate(list(reply.pushes) + list(reply.dense)) if r.moved]
+
+
+def _answer_here(outer: Future) -> None:
+    """Before waiting for a push's outcome: wait for its lane's call, whose answer a data-plane lane lets the
+    waiting thread receive itself (``DataLane.lead``) rather than wake it."""
+    inner = getattr(outer, "inner", None)
+    if inner is not None and not inner.done():
+        inner.exception()
