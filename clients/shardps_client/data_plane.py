@@ -231,22 +231,15 @@ class DataLane(SocketTurns):
                 self._sock, self._unacked, self._broken = sock, unacked, False
             force, last_turn, idle_since = True, time.monotonic(), None
             while True:
-                if force or time.monotonic() - last_turn > 1.0:  # woken, or a caller held the socket for a while
-                    ended = self._turn(sock, unacked, answers)
-                    last_turn = time.monotonic()
-                elif self._io.acquire(blocking=False):  # a tick: only when no caller is receiving
-                    self._io.release()
-                    ended = self._turn(sock, unacked, answers)
-                    last_turn = time.monotonic()
-                else:
-                    ended = None
-                settle(answers)
-                if answers and self._released_waiters:
-                    with self._released:
-                        self._released.notify_all()
+                # Forced (a caller receiving lets the socket go) when the connection needs it, or when a caller has
+                # held the socket for a second (timeouts); else only if it is free: a tick.
+                ended = self._turn(sock, unacked, answers, force or time.monotonic() - last_turn > 1.0)
+                self._settled(answers)
                 answers.clear()
-                if ended:
-                    return ended
+                if ended != "busy":
+                    last_turn = time.monotonic()
+                    if ended:
+                        return ended
                 # Callers receive their own answers; what nobody waits for (a push's acknowledgement) is taken
                 # here every TICK_MS while calls are out. (Polling the socket's descriptor instead woke this thread
                 # for every answer a caller was receiving: a one-row pull took 567 us against 422.)
@@ -258,9 +251,9 @@ class DataLane(SocketTurns):
                     timeout = TICK_MS if unacked else 250
                 events = dict(poller.poll(timeout))
                 self._dozing = False
-                force = bool(events)
                 if self._wake.fd in events:
                     self._wake.drain()
+                force = monitor in events or self._broken or self._closed
                 if monitor in events:
                     event = monitor.recv_multipart()
                     what = int.from_bytes(event[0][:2], "little")
@@ -280,10 +273,16 @@ class DataLane(SocketTurns):
             monitor.close(0)
             sock.close(0)
 
-    def _turn(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
+    def _turn(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list, force: bool) -> Optional[str]:
         """The lane's thread's turn with the socket: send what is queued, answer what came, time calls out; why
-        the connection ends, if it does."""
-        with self._owning_io():
+        the connection ends, if it does ("busy": no turn, a caller holds the socket and ``force`` is not set)."""
+        if not self._io.acquire(blocking=False):
+            if not force:
+                return "busy"
+            self._want_io = True  # a caller receiving lets it go within LEAD_SLICE_MS
+            self._io.acquire()
+            self._want_io = False
+        try:
             if self._broken:
                 return "broken"
             if self._pump(sock, unacked, answers) is not None:
@@ -298,6 +297,8 @@ class DataLane(SocketTurns):
                 if self._closed and not unacked and not self._queue:
                     return "closed"
             return None
+        finally:
+            self._io.release()
 
     def _wait_for_work(self) -> bool:
         """After a failure: wait for the next call (True), or the lane's close (False)."""

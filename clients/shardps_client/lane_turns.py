@@ -150,12 +150,12 @@ class SocketTurns:
             sock = self._sock
             if sock is None or self._broken or self._want_io or not self._io.acquire(blocking=False):
                 with self._released:  # answered by whoever holds the socket, or it is let go: look again
-                    if not future.done() and (self._io.locked() or self._sock is None):
-                        self._released_waiters += 1
-                        try:
+                    self._released_waiters += 1  # counted before looking (whoever lets go looks after)
+                    try:
+                        if not future.done() and (self._io.locked() or self._sock is None):
                             self._released.wait(0.05 if left is None else min(0.05, left))
-                        finally:
-                            self._released_waiters -= 1
+                    finally:
+                        self._released_waiters -= 1
                 continue
             answers: list[Callable[[], None]] = []
             try:
@@ -167,7 +167,8 @@ class SocketTurns:
                     poller.register(self._kick.fd, zmq.POLLIN)
                     self._lead_poller = (sock, poller)
                 poller = self._lead_poller[1]
-                while self._pump_or_break(sock, answers) and not answers and not self._want_io:
+                while (self._pump_or_break(sock, answers) and not answers and not self._want_io
+                       and not future.done()):  # (settled by the thread that took its answer: it kicks)
                     wait_ms = LEAD_SLICE_MS if left is None else max(0, min(LEAD_SLICE_MS, int(left * 1000)))
                     if self._kick.fd in dict(poller.poll(wait_ms)):
                         self._kick.drain()
@@ -177,9 +178,17 @@ class SocketTurns:
                 self._let_go(answers)
 
     def _let_go(self, answers: list[Callable[[], None]]) -> None:
-        """Release the socket, settle the answers received, and tell callers waiting for either."""
+        """Release the socket, then settle the answers received (``_settled``)."""
         self._io.release()
+        self._settled(answers)
+
+    def _settled(self, answers: list[Callable[[], None]]) -> None:
+        """Settle answers taken off the socket (``_io`` let go), and tell the callers waiting: those waiting to
+        be answered or for the socket, and a caller now receiving, whose own answer may be among them (kicked out
+        of its poll)."""
         settle(answers)
+        if answers and self._io.locked():
+            self._kick.wake()
         if self._released_waiters:
             with self._released:
                 self._released.notify_all()
