@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import zmq
 
 from shardps_client.errors import ShardpsError, ShardUnavailableError
-from shardps_client.lane_turns import TICK_MS, Item, SocketTurns, settle
+from shardps_client.lane_turns import MAX_TICK_MS, TICK_MS, Item, SocketTurns, settle
 
 log = logging.getLogger(__name__)
 
@@ -229,11 +229,13 @@ class DataLane(SocketTurns):
                 except zmq.Again:  # the connection went away under a send: resent on the next one
                     return "broken"
                 self._sock, self._unacked, self._broken = sock, unacked, False
-            force, last_turn, idle_since = True, time.monotonic(), None
+            force, last_turn, idle_since, tick = True, time.monotonic(), None, TICK_MS
             while True:
                 # Forced (a caller receiving lets the socket go) when the connection needs it, or when a caller has
                 # held the socket for a second (timeouts); else only if it is free: a tick.
                 ended = self._turn(sock, unacked, answers, force or time.monotonic() - last_turn > 1.0)
+                # Ticks back off while they find nothing (the callers receive): 2, 4, ... 64 ms.
+                tick = TICK_MS if answers else min(2 * tick, MAX_TICK_MS)
                 self._settled(answers)
                 answers.clear()
                 if ended != "busy":
@@ -241,14 +243,14 @@ class DataLane(SocketTurns):
                     if ended:
                         return ended
                 # Callers receive their own answers; what nobody waits for (a push's acknowledgement) is taken
-                # here every TICK_MS while calls are out. (Polling the socket's descriptor instead woke this thread
+                # here every tick while calls are out. (Polling the socket's descriptor instead woke this thread
                 # for every answer a caller was receiving: a one-row pull took 567 us against 422.)
                 now = time.monotonic()
                 idle_since = None if unacked else idle_since or now
-                timeout = TICK_MS
+                timeout = tick
                 if idle_since is not None and now - idle_since > 1.0:  # nothing out for a second: sleep longer
                     self._dozing = True  # then a caller that sends wakes this thread (Dekker: set, then look)
-                    timeout = TICK_MS if unacked else 250
+                    timeout = tick if unacked else 250
                 events = dict(poller.poll(timeout))
                 self._dozing = False
                 if self._wake.fd in events:

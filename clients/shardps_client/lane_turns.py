@@ -7,8 +7,9 @@ makes it when the lock is free (``_send_now``), and a thread waiting for an answ
 it meets on the way (``lead``). No hand-off between Python threads stands on a call's path: two hops through
 the lane's thread cost more than the shard's own work on a small call (measured: a one-row pull 575-710 us that
 way, 422-522 us without). The lane's thread (``DataLane``) keeps the connection and takes, every ``TICK_MS``
-while calls are out, the answers nobody waits for (a push's acknowledgement); it gets the socket from a waiting
-caller within ``LEAD_SLICE_MS`` when it needs it (a lost connection, a call timed out, the lane closing).
+while calls are out (backing off to ``MAX_TICK_MS`` while its ticks find nothing), the answers nobody waits for
+(a push's acknowledgement); it gets the socket from a waiting caller within ``LEAD_SLICE_MS`` when it needs it
+(a lost connection, a call timed out, the lane closing).
 Answers are settled after the lock is let go: a future's callbacks may use the lane again.
 """
 
@@ -29,6 +30,7 @@ from shardps_client.errors import ShardpsError
 
 LEAD_SLICE_MS = 50  # a caller receiving for its answer looks up this often (the lane's thread may need the socket)
 TICK_MS = 2  # while calls are out, the lane's thread takes the answers nobody waits for this often
+MAX_TICK_MS = 64  # ... backing off to this while its ticks find nothing (the waiting callers receive them)
 
 
 class LaneFuture(Future):
