@@ -246,7 +246,7 @@ class DataLane(SocketTurns):
                 # here every tick while calls are out. (Polling the socket's descriptor instead woke this thread
                 # for every answer a caller was receiving: a one-row pull took 567 us against 422.)
                 now = time.monotonic()
-                idle_since = None if unacked else idle_since or now
+                idle_since = None if unacked or self._queue else idle_since or now
                 timeout = tick
                 if idle_since is not None and now - idle_since > 1.0:  # nothing out for a second: sleep longer
                     self._dozing = True  # then a caller that sends wakes this thread (Dekker: set, then look)

@@ -35,7 +35,7 @@ MAX_TICK_MS = 64  # ... backing off to this while its ticks find nothing (the wa
 
 class LaneFuture(Future):
     """A call's future: waiting for it (``result``, ``exception``) receives on the lane's socket in the waiting
-    thread when it can (``DataLane.lead``), instead of waiting to be woken by the lane's thread."""
+    thread when it can (``SocketTurns.lead``), instead of waiting to be woken by the lane's thread."""
 
     def __init__(self, lane: SocketTurns) -> None:
         super().__init__()
@@ -107,9 +107,10 @@ class SocketTurns:
             self._kick.wake()
             self._wake.wake()
 
-    def _pump(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
+    def _pump(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list, block: bool = True) -> Optional[str]:
         """Send the queued calls, then receive every answer there is (``answers``: how to settle their futures,
-        run after ``_io`` is let go); "broken" when the connection must be made again."""
+        run after ``_io`` is let go); "broken" when the connection must be made again. A caller's thread sends
+        without blocking (``block`` False): with no connection to queue on, the lane's thread reconnects."""
         with self._lock:
             items = list(self._queue)
             self._queue.clear()
@@ -119,8 +120,9 @@ class SocketTurns:
                 item.sent_at = now
                 unacked[item.rid] = item
             try:
+                flags = 0 if block else zmq.NOBLOCK
                 for item in items:
-                    sock.send_multipart([item.rid, item.request], copy=False)
+                    sock.send_multipart([item.rid, item.request], flags, copy=False)
             except zmq.Again:  # no connection to send on: what is unanswered is resent on the next one
                 return "broken"
         while True:
@@ -134,7 +136,7 @@ class SocketTurns:
     def _pump_or_break(self, sock: zmq.Socket, answers: list) -> bool:
         """``_pump`` from a caller's thread; a broken connection is left to the lane's thread (False)."""
         assert self._unacked is not None
-        if self._pump(sock, self._unacked, answers) is None:
+        if self._pump(sock, self._unacked, answers, block=False) is None:
             return True
         self._broken = True
         self._wake.wake()
@@ -154,14 +156,15 @@ class SocketTurns:
                 with self._released:  # answered by whoever holds the socket, or it is let go: look again
                     self._released_waiters += 1  # counted before looking (whoever lets go looks after)
                     try:
-                        if not future.done() and (self._io.locked() or self._sock is None):
+                        if not future.done() and (self._io.locked() or self._sock is None or self._broken
+                                                  or self._want_io):
                             self._released.wait(0.05 if left is None else min(0.05, left))
                     finally:
                         self._released_waiters -= 1
                 continue
             answers: list[Callable[[], None]] = []
             try:
-                if self._sock is not sock:
+                if self._sock is not sock or self._broken:
                     continue
                 if self._lead_poller is None or self._lead_poller[0] is not sock:
                     poller = zmq.Poller()
@@ -180,9 +183,12 @@ class SocketTurns:
                 self._let_go(answers)
 
     def _let_go(self, answers: list[Callable[[], None]]) -> None:
-        """Release the socket, then settle the answers received (``_settled``)."""
+        """Release the socket, then settle the answers received (``_settled``); calls queued meanwhile by threads
+        that found the socket held are sent now (their kick may have found nobody receiving)."""
         self._io.release()
         self._settled(answers)
+        if self._queue and self._sock is not None and not self._broken:
+            self._send_now()
 
     def _settled(self, answers: list[Callable[[], None]]) -> None:
         """Settle answers taken off the socket (``_io`` let go), and tell the callers waiting: those waiting to
@@ -272,5 +278,5 @@ class SocketTurns:
 
 def settle(answers: list[Callable[[], None]]) -> None:
     """Settle calls' futures (after the socket's lock is let go: their callbacks may use the lane)."""
-    for settle in answers:
-        settle()
+    for one in answers:
+        one()

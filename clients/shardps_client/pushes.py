@@ -55,6 +55,7 @@ class DensePull:
 
     def _blocks(self) -> Iterator[tuple]:
         for s, f in self.futures.items():
+            _answer_here(f)
             replies = list(f.result().pulled_dense)
             if len(replies) != len(self.pieces[s]):
                 raise ShardpsError(f"shard {s} answered {len(replies)} of {len(self.pieces[s])} dense pulls sent "
@@ -186,7 +187,7 @@ class PushPipeline:
             outer.set_exception(e)
             return
         outer.inner = inner  # type: ignore[attr-defined]  # what ``wait`` waits on first (a data-plane lane's call
-        # is answered sooner by the thread that waits for it: ``DataLane.lead``)
+        # is answered sooner by the thread that waits for it: ``SocketTurns.lead``)
         inner.add_done_callback(lambda f: self._answered(outer, call, f, attempt))
 
     def _answered(self, outer: Future, call: planner.Call, inner: Future, attempt: int) -> None:
@@ -302,7 +303,7 @@ def moved_entries(reply: Any) -> list[int]:
 
 def _answer_here(outer: Future) -> None:
     """Before waiting for a push's outcome: wait for its lane's call, whose answer a data-plane lane lets the
-    waiting thread receive itself (``DataLane.lead``) rather than wake it."""
+    waiting thread receive itself (``SocketTurns.lead``) rather than wake it."""
     inner = getattr(outer, "inner", None)
     if inner is not None and not inner.done():
         inner.exception()
