@@ -278,12 +278,8 @@ class DataLane(SocketTurns):
     def _turn(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list, force: bool) -> Optional[str]:
         """The lane's thread's turn with the socket: send what is queued, answer what came, time calls out; why
         the connection ends, if it does ("busy": no turn, a caller holds the socket and ``force`` is not set)."""
-        if not self._io.acquire(blocking=False):
-            if not force:
-                return "busy"
-            self._want_io = True  # a caller receiving lets it go within LEAD_SLICE_MS
-            self._io.acquire()
-            self._want_io = False
+        if not self._take_io(force):
+            return "busy"
         try:
             if self._broken:
                 return "broken"

@@ -201,20 +201,27 @@ class SocketTurns:
             with self._released:
                 self._released.notify_all()
 
+    def _take_io(self, force: bool) -> bool:
+        """The socket, for the lane's thread: at once if it is free; else, with ``force``, once the caller receiving
+        lets it go (within LEAD_SLICE_MS); else not (False)."""
+        if self._io.acquire(blocking=False):
+            return True
+        if not force:
+            return False
+        self._want_io = True
+        self._io.acquire()
+        self._want_io = False
+        return True
+
     @contextlib.contextmanager
     def _owning_io(self) -> Iterator[None]:
-        """The socket, for the lane's thread: a caller receiving lets it go within LEAD_SLICE_MS."""
-        if not self._io.acquire(blocking=False):
-            self._want_io = True
-            self._io.acquire()
-            self._want_io = False
+        """``_take_io`` by force, let go (and the waiting callers told) after the block."""
+        self._take_io(True)
         try:
             yield
         finally:
             self._io.release()
-            if self._released_waiters:
-                with self._released:
-                    self._released.notify_all()
+            self._settled([])
 
     def _has_unacked(self, unacked: collections.OrderedDict) -> bool:
         with self._owning_io():
