@@ -201,6 +201,42 @@ def test_the_log_checkpoints_itself_as_it_grows(tmp_path):
         assert c.pull("cnt", torch.tensor([0]))[0, 0].item() == -pushes
 
 
+def test_a_large_shard_checkpoints_by_its_own_size_not_every_checkpoint_log_mb(tmp_path):
+    """With --checkpoint-log-ratio R, the next automatic checkpoint waits for R times the last checkpoint's bytes
+    of log (a shard of several GB is not rewritten for every 256 MiB of log), and still comes once they are
+    there; a restart then has every push."""
+    config = ShardConfig(0, 1, data_dir=str(tmp_path))
+    rows, dim, batch = 30_000, 16, 3_000
+    with ShardServer(config, ServerConfig(checkpoint_log_mb=1, checkpoint_log_ratio=2.0)).start() as server, \
+            Client([server.address]) as c:
+        c.create_table("big", dim=dim, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        c.push("big", torch.arange(rows), torch.zeros(rows, dim), wait=True)
+        first = c.checkpoint()
+        size = server.shard.last_checkpoint_bytes
+        assert size > rows * dim * 4  # the rows' own bytes and more
+        assert server.log_bytes_due() == 2 * size  # above --checkpoint-log-mb's 1 MiB
+        pushes, ids = 0, torch.arange(batch)
+
+        def push() -> None:
+            nonlocal pushes
+            c.push("big", ids, torch.ones(batch, dim), wait=True)
+            pushes += 1
+
+        while server.shard.durability.log_bytes() < (1 << 20) + (256 << 10):  # past --checkpoint-log-mb
+            push()
+        time.sleep(2.5)  # the checkpointer looks every second
+        assert server.shard.last_checkpoint == first, "a checkpoint before the log reached 2x the last one"
+        deadline = time.monotonic() + 60
+        while server.shard.last_checkpoint == first:
+            assert time.monotonic() < deadline, "no checkpoint once the log passed 2x the last one"
+            if server.shard.durability.log_bytes() < 2 * size + (256 << 10):
+                push()
+            else:
+                time.sleep(0.1)
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        assert c.pull("big", torch.tensor([0]))[0, 0].item() == -pushes
+
+
 def test_the_start_line_says_what_a_crash_keeps(tmp_path):
     shard = start_shard(0, 1, tmp_path)
     try:

@@ -45,6 +45,9 @@ SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
                                         "on SIGTERM)"),
     ("checkpoint-log-mb", int, 256, "checkpoint once this many MiB of log were written since the last "
                                     "checkpoint, bounding the replay on restart (0: never by size)"),
+    ("checkpoint-log-ratio", float, 1.0, "and not before the log since the last checkpoint is this many times that "
+                                         "checkpoint's size: a large table is not rewritten for every "
+                                         "--checkpoint-log-mb of log (0: --checkpoint-log-mb alone)"),
     ("disk-dir", str, None, "where tables with a disk tier keep their cold rows (RocksDB; local disk; default: "
      "<data-dir>/disk, none without --data-dir)"),
     ("disk-cache-mb", int, 32, "RocksDB's block cache of the disk tier in MiB, shared by its tables (memory beyond "
@@ -449,6 +452,7 @@ def run_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb, data_threads=args.data_threads, data_port=args.data_port,
             checkpoint_interval_s=args.checkpoint_interval, checkpoint_log_mb=args.checkpoint_log_mb,
+            checkpoint_log_ratio=args.checkpoint_log_ratio,
             grace_s=args.grace, metrics_port=args.metrics_port,
             delta_poll_s=args.delta_poll, replica=_replica(args), advertise=args.advertise or "",
             tls=_tls(args), tokens=Tokens.load(args.tokens_file) if args.tokens_file else None,

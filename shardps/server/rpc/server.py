@@ -63,6 +63,11 @@ class ServerConfig:
         checkpoint_interval_s: seconds between periodic checkpoints (0: none by time).
         checkpoint_log_mb: checkpoint once this many MiB of log were written since the last checkpoint, so a
             restart replays at most about that much (0: none by size).
+        checkpoint_log_ratio: and not before the log since the last checkpoint is this many times the bytes that
+            checkpoint wrote (0: ``checkpoint_log_mb`` alone). A checkpoint rewrites the whole shard: with a fixed
+            size alone, a shard of 3 GB would be rewritten for every 256 MiB of log, 12 bytes written per byte
+            logged; with the ratio it writes at most 1/ratio bytes per byte logged, and a restart replays at most
+            about ratio times its checkpoint (Redis rewrites its append-only file on the same rule).
         grace_s: seconds in-flight calls get to finish on shutdown.
         metrics_port: serve Prometheus metrics at http://host:metrics_port/metrics (0: a free
             port; None: no metrics, and no cost for them).
@@ -86,6 +91,7 @@ class ServerConfig:
     max_message_mb: int = 4
     checkpoint_interval_s: float = 0.0
     checkpoint_log_mb: int = 256
+    checkpoint_log_ratio: float = 1.0
     grace_s: float = 5.0
     metrics_port: Optional[int] = None
     tls: Optional[TLSFiles] = None
@@ -241,12 +247,13 @@ class ShardServer:
 
     def _checkpoint_loop(self) -> None:
         """Automatic checkpoints: every ``checkpoint_interval_s``, and whenever the log since the last checkpoint
-        reaches ``checkpoint_log_mb`` (what bounds a restart's replay)."""
+        reaches ``checkpoint_log_mb`` and ``checkpoint_log_ratio`` times that checkpoint's size (what bounds a
+        restart's replay, and what a checkpoint costs against the log it saves replaying)."""
         every, log_bytes = self.config.checkpoint_interval_s, self.config.checkpoint_log_mb << 20
         last = time.monotonic()
         while not self._stop.wait(min(every, 1.0) if every > 0 else 1.0):
             due_time = every > 0 and time.monotonic() - last >= every
-            due_size = log_bytes > 0 and self.shard.durability.log_bytes() >= log_bytes
+            due_size = log_bytes > 0 and self.shard.durability.log_bytes() >= self.log_bytes_due()
             if not (due_time or due_size):
                 continue
             try:
@@ -254,6 +261,11 @@ class ShardServer:
             except Exception:
                 log.exception("automatic checkpoint failed")
             last = time.monotonic()
+
+    def log_bytes_due(self) -> int:
+        """Bytes of log since the last checkpoint at which the next automatic one is due (by size)."""
+        ratio = self.config.checkpoint_log_ratio
+        return max(self.config.checkpoint_log_mb << 20, int(ratio * self.shard.last_checkpoint_bytes))
 
     def _sweep_loop(self) -> None:
         """Reclaim the memory of expired rows (TTL eviction), a slice of each table per second; the rows

@@ -37,6 +37,7 @@ class CheckpointFiles:
     seqno: int = 0
     last: str = ""
     previous_cut: int = 0
+    bytes: int = 0  # what the last checkpoint written or restored holds: its file and the hot rows it spilled
 
 
 class Checkpointer:
@@ -172,6 +173,7 @@ class Checkpointer:
             except BaseException:
                 self._prune_tiers(data_dir)
                 raise
+            self.files.bytes = size + self._spilled_bytes(meta)
             checkpoints.prune(data_dir, self.keep)
             self._prune_tiers(data_dir)
             # Records are kept back to the previous checkpoint, the fallback if this one breaks.
@@ -203,9 +205,18 @@ class Checkpointer:
             if name.startswith("ckpt-") and name not in kept:
                 tiers.remove_checkpoint(name)
 
-    def restored(self, meta: dict[str, Any]) -> int:
-        """A checkpoint was loaded on start: continue its numbering; returns the log segment replay starts at."""
+    def _spilled_bytes(self, meta: dict[str, Any]) -> int:
+        """Bytes of the hot rows the checkpoint of ``meta`` spilled into its disk tier checkpoint (its RocksDB files
+        are hard links of the live ones, written already)."""
+        if "disk_tier" not in meta or self.registry.tiers is None:
+            return 0
+        return sum(p.stat().st_size for p in (self.registry.tiers.checkpoint_root / meta["disk_tier"]).glob("hot-*"))
+
+    def restored(self, meta: dict[str, Any], size: int = 0) -> int:
+        """A checkpoint (of ``size`` bytes) was loaded on start: continue its numbering; returns the log segment
+        replay starts at."""
         self.files.seqno = int(meta["seqno"])
+        self.files.bytes = size + self._spilled_bytes(meta)
         self.files.last = meta["checkpoint_id"]
         self.files.previous_cut = int(meta.get("wal_segment", 0))
         return self.files.previous_cut

@@ -266,6 +266,11 @@ class Shard(ShardCuts):
     def last_checkpoint(self) -> str:
         return self.checkpointer.files.last
 
+    @property
+    def last_checkpoint_bytes(self) -> int:
+        """Bytes the last checkpoint written or restored holds (its file and the hot rows it spilled)."""
+        return self.checkpointer.files.bytes
+
     def count_error(self) -> None:
         self.updates.stats.count("errors")
 

@@ -87,7 +87,7 @@ class Recovery:
                 continue
             tier_error = None
             restored_meta = meta
-            first_segment = self.checkpointer.restored(meta)
+            first_segment = self.checkpointer.restored(meta, loaded.path.stat().st_size)
             log.info("shard %d: restored checkpoint %s (version %d, %d tables)",
                      self.index, loaded.path.name, self.shard.updates.version, len(self.shard.registry))
             break
