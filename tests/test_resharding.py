@@ -79,7 +79,9 @@ class Trainers:
         assert not wrong.size, f"{wrong.size} rows off the exact counts, e.g. id {wrong[0]}: {got[wrong[0]]} vs " \
                                f"{-self.counts[wrong[0]]}"
         dense, _ = c.pull_dense("w")
-        assert torch.equal(dense, torch.full(DENSE, -float(self.dense_pushes))), (dense[0], self.dense_pushes)
+        off = torch.nonzero((dense != -float(self.dense_pushes)).any(dim=1)).flatten().tolist()
+        assert not off, f"dense rows {off} (chunks of 8 rows: {sorted({r // 8 for r in off})}) hold " \
+                        f"{sorted(set(dense[off, 0].tolist()))}, not {-self.dense_pushes} pushes"
 
 
 _running: list[Trainers] = []

@@ -260,6 +260,11 @@ class DataLane(SocketTurns):
                     event = monitor.recv_multipart()
                     what = int.from_bytes(event[0][:2], "little")
                     if what == zmq.EVENT_DISCONNECTED:
+                        # The answers that came before the connection went are taken first: a push the shard
+                        # applied and answered is settled, not sent again (to another shard, if this one left
+                        # the cluster, where its sequence number would not be known).
+                        with self._owning_io():
+                            self._receive_all(sock, unacked, answers)
                         return "broken"
                     retries += 1
                     if retries >= 3 and not self._reached:

@@ -125,6 +125,11 @@ class SocketTurns:
                     sock.send_multipart([item.rid, item.request], flags, copy=False)
             except zmq.Again:  # no connection to send on: what is unanswered is resent on the next one
                 return "broken"
+        return self._receive_all(sock, unacked, answers)
+
+    def _receive_all(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
+        """Take every answer the socket holds (under ``_io``); "broken" when the connection must be made again.
+        Answers that arrived before a connection went are still there to take (libzmq keeps them readable)."""
         while True:
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)

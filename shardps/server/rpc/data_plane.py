@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 HELLO = b"hello"
 POLL_MS = 50  # how soon a stopping shard's data-plane threads notice
+CLOSE_LINGER_MS = 1000  # how long a stopping shard's sockets keep sending the answers already made
 MAX_CONNECTIONS = 4096  # connections whose credentials a socket remembers (the oldest are forgotten first)
 MAX_WAITING = 256  # calls waiting off their socket's thread at once (beyond: they wait on it)
 MAX_QUEUED = 1024  # requests of one connection held behind its waiting call (beyond: RESOURCE_EXHAUSTED)
@@ -160,7 +161,7 @@ class DataPlane:
                 break
             alive[0].join(max(0.0, deadline - time.monotonic()))
         for st in self._states:
-            st.sock.close(0)
+            st.sock.close(CLOSE_LINGER_MS)  # the answers already made still go out (each client settles them)
             st.wake.close()
         self._ctx.term()
 
