@@ -353,10 +353,36 @@ def test_a_failed_push_claim_is_forgotten_even_after_it_was_folded_into_the_low_
     seen = SeenPushes()
     for seq in (1, 2, 3):
         assert seen.begin("c", seq)
+    seen.settle("c", 1)
+    seen.settle("c", 3)
     seen.abort("c", 2)  # 1..3 were folded into the low mark: 2's gap reopens, 1 and 3 stay claimed
     assert not seen.contains("c", 2) and seen.contains("c", 1) and seen.contains("c", 3)
-    assert seen.begin("c", 2) and not seen.begin("c", 2) and not seen.begin("c", 3)
+    assert seen.begin("c", 2)
+    seen.settle("c", 2)
+    assert not seen.begin("c", 2) and not seen.begin("c", 3)
     assert seen.begin("c", 5)
     seen.abort("c", 5)  # a claim above a gap
     assert seen.begin("c", 4) and seen.begin("c", 5)
+    seen.settle("c", 4)
+    seen.settle("c", 5)
     assert not any(seen.begin("c", s) for s in range(1, 6))
+
+
+def test_a_resend_of_a_claim_in_flight_waits_for_it_then_is_a_duplicate_or_applies():
+    """A resend of a push still being applied (in flight) is neither a duplicate nor applied until the first one
+    is settled (then a duplicate) or aborted (then claimed); past the wait it is refused as unavailable."""
+    from shardps.core.errors import Unavailable
+    from shardps.server.shard.updates import SeenPushes
+
+    seen = SeenPushes(wait_s=0.3)
+    assert seen.begin("c", 1) and seen.begin("c", 2)
+    with pytest.raises(Unavailable, match="push 1 of client c is still being applied"):
+        seen.contains("c", 1)
+    with pytest.raises(Unavailable):
+        seen.begin("c", 1)
+    seen = SeenPushes(wait_s=30)
+    assert seen.begin("c", 1) and seen.begin("c", 2)
+    threading.Timer(0.2, seen.settle, args=("c", 1)).start()
+    threading.Timer(0.2, seen.abort, args=("c", 2)).start()
+    assert seen.contains("c", 1)  # applied: the resend is a duplicate
+    assert seen.begin("c", 2)  # failed: the resend applies

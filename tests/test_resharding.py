@@ -390,6 +390,72 @@ def test_a_push_batch_caught_by_a_handover_applies_each_push_exactly_once(tmp_pa
         calls.close()
 
 
+def test_a_resend_of_a_push_waiting_at_a_handover_is_not_answered_as_a_duplicate(tmp_path):
+    """A push (client id, seq) waits at the source during a handover; the same push comes again (a client that
+    reconnected resends what was unanswered). The resend must not be answered as a duplicate while the first one
+    waits: the first is then refused as moved, and a client told "duplicate" would never send it to the new
+    owner. Both are answered as moved; resent there, the push applies once."""
+    from shardps_client.planner import shard_map
+
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        two = list(cluster.addresses)
+        with Client(two) as c:
+            _tables(c)
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
+        driver.ensure_lineage()
+        client = Client(two)
+        answers: dict[str, object] = {}
+        sent: dict[str, np.ndarray] = {}
+
+        def at(phase: str, move: Move) -> None:
+            if phase != "handed_over" or sent or move.source != 0:
+                return
+            old = client._session.slots
+            ids = np.arange(ROWS)
+            moving = ids[(old.owner_of(ids) == 0) & np.isin(routing_slots(ids), move.slots)][:16]
+            assert moving.size
+            sent["ids"] = moving
+            request = pb.PushRequest.FromString(wire.encode_push(
+                "t", np.ones((moving.size, 4), np.float32), pb.FLOAT32, ids=moving, client_id="resender", seq=1,
+                shard_map=shard_map(0, old)))
+            channel = grpc.insecure_channel(two[0])
+            push = channel.unary_unary("/shardps.v1.Shard/Push", request_serializer=pb.PushRequest.SerializeToString,
+                                       response_deserializer=pb.PushResponse.FromString)
+
+            def send(which: str) -> None:
+                try:
+                    answers[which] = push(request, timeout=60)
+                except grpc.RpcError as e:
+                    answers[which] = e
+
+            first = threading.Thread(target=send, args=("first",), daemon=True)
+            first.start()
+            time.sleep(0.5)  # the first one waits at the handover
+            second = threading.Thread(target=send, args=("resend",), daemon=True)
+            second.start()
+            time.sleep(0.5)
+            assert "resend" not in answers, f"the resend was answered while its original waited: {answers['resend']}"
+
+        driver.at = at
+        driver.run([0, 1, 2])
+        deadline = time.monotonic() + 60
+        while len(answers) < 2:
+            assert time.monotonic() < deadline, f"not both answered: {answers}"
+            time.sleep(0.05)
+        for which, answer in answers.items():
+            assert isinstance(answer, grpc.RpcError), f"the {which} push was answered {answer}, not refused as moved"
+            assert "refresh the slot map" in answer.details(), (which, answer.details())
+        client.close()
+        with Client(cluster.addresses) as c:  # nothing of it was applied anywhere: the client sends it again
+            ids = torch.from_numpy(sent["ids"])
+            assert torch.equal(c.pull("t", ids), torch.zeros(ids.shape[0], 4))
+            c.push("t", ids, torch.ones(ids.shape[0], 4), wait=True)
+            assert torch.equal(c.pull("t", ids), -torch.ones(ids.shape[0], 4))
+        calls.close()
+
+
 def routing_slots(ids: np.ndarray) -> np.ndarray:
     from shardps.core.routing import slot_of_ids
 

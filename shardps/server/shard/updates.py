@@ -11,6 +11,7 @@ with the staleness the log recorded.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator, Optional
@@ -37,16 +38,20 @@ class SeenPushes:
     more than ``max_pending`` seqs wait above them; the ``max_clients`` least recently seen clients are dropped.
     """
 
-    def __init__(self, max_clients: int = 10_000, max_pending: int = 65_536) -> None:
+    def __init__(self, max_clients: int = 10_000, max_pending: int = 65_536, wait_s: float = 30.0) -> None:
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # an in-flight claim was settled or aborted
+        self._wait_s = wait_s  # longest a resend waits for its original, still in flight, to be applied or fail
         self._clients: dict[str, tuple[int, set[int]]] = {}
         self._in_flight: dict[str, set[int]] = {}
         self._max_clients = max_clients
         self._max_pending = max_pending
 
     def begin(self, client: str, seq: int) -> bool:
-        """Mark (client, seq) as applied; False if it already was (a duplicate)."""
+        """Mark (client, seq) as applied; False if it already was (a duplicate). A resend of a claim still in
+        flight waits for it first: a duplicate once it is applied, claimed again if it failed."""
         with self._lock:
+            self._wait_in_flight(client, seq)
             low, above = self._clients.pop(client, (0, set()))
             self._clients[client] = (low, above)  # most recently used last
             if seq <= low or seq in above:
@@ -63,14 +68,29 @@ class SeenPushes:
             if len(self._clients) > self._max_clients:
                 gone = next(iter(self._clients))
                 del self._clients[gone]
-                self._in_flight.pop(gone, None)
+                if self._in_flight.pop(gone, None):
+                    self._settled.notify_all()
             return True
 
     def contains(self, client: str, seq: int) -> bool:
-        """Whether (client, seq) was claimed (applied, or being applied)."""
+        """Whether (client, seq) was applied. A claim still in flight (its push waits at a handover or for a sync
+        step, say) is waited for: answering its resend as a duplicate before the push applied would lose it
+        should the push then fail (its rows moved on)."""
         with self._lock:
+            self._wait_in_flight(client, seq)
             entry = self._clients.get(client)
             return entry is not None and (seq <= entry[0] or seq in entry[1])
+
+    def _wait_in_flight(self, client: str, seq: int) -> None:
+        """Wait (the lock held) until (client, seq) is not in flight; Unavailable after ``wait_s``."""
+        deadline = None
+        while seq in self._in_flight.get(client, ()):
+            deadline = deadline or time.monotonic() + self._wait_s
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"push {seq} of client {client} is still being applied after {self._wait_s:g} s; "
+                                  "retry it")
+            self._settled.wait(left)
 
     def settle(self, client: str, seq: int) -> None:
         """The claimed push was applied (callers hold the lock of the table it changed)."""
@@ -83,6 +103,7 @@ class SeenPushes:
             flying.discard(seq)
             if not flying:
                 del self._in_flight[client]
+            self._settled.notify_all()
 
     def abort(self, client: str, seq: int) -> None:
         """Forget a seq whose push failed, so a retry is applied. A claim already folded into ``low`` (every seq
@@ -202,9 +223,12 @@ class UpdatePath:
         return False
 
     def release(self, client_id: str, seq: int, error: BaseException) -> None:
-        """A claimed push failed: a retry applies it, unless its synchronous step is over (it would be late)."""
+        """A claimed push failed: a retry applies it, unless its synchronous step is over (it would be late: the
+        claim stays, no longer in flight)."""
         if client_id and not isinstance(error, SyncStepFailed):
             self.seen.abort(client_id, seq)
+        elif client_id:
+            self.seen.settle(client_id, seq)
 
     def apply(self, t: Table, ids: np.ndarray, grads: np.ndarray, pulled_version: Optional[int] = None,
               record: Record = (0, b""), replayed_staleness: Optional[int] = None,
