@@ -456,6 +456,69 @@ def test_a_resend_of_a_push_waiting_at_a_handover_is_not_answered_as_a_duplicate
         calls.close()
 
 
+def test_a_step_whose_dense_pull_moved_while_its_pushes_waited_applies_each_push_once(tmp_path):
+    """A step's PushBatch (ShardedOptimizer's: pushes, and dense values asked back with them) reaches the source
+    while a dense chunk it pushes to and reads is handed over: its row push applies, its dense push waits and is
+    refused as moved (the client sends it to the new owner), then so is its dense read. The batch keeps the
+    pushes' outcomes and leaves the pulls out; the step's dense values still come back (the client pulls them
+    anew: it used to fail the step, "answered 0 of 4 dense pulls"), and each push applies once."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        two = list(cluster.addresses)
+        with Client(two) as c:
+            _tables(c)
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
+        driver.ensure_lineage()
+        client = Client(two)
+        done: list = []
+        expected: dict[str, np.ndarray] = {}
+
+        def at(phase: str, move: Move) -> None:
+            if phase != "handed_over" or expected or move.source != 0 or not any(n == "w" for n, _ in move.dense):
+                return
+            old = client._session.slots
+            ids = np.arange(ROWS)
+            on_source = ids[old.owner_of(ids) == 0]
+            staying = on_source[~np.isin(routing_slots(on_source), move.slots)][:32]
+            assert staying.size
+            expected["staying"] = staying
+
+            def send() -> None:
+                try:
+                    client.defer_pushes = True
+                    client.push("t", torch.from_numpy(staying), torch.ones(staying.size, 4))
+                    client.push_dense("w", torch.ones(*DENSE))  # its chunk that moves waits at the handover
+                    pulled = client.send_pushes(pull_dense=["w"])
+                    client.defer_pushes = False
+                    assert pulled is not None
+                    done.append(pulled.result())
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    done.append(e)
+
+            threading.Thread(target=send, daemon=True).start()
+            time.sleep(0.6)  # the first push applied, the second waiting at the handover (the dense read after it)
+
+        driver.at = at
+        driver.run([0, 1, 2])
+        assert expected, "no move of a dense chunk from shard 0"
+        deadline = time.monotonic() + 60
+        while not done:
+            assert time.monotonic() < deadline, "the step was never answered"
+            time.sleep(0.05)
+        assert not isinstance(done[0], BaseException), done[0]
+        assert done[0]["w"][0].shape == DENSE
+        client.flush()
+        client.close()
+        with Client(cluster.addresses) as c:
+            got = c.pull("t", torch.from_numpy(expected["staying"]))
+            assert torch.equal(got, -torch.ones_like(got)), f"{int((got != -1).any(1).sum())} rows not pushed once"
+            dense, _ = c.pull_dense("w")
+            off = torch.nonzero((dense != -1).any(dim=1)).flatten().tolist()
+            assert not off, f"dense rows {off} hold {sorted(set(dense[off, 0].tolist()))}, not one push"
+        calls.close()
+
+
 def routing_slots(ids: np.ndarray) -> np.ndarray:
     from shardps.core.routing import slot_of_ids
 

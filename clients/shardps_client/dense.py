@@ -115,7 +115,7 @@ class DenseTensors:
         session = self._session
         specs = {name: session.catalog.dense(name) for name in names}
         slots = session.slots
-        out = DensePull(specs, slots.num_shards, Versions)
+        out = DensePull(specs, slots.num_shards, Versions, again=lambda names: self.pull_many(names, None))
         sizes = [0] * slots.num_shards
         for s, name, a, b, req, nbytes in planner.dense_pull_requests(specs, slots, session.wire_dtype,
                                                                        session.max_message_bytes):

@@ -31,6 +31,10 @@ from shardps_client.transport import Transport
 log = logging.getLogger(__name__)
 
 
+class _LeftOut(Exception):
+    """A shard answered a step's pushes without the dense values asked with them (a chunk of them moved)."""
+
+
 class DensePull:
     """Dense values coming back with a step's pushes (``Client.send_pushes(pull_dense=...)``).
 
@@ -38,8 +42,10 @@ class DensePull:
     ``pull_dense_many`` returns; it raises the error of a push that failed.
     """
 
-    def __init__(self, specs: dict[str, DenseSpec], num_shards: int, wrap: Callable[[dict[int, int]], Any]) -> None:
+    def __init__(self, specs: dict[str, DenseSpec], num_shards: int, wrap: Callable[[dict[int, int]], Any],
+                 again: Optional[Callable[[list[str]], dict[str, tuple[torch.Tensor, Any]]]] = None) -> None:
         self.specs = specs
+        self._again = again  # pulls the tensors anew (``pull_dense_many``) when a shard left its part out
         self.requests: list[list[bytes]] = [[] for _ in range(num_shards)]  # framed, per shard
         self.pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(num_shards)]  # (name, rows) per request
         self.futures: dict[int, Future] = {}
@@ -50,13 +56,19 @@ class DensePull:
         return all(f.done() for f in self.futures.values())
 
     def result(self) -> dict[str, tuple[torch.Tensor, Any]]:
-        values = planner.assemble_dense(self.specs, self._blocks())
+        try:
+            values = planner.assemble_dense(self.specs, self._blocks())
+        except _LeftOut:  # a chunk moved to another shard while the step's pushes waited there: pulled anew
+            assert self._again is not None
+            return self._again(list(self.specs))
         return {name: (value, self._wrap(versions)) for name, (value, versions) in values.items()}
 
     def _blocks(self) -> Iterator[tuple]:
         for s, f in self.futures.items():
             _answer_here(f)
             replies = list(f.result().pulled_dense)
+            if not replies and self.pieces[s] and self._again is not None:
+                raise _LeftOut  # the shard's part moved (live resharding) before the pushes it came with were done
             if len(replies) != len(self.pieces[s]):
                 raise ShardpsError(f"shard {s} answered {len(replies)} of {len(self.pieces[s])} dense pulls sent "
                                    "with its pushes (a server without PushBatch.pull_dense?)")

@@ -129,6 +129,11 @@ class DataPath:
             (out.dense if dense else out.pushes).append(convert.push_response(r))
         if first_error is not None:
             raise first_error
+        try:
+            pulled = [self._read_dense(p) for p in pulls]
+        except Moved:  # a chunk to read moved while the pushes waited: the pushes' outcomes stand (a batch refused
+            # whole is sent again whole); the pulls are left out, and the client pulls them anew.
+            pulled = []
         # Repeated fields concatenate: the pulled values follow the outcomes as field 3.
         return out.SerializeToString() + wire.encode_repeated(
-            [(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, [self._read_dense(p) for p in pulls])])
+            [(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, pulled)])
