@@ -187,7 +187,8 @@ class SlotOwnership:
             if not chunks:
                 return np.zeros(ids.shape, bool)
             width = spec.chunk_rows if 0 < spec.chunk_rows < spec.rows else spec.rows
-            marked = np.array([c for name, c in chunks if name == spec.name], np.int64)
+            # A copy first (one C call under the GIL): handovers and arrivals change the set as pushes read it.
+            marked = np.array([c for name, c in list(chunks) if name == spec.name], np.int64)
             return np.isin(ids // width, marked)
         if not slots.any():
             return np.zeros(ids.shape, bool)

@@ -323,7 +323,11 @@ class UpdatePath:
                 continue
             slots = self.slots
             if slots is not None and slots.guarded and ids is not None and ids.size:
-                state = slots.blocked(t.spec, ids)
+                try:
+                    state = slots.blocked(t.spec, ids)
+                except BaseException:
+                    t.lock.release()
+                    raise
                 if state:
                     t.lock.release()
                     if state == "moved":
