@@ -260,11 +260,6 @@ class DataLane(SocketTurns):
                     event = monitor.recv_multipart()
                     what = int.from_bytes(event[0][:2], "little")
                     if what == zmq.EVENT_DISCONNECTED:
-                        # The answers that came before the connection went are taken first: a push the shard
-                        # applied and answered is settled, not sent again (to another shard, if this one left
-                        # the cluster, where its sequence number would not be known).
-                        with self._owning_io():
-                            self._receive_all(sock, unacked, answers)
                         return "broken"
                     retries += 1
                     if retries >= 3 and not self._reached:
@@ -273,6 +268,14 @@ class DataLane(SocketTurns):
                         return "broken"
         finally:
             with self._owning_io():
+                # Whatever ended the connection (it went, a send found it gone, a timeout, the lane closed), the
+                # answers that came before are taken first: a push the shard applied and answered is settled, not
+                # sent again (to another shard, if this one left the cluster, where its sequence number would not
+                # be known). libzmq keeps them readable after the peer went.
+                try:
+                    self._receive_all(sock, unacked, answers)
+                except zmq.ZMQError:
+                    pass
                 self._sock = self._unacked = None
                 self._lead_poller = None
             settle(answers)
