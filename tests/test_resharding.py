@@ -110,7 +110,7 @@ def _reshard(cluster_file: pathlib.Path, *args: str, timeout: float = 180) -> st
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "known race, docs/resharding.md#known-issue: under load (one CI run in two; 0 of 26 runs alone) a push that a "
+    "known race, docs/resharding.md#known-issue: under load (two CI runs of three; 0 of 26 runs alone) a push that a "
     "shard leaving the cluster applied is also applied by the new owner of its rows: the client plans a removed "
     "shard's unanswered calls again with new sequence numbers"))
 def test_two_three_four_two_shards_under_two_training_clients_keep_exact_counts(tmp_path):
