@@ -5,6 +5,7 @@ request naming a future or foreign slot map is refused. Every test is bounded an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -335,20 +336,33 @@ def etcd(tmp_path):
         yield e
 
 
+@contextlib.contextmanager
+def _two_shards_and_a_third_joining(tmp_path, *more_tables: str):
+    """Two shards holding the test's tables (and ``more_tables``, like "t"), a third joined, and a driver to move
+    slots to it: (cluster, the first two addresses, driver)."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        two = list(cluster.addresses)
+        with Client(two) as c:
+            _tables(c)
+            for name in more_tables:
+                c.create_table(name, dim=4, num_embeddings=ROWS, optimizer=SGD(lr=1.0),
+                               initializer=Initializer("zeros"))
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        try:
+            driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
+            driver.ensure_lineage()
+            yield cluster, two, driver
+        finally:
+            calls.close()
+
+
 def test_a_push_batch_caught_by_a_handover_applies_each_push_exactly_once(tmp_path):
     """A PushBatch (deferred pushes, as ShardedOptimizer sends them) reaches the source during a handover: its first
     push (rows staying there) applies, its second (rows of the moving slots) waits, then is refused as moved. The
     batch's answer marks that push alone; the client sends it to the new owner. Each push applies once: a client
     that resent the whole batch would apply the first one twice."""
-    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
-        two = list(cluster.addresses)
-        with Client(two) as c:
-            _tables(c)
-            c.create_table("u", dim=4, num_embeddings=ROWS, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
-        cluster.add_shards(1)
-        calls = ShardCalls(cluster.addresses, retry_s=30)
-        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
-        driver.ensure_lineage()
+    with _two_shards_and_a_third_joining(tmp_path, "u") as (cluster, two, driver):
         client = Client(two)
         done: list[BaseException | None] = []
 
@@ -391,7 +405,6 @@ def test_a_push_batch_caught_by_a_handover_applies_each_push_exactly_once(tmp_pa
             got_u = c.pull("u", torch.from_numpy(expected["moving"]))
         assert torch.equal(got_t, -torch.ones_like(got_t)), f"{int((got_t != -1).any(1).sum())} rows not pushed once"
         assert torch.equal(got_u, -torch.ones_like(got_u)), f"{int((got_u != -1).any(1).sum())} rows not pushed once"
-        calls.close()
 
 
 def test_a_resend_of_a_push_waiting_at_a_handover_is_not_answered_as_a_duplicate(tmp_path):
@@ -401,14 +414,7 @@ def test_a_resend_of_a_push_waiting_at_a_handover_is_not_answered_as_a_duplicate
     owner. Both are answered as moved; resent there, the push applies once."""
     from shardps_client.planner import shard_map
 
-    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
-        two = list(cluster.addresses)
-        with Client(two) as c:
-            _tables(c)
-        cluster.add_shards(1)
-        calls = ShardCalls(cluster.addresses, retry_s=30)
-        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
-        driver.ensure_lineage()
+    with _two_shards_and_a_third_joining(tmp_path) as (cluster, two, driver):
         client = Client(two)
         answers: dict[str, object] = {}
         sent: dict[str, np.ndarray] = {}
@@ -457,7 +463,6 @@ def test_a_resend_of_a_push_waiting_at_a_handover_is_not_answered_as_a_duplicate
             assert torch.equal(c.pull("t", ids), torch.zeros(ids.shape[0], 4))
             c.push("t", ids, torch.ones(ids.shape[0], 4), wait=True)
             assert torch.equal(c.pull("t", ids), -torch.ones(ids.shape[0], 4))
-        calls.close()
 
 
 def test_a_step_whose_dense_pull_moved_while_its_pushes_waited_applies_each_push_once(tmp_path):
@@ -466,14 +471,7 @@ def test_a_step_whose_dense_pull_moved_while_its_pushes_waited_applies_each_push
     refused as moved (the client sends it to the new owner), then so is its dense read. The batch keeps the
     pushes' outcomes and leaves the pulls out; the step's dense values still come back (the client pulls them
     anew: it used to fail the step, "answered 0 of 4 dense pulls"), and each push applies once."""
-    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
-        two = list(cluster.addresses)
-        with Client(two) as c:
-            _tables(c)
-        cluster.add_shards(1)
-        calls = ShardCalls(cluster.addresses, retry_s=30)
-        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096))
-        driver.ensure_lineage()
+    with _two_shards_and_a_third_joining(tmp_path) as (cluster, two, driver):
         client = Client(two)
         done: list = []
         expected: dict[str, np.ndarray] = {}
@@ -520,7 +518,6 @@ def test_a_step_whose_dense_pull_moved_while_its_pushes_waited_applies_each_push
             dense, _ = c.pull_dense("w")
             off = torch.nonzero((dense != -1).any(dim=1)).flatten().tolist()
             assert not off, f"dense rows {off} hold {sorted(set(dense[off, 0].tolist()))}, not one push"
-        calls.close()
 
 
 def routing_slots(ids: np.ndarray) -> np.ndarray:
