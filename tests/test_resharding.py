@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -230,7 +231,10 @@ def test_kill9_of_the_reshard_command_then_resume(tmp_path):
             while True:  # kill it in the middle of a move (the journal names one), a few moves in
                 state = json.loads(journal.read_text()) if journal.exists() else {}
                 if state.get("move") and state.get("moved_slots", 0) >= 512:
-                    break
+                    driver.send_signal(signal.SIGSTOP)  # frozen, it cannot finish the move before the kill lands
+                    if json.loads(journal.read_text()).get("move"):  # (the journal is replaced whole: os.replace)
+                        break
+                    driver.send_signal(signal.SIGCONT)  # that move ended between the two reads: the next one
                 assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()
                 time.sleep(0.005)
             driver.kill()
