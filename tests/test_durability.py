@@ -366,6 +366,8 @@ def test_a_failed_push_claim_is_forgotten_even_after_it_was_folded_into_the_low_
     seen.settle("c", 4)
     seen.settle("c", 5)
     assert not any(seen.begin("c", s) for s in range(1, 6))
+    seen.abort("c", 4)  # settled: applied (a failed wait for its record came after), so its resend is a duplicate
+    assert seen.contains("c", 4) and not seen.begin("c", 4)
 
 
 def test_a_resend_of_a_claim_in_flight_waits_for_it_then_is_a_duplicate_or_applies():

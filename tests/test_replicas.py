@@ -42,14 +42,15 @@ def etcd(tmp_path):
 class Group:
     """R members of shard 0 of 1 as ``shardps serve`` processes, each with its data dir."""
 
-    def __init__(self, tmp_path, etcd: LocalEtcd, replicas: int = 3, ack: str = "quorum") -> None:
-        self.tmp, self.etcd, self.replicas, self.ack = tmp_path, etcd, replicas, ack
+    def __init__(self, tmp_path, etcd: LocalEtcd, replicas: int = 3, ack: str = "quorum",
+                 extra: tuple[str, ...] = ()) -> None:
+        self.tmp, self.etcd, self.replicas, self.ack, self.extra = tmp_path, etcd, replicas, ack, list(extra)
         self.procs = [self._start(m) for m in range(replicas)]
 
     def _start(self, m: int, port: str = "0"):
         return start_shard(0, 1, self.tmp, str(self.tmp / f"m{m}"), extra=[
             "--replicas", str(self.replicas), "--member", f"m{m}", "--etcd", self.etcd.url, "--cluster-name", "t",
-            "--ack", self.ack, "--port", port])
+            "--ack", self.ack, "--port", port, *self.extra])
 
     @property
     def addresses(self) -> str:
@@ -233,6 +234,47 @@ def test_training_goes_on_while_etcd_is_down_and_failover_works_again_once_it_is
         assert g.primary() != m
         t.finish()
         _exact(g.addresses, t.counts)
+    finally:
+        g.kill_all()
+
+
+@pytest.mark.parametrize("data_plane", ["zmq", "grpc"])
+def test_pushes_answered_unavailable_for_want_of_a_quorum_are_sent_again_and_applied_once(tmp_path, etcd, data_plane):
+    """Two members, --ack quorum, the backup killed: the primary applies each push and logs it, but no quorum comes
+    within --quorum-timeout, so it answers UNAVAILABLE. The client sends the same pushes again (same sequence numbers)
+    for up to its retry_timeout; once the backup is back each is answered (as a duplicate: the primary had applied
+    it), and each applied once. Before, the client raised the shard's UNAVAILABLE, and the shard had forgotten the
+    applied pushes' sequence numbers (a resend would have been applied twice)."""
+    g = Group(tmp_path, etcd, replicas=2, extra=("--quorum-timeout", "0.5"))
+    try:
+        m = g.primary()
+        _counter(g.addresses)
+        g.procs[1 - m].kill()
+        outcome: list = []
+
+        def train() -> None:
+            try:
+                with Client([g.addresses], timeout=10, retry_timeout=60, data_plane=data_plane) as c:
+                    c.push("cnt", torch.arange(0, 16), torch.ones(16, 2), wait=True)
+                    c.push("cnt", torch.arange(16, 32), torch.ones(16, 2))  # answered by flush()
+                    c.flush()
+                outcome.append("done")
+            except BaseException as e:  # noqa: BLE001 - the test reports it
+                outcome.append(e)
+
+        trainer = threading.Thread(target=train, daemon=True)
+        trainer.start()
+        time.sleep(2.5)  # a few quorum timeouts: the first push was answered UNAVAILABLE and sent again
+        assert not outcome, f"answered without a quorum: {outcome}"
+        g.restart(1 - m)
+        trainer.join(60)
+        assert outcome == ["done"], outcome
+        with Client([g.addresses]) as c:
+            rows = c.pull("cnt", torch.arange(64))[:, 0]
+            stats = c.shard_info()[0].stats
+        expected = torch.cat([torch.full((32,), -1.0), torch.zeros(32)])
+        torch.testing.assert_close(rows, expected, rtol=0, atol=0)  # each push applied once
+        assert stats.duplicates >= 1, "no push was sent again"
     finally:
         g.kill_all()
 

@@ -75,6 +75,14 @@ class ShardUnavailableError(ShardpsError):
     """A shard could not be reached within the retry window."""
 
 
+def answered_unavailable(e: Optional[BaseException]) -> bool:
+    """Whether a shard itself answered a call UNAVAILABLE (a quorum of its replica group not reached in time, a
+    checkpoint holding the call back too long, shutting down), rather than the connection failing: the same call,
+    sent again with the same sequence number, is applied or answered once the shard can (a push it applied before
+    is answered as a duplicate)."""
+    return type(e) is ShardUnavailableError and bool(getattr(e, "answered", False))
+
+
 class ShardRemovedError(ShardUnavailableError):
     """The shard called is out of the cluster (``shardps reshard --remove`` moved every slot off it and stopped it):
     the client plans its calls again by the slot map, sending them where their rows are now."""

@@ -8,14 +8,19 @@ steps that did not include every worker, and dense values returned with pushes
 (``DensePull``). A push a shard refuses because its slots moved (``SlotMovedError``:
 ``shardps reshard``) is planned again by the refreshed slot map and sent where its
 rows are now (``replan``), before the caller hears of it: it was not applied, so it
-applies once. Its dense pulls do not come back (their ``DensePull`` fails).
+applies once. Its dense pulls do not come back (their ``DensePull`` fails). A push the
+shard answers UNAVAILABLE (its replica group's quorum not reached in time, say) is sent
+again as it was, same sequence numbers, for up to the client's ``retry_timeout``: applied
+once, or answered as a duplicate once the shard has it acknowledged.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import random
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Optional
 
@@ -25,7 +30,7 @@ from shardps.core import codec
 from shardps.core.specs import DenseSpec
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
-from shardps_client.errors import ShardpsError, ShardRemovedError, SlotMovedError
+from shardps_client.errors import ShardpsError, ShardRemovedError, SlotMovedError, answered_unavailable
 from shardps_client.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -189,8 +194,9 @@ class PushPipeline:
                 f.result()
         return futures
 
-    def _send(self, outer: Future, call: planner.Call, attempt: int) -> None:
-        """``call`` on its lane (an in-flight slot taken until it is answered), its outcome ``outer``'s."""
+    def _send(self, outer: Future, call: planner.Call, attempt: int, since: Optional[float] = None) -> None:
+        """``call`` on its lane (an in-flight slot taken until it is answered), its outcome ``outer``'s; ``since``:
+        when the shard first answered it UNAVAILABLE (a resend)."""
         self._inflight.acquire()
         try:
             inner = self._transport.submit(*call)
@@ -200,11 +206,21 @@ class PushPipeline:
             return
         outer.inner = inner  # type: ignore[attr-defined]  # what ``wait`` waits on first (a data-plane lane's call
         # is answered sooner by the thread that waits for it: ``SocketTurns.lead``)
-        inner.add_done_callback(lambda f: self._answered(outer, call, f, attempt))
+        inner.add_done_callback(lambda f: self._answered(outer, call, f, attempt, since))
 
-    def _answered(self, outer: Future, call: planner.Call, inner: Future, attempt: int) -> None:
+    def _answered(self, outer: Future, call: planner.Call, inner: Future, attempt: int,
+                  since: Optional[float] = None) -> None:
         self._inflight.release()
         e = inner.exception()
+        if answered_unavailable(e):  # e.g. applied, but a quorum of its replica group not reached in time
+            now = time.monotonic()
+            since = since if since is not None else now
+            if now - since < self._transport.retry_timeout:  # sent again as it was: applied once, or a duplicate
+                delay = min(1.0, 0.05 + (now - since) / 4) * (0.5 + random.random())
+                timer = threading.Timer(delay, self._send, args=(outer, call, attempt, since))
+                timer.daemon = True
+                timer.start()
+                return
         if isinstance(e, (SlotMovedError, ShardRemovedError)) and self.replan is not None \
                 and attempt < self.MAX_REROUTES:
             self.run_async(self._reroute, outer, call, attempt + 1)

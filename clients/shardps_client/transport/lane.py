@@ -79,7 +79,9 @@ def resolve(future: Future, address: str, what: str, field: int, view: memoryvie
     try:
         if field == protocol.STREAM_ERROR_FIELD:
             err = pb.StreamError.FromString(bytes(view))
-            raise from_status(err.code, err.message, address, what, err.kind, err.redirect)
+            exc = from_status(err.code, err.message, address, what, err.kind, err.redirect)
+            exc.answered = True  # type: ignore[attr-defined]  # the shard's own answer (``answered_unavailable``)
+            raise exc
         future.set_result(_reply(field, view))
     except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the call
         future.set_exception(e)

@@ -24,7 +24,7 @@ import grpc
 
 from shardps.core import protocol, wire
 from shardps.v1 import shardps_pb2 as pb
-from shardps_client.errors import ShardpsError, ShardRemovedError
+from shardps_client.errors import ShardpsError, ShardRemovedError, answered_unavailable
 from shardps_client.transport.channels import TLS, Channels, Stub, find_backup, find_primary, members
 from shardps_client.transport.lane import Lane, from_rpc_error, removed_error, resolve, timed_out, unavailable
 
@@ -156,12 +156,12 @@ class Transport:
         """``lane_calls`` for pulls: with ``stale_reads``, a replica group's go to a backup's lane."""
         if not self.stale_reads:
             return self.lane_calls(calls)
-        futures = []
+        getters = []
         for s, method, req in calls:
             framed = wire.frame(protocol.stream_field(method), req.SerializeToString())
             lane = self._read_lane(s) if len(self.groups[s]) > 1 else self.lanes[s]
-            futures.append(lane.submit(method, framed))
-        return results([f.result for f in futures])
+            getters.append(self._patient(functools.partial(lane.submit, method, framed)))
+        return results(getters)
 
     @property
     def streaming(self) -> bool:
@@ -230,9 +230,30 @@ class Transport:
 
         Results in order; raises the first error once every call has finished.
         """
-        futures = [self.submit(s, method, wire.frame(protocol.stream_field(method), req.SerializeToString()))
-                   for s, method, req in calls]
-        return results([f.result for f in futures])
+        return results([self._patient(functools.partial(self.submit, s, method,
+                                                        wire.frame(protocol.stream_field(method), req.SerializeToString())))
+                        for s, method, req in calls])
+
+    def _patient(self, submit: Callable[[], Future]) -> Callable[[], Any]:
+        """Submit a lane call now; a getter of its result that sends it again while the shard answers it UNAVAILABLE
+        (not ready: a checkpoint holding it back too long, say), for up to ``retry_timeout`` from the first such
+        answer."""
+        future = submit()
+
+        def get() -> Any:
+            f, since = future, None
+            while True:
+                try:
+                    return f.result()
+                except ShardpsError as e:
+                    now = time.monotonic()
+                    since = since if since is not None else now
+                    if not answered_unavailable(e) or now - since >= self.retry_timeout:
+                        raise
+                    time.sleep(min(1.0, 0.05 + (now - since) / 4) * (0.5 + random.random()))
+                    f = submit()
+
+        return get
 
     def close(self) -> None:
         """Send what the lanes hold, then close them and the channels."""

@@ -269,6 +269,9 @@ class Durability(Protocol):
     def wait(self, ticket: int, durable: bool = False) -> None:
         """Return once the record of ``ticket`` is acknowledged by the policy (with ``durable``: fsynced)."""
 
+    def wait_all(self) -> None:
+        """Return once every record appended so far is acknowledged by the policy (a resend's answer)."""
+
     def log_bytes(self) -> int:
         """Bytes of log written since the last cut (what a restart would replay)."""
 
@@ -299,6 +302,9 @@ class NoDurability:
         return 0
 
     def wait(self, ticket: int, durable: bool = False) -> None:
+        return None
+
+    def wait_all(self) -> None:
         return None
 
     def log_bytes(self) -> int:
@@ -351,6 +357,10 @@ class CheckpointDurability(NoDurability):
             if durable or self.fsync == "always":
                 self._before_wait()  # the fsync is shared by every call waiting for it: let the next one in
             self._wal.wait(ticket, durable)
+
+    def wait_all(self) -> None:
+        if self._wal is not None:
+            self.wait(self._wal.records)
 
     def log_bytes(self) -> int:
         return self._wal.segment_bytes if self._wal is not None else 0

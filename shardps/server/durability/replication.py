@@ -123,6 +123,15 @@ class ReplicatedLog:
             self._wait_quorum(ticket)
         self.fence()
 
+    def wait_all(self) -> None:
+        """Every record numbered so far acknowledged: in this member's log and, with ``ack="quorum"``, a majority's."""
+        with self._cv:
+            lsn = self.lsn
+        self.inner.wait_all()
+        if lsn and self.ack == "quorum" and self.group > 1:
+            self._wait_quorum(lsn)
+        self.fence()
+
     def _wait_quorum(self, lsn: int) -> None:
         need = self.group // 2  # backups beside this member
         deadline = time.monotonic() + self.quorum_timeout_s

@@ -61,6 +61,9 @@ SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
     ("cluster-name", str, "shardps", "the cluster's name in etcd (the prefix of its keys)"),
     ("ack", str, "quorum", "with replicas, when a write is acknowledged: quorum (a majority of the group has it in its "
      "log) or primary (this member has it; a failover may lose the last writes)"),
+    ("quorum-timeout", float, 10.0, "with --ack quorum, longest seconds a write waits for a majority of its group: "
+     "then it is answered UNAVAILABLE (applied here, not acknowledged) and the client sends it again, answered once "
+     "a quorum has it"),
     ("lease-ttl", int, 2, "seconds of a member's etcd lease: a primary silent this long is replaced"),
     ("advertise", str, None, "the address clients and the other members reach this shard at (host:port; default: the "
      "bound host and port, or the machine's name when bound to every interface)"),
@@ -440,7 +443,8 @@ def run_serve(args: argparse.Namespace) -> int:
             durability=args.durability, fsync=args.fsync, fsync_interval_s=args.fsync_interval,
             worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
             serve_from=args.serve_from, disk_dir=args.disk_dir, disk_cache_mb=args.disk_cache_mb,
-            disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack, join=bool(args.join),
+            disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack, quorum_timeout_s=args.quorum_timeout,
+            join=bool(args.join),
             handover_hold_s=args.handover_hold,
             limits=Limits(
                 max_memory_mb=args.max_memory_mb, max_tables=args.max_tables, max_table_rows=args.max_table_rows,

@@ -99,6 +99,8 @@ class ShardConfig:
             shipped (``shardps.server.durability.replication``) and ``shardps.server.replica`` runs the group.
         ack: with replicas, when a write is acknowledged: "quorum" (a majority of the group has it in its log) or
             "primary" (this member has it; a failover may lose the last writes).
+        quorum_timeout_s: with ``ack="quorum"``, longest a write waits for a majority of the group before it is
+            answered UNAVAILABLE (applied, not acknowledged: its client's resend is answered once a quorum has it).
     """
 
     shard_index: int = 0
@@ -118,6 +120,7 @@ class ShardConfig:
     disk_min_free_mb: int = 256
     replicas: int = 1
     ack: str = "quorum"
+    quorum_timeout_s: float = 10.0
     join: bool = False
     handover_hold_s: float = 10.0
 
@@ -216,6 +219,7 @@ class Shard(ShardCuts):
                                           config.fsync, config.fsync_interval_s)
         if config.replicas > 1:  # numbered, kept for backups, and acknowledged by the group
             self.durability = ReplicatedLog(self.durability, config.replicas, config.ack,
+                                            quorum_timeout_s=config.quorum_timeout_s,
                                             before_wait=functools.partial(before_wait, ordered=False),
                                             epochs_path=self.data_dir / "replica-epochs.json" if self.data_dir else None)
         self.gate = CheckpointGate(f"shard {self.index}")
@@ -367,7 +371,7 @@ class Shard(ShardCuts):
         """
         check_sync(t, sync)
         if not self.updates.once(client_id, seq):
-            return PushResult(self.version, 0, True)
+            return self.duplicate_push(counted=True)
         try:
             if sync is not None:
                 step = self.sync.push(t, ids, grads, sync)
@@ -385,9 +389,13 @@ class Shard(ShardCuts):
             raise
         return PushResult(version, staleness, False)
 
-    def duplicate_push(self) -> PushResult:
-        """The answer to a push applied before (its resend), counted."""
-        self.updates.stats.count("duplicates")
+    def duplicate_push(self, counted: bool = False) -> PushResult:
+        """The answer to a push applied before (its resend), counted; given once every record logged so far is
+        acknowledged by the durability policy, the original's with them (its own wait may have failed: a quorum
+        not reached in time, its client told UNAVAILABLE and resending)."""
+        if not counted:
+            self.updates.stats.count("duplicates")
+        self.durability.wait_all()
         return PushResult(self.version, 0, True)
 
     def _apply_step(self, t: Table, ids: np.ndarray, grads: np.ndarray) -> int:

@@ -108,8 +108,12 @@ class SeenPushes:
     def abort(self, client: str, seq: int) -> None:
         """Forget a seq whose push failed, so a retry is applied. A claim already folded into ``low`` (every seq
         below it claimed too) reopens its gap: ``low`` goes below it and the claims above stay (unless more than
-        ``max_pending`` would then wait above it: the gap is forgotten, as other old gaps are)."""
+        ``max_pending`` would then wait above it: the gap is forgotten, as other old gaps are). A claim settled
+        already stays: its push was applied (what failed came after, a wait for its record's acknowledgement), so
+        its resend must be answered as a duplicate, not applied again."""
         with self._lock:
+            if seq not in self._in_flight.get(client, ()):
+                return
             self._done(client, seq)
             entry = self._clients.get(client)
             if entry is None:
@@ -223,7 +227,8 @@ class UpdatePath:
         return False
 
     def release(self, client_id: str, seq: int, error: BaseException) -> None:
-        """A claimed push failed: a retry applies it, unless its synchronous step is over (it would be late: the
+        """A claimed push failed: a retry applies it, unless it was applied (settled: its record's wait failed) or
+        its synchronous step is over (it would be late: the
         claim stays, no longer in flight)."""
         if client_id and not isinstance(error, SyncStepFailed):
             self.seen.abort(client_id, seq)
