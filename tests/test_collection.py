@@ -148,6 +148,38 @@ def test_sgd_steps_equal_local_training_bit_for_bit():
                                        rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sum_bags_backward_is_embedding_bags_bit_for_bit(threads):
+    """The collection's CPU sum pooling (``_SumBags``: aten's sort, then one index_add_) against
+    ``F.embedding_bag``'s own backward, on Zipf ids repeating thousands of times (where the order of the adds
+    shows), empty bags and several widths: outputs and gradients equal to the bit."""
+    import numpy as np
+    import torch.nn.functional as F
+    from shardps_client.collection import _SumBags
+
+    rng = np.random.default_rng(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dim, max_len in [(1, 2), (16, 2), (16, 6), (64, 3)]:
+            lens = rng.integers(0, max_len, 3000)
+            n = int(lens.sum())
+            rows = int(rng.integers(1, n // 4))
+            idx = torch.from_numpy((rng.zipf(1.1, n) % rows).astype(np.int64))
+            offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+            bag_of = torch.from_numpy(np.repeat(np.arange(lens.shape[0]), lens))
+            grad = torch.randn(lens.shape[0], dim)
+            w = torch.randn(rows, dim, requires_grad=True)
+            expected = F.embedding_bag(idx, w, offsets, mode="sum", include_last_offset=True)
+            expected.backward(grad)
+            reference, w.grad = w.grad, None
+            got = _SumBags.apply(w, idx, offsets, bag_of)
+            got.backward(grad)
+            assert torch.equal(got, expected) and torch.equal(w.grad, reference), (dim, max_len)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_push_stacked_equals_one_push_per_table_and_refuses_bad_input_naming_the_table():
     """Client.push_stacked (a collection's backward) against Client.push of each table (the reference): sorted
     unique ids planned together, unsorted ones through push's path; bad input refused, nothing applied."""
