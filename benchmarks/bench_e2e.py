@@ -10,7 +10,8 @@ and with prefetch, lag 1 and the trainer's row cache for k = 2 and 8 steps
 test AUC side by side with ratios, and where the CPU went: the trainer's own CPU in forward + backward per step
 (the main thread: Python and torch ops, not waits nor the client's I/O threads; locally every thread's), and
 the CPU of trainers and shards together per 1,000 samples, against local training's (and the forward +
-backward against local training's main thread alone, which leaves out what its other intra-op thread did).
+backward against local training's main thread alone, which leaves out what its other intra-op thread did, and
+against local training run with one torch thread: the like for like, as a worker beside local shards gets one).
 
     python -m benchmarks.bench_e2e [--train 200000] [--repeat 3] [--quick]
 Writes benchmarks/results/e2e.json and e2e.png.
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace, workers: int, extra: list[str], local: bool) -
         out = pathlib.Path(d) / "r.json"
         cmd = [sys.executable, "-m", DLRM, "--workers", str(workers), "--train", str(args.train), "--test", str(args.test),
                "--rows", str(args.rows), "--batch-size", str(args.batch_size), "--shards", str(args.shards),
-               "--json", str(out)] + extra + ([] if local else ["--no-local"])
+               "--json", str(out)] + extra + (["--local-one-thread"] if local else ["--no-local"])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
@@ -97,6 +98,9 @@ def main() -> int:
                 local = {**r["local"], "best_auc": r["best_auc"], "local": True}
                 local["x_local"] = 1.0
                 runs.setdefault(("local torch.optim", 1, "-"), []).append(local)
+                one = {**r["local_one_thread"], "best_auc": r["best_auc"], "local": True}
+                one["x_local"] = one["samples_per_s"] / local["samples_per_s"]
+                runs.setdefault(("local torch.optim, 1 thread", 1, "-"), []).append(one)
             runs.setdefault(("shardps", workers, label), []).append(
                 {**r["shardps"], "best_auc": r["best_auc"], "x_local": r["shardps"]["samples_per_s"] / local["samples_per_s"]})
             progress.step(f"{workers} worker(s), prefetch {label}" + (f" (pass {rep + 1}/{args.repeat})" if args.repeat > 1 else ""))
@@ -112,6 +116,9 @@ def main() -> int:
                                                           for r, lc in zip(results, runs[("local torch.optim", 1, "-")])),
                      "fwd_bwd_x_local_main": statistics.median(r["fwd_bwd_thread_ms"] / lc["fwd_bwd_thread_ms"]
                                                                for r, lc in zip(results, runs[("local torch.optim", 1, "-")])),
+                     "fwd_bwd_x_one_thread": statistics.median(
+                         r["fwd_bwd_thread_ms"] / lc["fwd_bwd_thread_ms"]
+                         for r, lc in zip(results, runs[("local torch.optim, 1 thread", 1, "-")])),
                      "cpu_ms_per_1k": statistics.median(cpu) * 1e3,
                      "cpu_x_local": statistics.median(c / lc["trainer_cpu_s_per_1k"]
                                                       for c, lc in zip(cpu, runs[("local torch.optim", 1, "-")])),
@@ -121,6 +128,7 @@ def main() -> int:
             ("samples_per_s", "samples/s", ",.0f"), ("x_local", "x local", ".2f"), ("auc", "test AUC", ".4f"),
             ("best_auc", "best AUC", ".4f"), ("fwd_bwd_ms", "fwd+bwd CPU ms", ".2f"),
             ("fwd_bwd_x_local", "x local", ".2f"), ("fwd_bwd_x_local_main", "x its main thread", ".2f"),
+            ("fwd_bwd_x_one_thread", "x local 1 thread", ".2f"),
             ("cpu_ms_per_1k", "CPU ms/1k samples", ".1f"),
             ("cpu_x_local", "x local", ".2f")]
     if args.repeat > 1:

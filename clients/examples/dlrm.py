@@ -295,11 +295,20 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
     return 0
 
 
-def train_local(args: argparse.Namespace) -> dict:
-    """The same model and data, one process, torch.optim (the baseline)."""
+def train_local(args: argparse.Namespace, threads: int = 0) -> dict:
+    """The same model and data, one process, torch.optim (the baseline); ``threads``: torch's intra-op threads
+    (0: one per core)."""
     warnings.filterwarnings("ignore", message="Sparse invariant checks")  # torch's sparse Adagrad, harmless
     torch.manual_seed(args.seed)
-    torch.set_num_threads(os.cpu_count() or 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        return _train_local(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train_local(args: argparse.Namespace) -> dict:
     embs = [nn.Embedding(args.rows, args.dim, sparse=True) for _ in range(NUM_SPARSE)]
     for e in embs:
         nn.init.normal_(e.weight, std=0.05)
@@ -354,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model computes (rows are pulled to it)")
     p.add_argument("--no-local", action="store_true", help="skip the local torch.optim baseline")
+    p.add_argument("--local-one-thread", action="store_true",
+                   help="also train locally with one torch thread: a trainer's like for like in forward + backward "
+                        "CPU (a worker beside local shards gets one thread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     return p
@@ -396,6 +408,8 @@ def main() -> int:
     }
     if not args.no_local:
         results["local"] = train_local(args)
+        if args.local_one_thread:
+            results["local_one_thread"] = train_local(args, threads=1)
     if args.dense == "ddp":
         results["shardps"]["dense_fingerprints"] = [r["dense_fingerprint"] for r in ranks]
     label = f"shardps ({args.workers} workers, {args.mode}{', DDP dense' if args.dense == 'ddp' else ''})"
