@@ -149,10 +149,11 @@ def test_sgd_steps_equal_local_training_bit_for_bit():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_sum_bags_backward_is_embedding_bags_bit_for_bit(threads):
-    """The collection's CPU sum pooling (``_SumBags``: aten's sort, then one index_add_) against
-    ``F.embedding_bag``'s own backward, on Zipf ids repeating thousands of times (where the order of the adds
-    shows), empty bags and several widths: outputs and gradients equal to the bit."""
+def test_sum_bags_backward_sums_each_rows_gradients_in_the_order_its_ids_came(threads):
+    """The collection's CPU sum pooling (``_SumBags``) against ``F.embedding_bag`` on Zipf ids repeating thousands
+    of times, empty bags and several widths: the same outputs, bit for bit; gradients equal to the sums in float64
+    within float32 rounding, bit for bit those of adding each row's gradients in the order its ids came (and
+    F.embedding_bag's own where no id repeats more than twice: then the order cannot show)."""
     import numpy as np
     import torch.nn.functional as F
     from shardps_client.collection import _SumBags
@@ -161,21 +162,30 @@ def test_sum_bags_backward_is_embedding_bags_bit_for_bit(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for dim, max_len in [(1, 2), (16, 2), (16, 6), (64, 3)]:
-            lens = rng.integers(0, max_len, 3000)
+        for dim, max_len, zipf in [(1, 2, 1.1), (16, 2, 1.1), (16, 6, 1.1), (64, 3, 1.1), (16, 1, 0.0)]:
+            lens = rng.integers(1 if max_len == 1 else 0, max_len + (max_len == 1), 3000)
             n = int(lens.sum())
-            rows = int(rng.integers(1, n // 4))
-            idx = torch.from_numpy((rng.zipf(1.1, n) % rows).astype(np.int64))
+            rows = int(rng.integers(n // 8, n // 4)) if zipf else 2 * n
+            idx = (rng.zipf(zipf, n) % rows) if zipf else rng.permutation(2 * n)[:n] // 2 * 1
+            idx = torch.from_numpy(idx.astype(np.int64))
             offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
             bag_of = torch.from_numpy(np.repeat(np.arange(lens.shape[0]), lens))
             grad = torch.randn(lens.shape[0], dim)
             w = torch.randn(rows, dim, requires_grad=True)
             expected = F.embedding_bag(idx, w, offsets, mode="sum", include_last_offset=True)
             expected.backward(grad)
-            reference, w.grad = w.grad, None
-            got = _SumBags.apply(w, idx, offsets, bag_of)
+            theirs, w.grad = w.grad, None
+            got = _SumBags.apply(w, idx, offsets, None if max_len == 1 else bag_of)
             got.backward(grad)
-            assert torch.equal(got, expected) and torch.equal(w.grad, reference), (dim, max_len)
+            assert torch.equal(got, expected), (dim, max_len)
+            in_order = torch.zeros(rows, dim)
+            for k in range(n):  # each value's bag gradient, added in the order the values came
+                in_order[idx[k]] += grad[bag_of[k]]
+            assert torch.equal(w.grad, in_order), (dim, max_len)
+            exact = torch.zeros(rows, dim, dtype=torch.float64).index_add_(0, idx, grad.double()[bag_of])
+            torch.testing.assert_close(w.grad.double(), exact, rtol=1e-5, atol=1e-5)
+            if np.bincount(idx.numpy()).max() <= 2:
+                assert torch.equal(w.grad, theirs), (dim, max_len)
     finally:
         torch.set_num_threads(before)
 
