@@ -6,6 +6,7 @@ behaviour tests of lanes (order, read-your-writes, batches, errors) run over bot
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -257,6 +258,46 @@ def test_a_waiting_call_hands_its_socket_over_and_its_connection_keeps_order(tmp
         assert shard.proc.poll() is None and "Traceback" not in shard.log()
     finally:
         shard.terminate()
+
+
+def test_a_call_waiting_off_the_socket_when_the_shard_stops_still_gets_its_answer(tmp_path):
+    """A synchronous push waits off the socket's thread for a worker that never comes; the shard is stopped
+    (SIGTERM) meanwhile. Its step times out and applies while the data plane stops: the answer, made after the
+    socket's last leader stopped, still reaches the client (it was dropped: the push, applied, went unanswered)."""
+    import signal
+
+    from shardps_client import SGD, SyncPolicy
+
+    from shardps.core.specs import Initializer
+
+    shard = start_shard(0, 1, tmp_path, data_dir=str(tmp_path / "data"), extra=["--data-threads", "1"])
+    ids = torch.arange(4)
+    try:
+        with Client([shard.address]) as c:
+            c.create_table("s", dim=2, num_embeddings=4, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           sync=SyncPolicy(workers=2, aggregator="sum", timeout_s=2, on_timeout="proceed"))
+        outcome: list = []
+        with Client([shard.address], rank=0, world_size=2, retry_timeout=1) as c:
+            c.pull("s", ids)  # connects the data plane
+
+            def push() -> None:
+                try:
+                    c.push("s", ids, torch.ones(4, 2), wait=True)  # waits for rank 1, which never pushes
+                    outcome.append("answered")
+                except BaseException as e:  # noqa: BLE001 - the test reports it
+                    outcome.append(e)
+
+            waiting = threading.Thread(target=push, daemon=True)
+            waiting.start()
+            time.sleep(0.8)
+            assert not outcome and c.transport.data_planes() == ["zmq"]
+            shard.proc.send_signal(signal.SIGTERM)
+            waiting.join(30)
+            assert outcome == ["answered"], outcome
+        assert shard.proc.wait(30) == 0
+    finally:
+        if shard.proc.poll() is None:
+            shard.terminate()
 
 
 def test_health_covers_the_data_plane():

@@ -161,6 +161,16 @@ class DataPlane:
                 break
             alive[0].join(max(0.0, deadline - time.monotonic()))
         for st in self._states:
+            # Calls that finished off the socket's thread (they waited: a synchronous step, a checkpoint's hold)
+            # after its last leader stopped left their answers here: sent, so a push applied is not left unanswered
+            # (its client would send it again: to another shard, if this one left the cluster).
+            while st.done:
+                _, reply, _ = st.done.popleft()
+                if reply is not None:
+                    try:
+                        st.sock.send_multipart(reply, copy=False, flags=zmq.NOBLOCK)
+                    except zmq.ZMQError:  # that connection is gone: its client resends the call
+                        pass
             st.sock.close(CLOSE_LINGER_MS)  # the answers already made still go out (each client settles them)
             st.wake.close()
         self._ctx.term()
