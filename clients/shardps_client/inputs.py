@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from shardps.core.ids import is_sorted_unique
 from shardps.core.specs import TableSpec
 from shardps_client import planner
 from shardps_client.errors import IdOutOfRangeError, InvalidArgumentError
@@ -38,16 +39,24 @@ def ids_to_numpy(ids: IdsLike) -> np.ndarray:
 
 def checked_ids(spec: TableSpec, ids: IdsLike) -> np.ndarray:
     """Ids of a request to table ``spec``: not empty, and within num_embeddings when the table has one."""
+    return checked_ids_in_order(spec, ids)[0]
+
+
+def checked_ids_in_order(spec: TableSpec, ids: IdsLike) -> tuple[np.ndarray, bool]:
+    """``checked_ids``, and whether the ids (flattened) are sorted and unique (a collection's, a prefetch's): their
+    range is then read off their ends, and they need no deduplication."""
     ids_np = ids_to_numpy(ids)
     if ids_np.size == 0:
         raise InvalidArgumentError(f"{spec.name}: request has no ids")
+    flat = ids_np.reshape(-1)
+    ordered = is_sorted_unique(flat)
     if spec.num_embeddings is not None:
-        lo, hi = int(ids_np.min()), int(ids_np.max())
+        lo, hi = (int(flat[0]), int(flat[-1])) if ordered else (int(flat.min()), int(flat.max()))
         if lo < 0 or hi >= spec.num_embeddings:
             raise IdOutOfRangeError(
                 f"{spec.name}: id {lo if lo < 0 else hi} out of range [0, {spec.num_embeddings})"
             )
-    return ids_np
+    return ids_np, ordered
 
 
 def grads_to_numpy(g: Union[torch.Tensor, np.ndarray], what: str) -> np.ndarray:

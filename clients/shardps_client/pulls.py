@@ -17,14 +17,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from shardps.core.ids import is_sorted_unique, unique_ids
+from shardps.core.ids import unique_ids
 from shardps.core.slots import SlotMap
 from shardps.core.specs import TableSpec
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
 from shardps_client.cached_tables import CachedTables
 from shardps_client.errors import ShardpsError
-from shardps_client.inputs import IdsLike, checked_ids
+from shardps_client.inputs import IdsLike, checked_ids_in_order
 from shardps_client.session import Session
 from shardps_client.versions import Versions
 
@@ -97,7 +97,7 @@ class Pulls:
         prepared = {}
         for table, ids in requests.items():
             spec = session.catalog.table(table)
-            ids_np = checked_ids(spec, ids)
+            ids_np, ordered = checked_ids_in_order(spec, ids)
             cache = self._caches.get(table)
             expired = cache.advance() if cache is not None else []  # a new step: rows past their k steps go
             for expired_ids, grads in expired:  # ... and their summed gradients out, before the pull reads them
@@ -105,7 +105,7 @@ class Pulls:
             if session.read_your_writes or expired:
                 session.see_own_pushes(table)
             flat = ids_np.reshape(-1)
-            uniq, inverse = (flat, None) if is_sorted_unique(flat) else np.unique(flat, return_inverse=True)
+            uniq, inverse = (flat, None) if ordered else np.unique(flat, return_inverse=True)
             w = _Wanted(spec, ids_np.shape, uniq, inverse, cached=cache.lookup(uniq) if cache is not None else None)
             w.need = uniq[~w.cached[0]] if w.cached is not None else uniq
             w.prefetched = self._take_prefetched(table, uniq, wire_code)
@@ -137,7 +137,8 @@ class Pulls:
         items, futures = [], []
         for table, ids in requests.items():
             spec = session.catalog.table(table)
-            uniq = unique_ids(checked_ids(spec, ids).reshape(-1))
+            ids_np, ordered = checked_ids_in_order(spec, ids)
+            uniq = ids_np.reshape(-1).copy() if ordered else unique_ids(ids_np.reshape(-1))  # (the caller may reuse its array)
             cache = self._caches.get(table)
             need, epoch = uniq, 0
             if cache is not None:  # rows the cache will serve are not read; those it will not are read after
