@@ -279,6 +279,47 @@ def test_pushes_answered_unavailable_for_want_of_a_quorum_are_sent_again_and_app
         g.kill_all()
 
 
+def test_a_new_primary_answers_a_resend_of_a_push_it_holds_as_a_duplicate_with_no_new_write(tmp_path, etcd):
+    """A push acknowledged by a quorum, then its primary killed: the resend of it (same client and sequence number)
+    to the new primary is a duplicate, answered once a quorum holds what the new primary holds. Its caught-up backup
+    has that already, but used to count towards a quorum only once a new record was shipped and acknowledged: with
+    no other writer, the resend was answered UNAVAILABLE again and again (a client stalled for its whole
+    retry_timeout after a failover)."""
+    from shardps.core import wire
+
+    g = Group(tmp_path, etcd, extra=("--quorum-timeout", "1"))
+    try:
+        m = g.primary()
+        _counter(g.addresses)
+        req = wire.encode_push("cnt", np.ones((4, 2), np.float32), pb.FLOAT32, ids=np.arange(4, dtype=np.int64),
+                               client_id="resender", seq=1, shard_map=pb.ShardMap(shard_index=0, num_shards=1))
+
+        def push(address: str) -> pb.PushResponse:
+            """The push sent (again) until it is answered: UNAVAILABLE while no quorum holds what was logged."""
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    with grpc.insecure_channel(address) as ch:
+                        return ch.unary_unary("/shardps.v1.Shard/Push",
+                                              response_deserializer=pb.PushResponse.FromString)(req, timeout=10)
+                except grpc.RpcError as e:  # not the primary yet, or no quorum yet
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                    assert time.monotonic() < deadline, f"the push was never answered: {e.details()}"
+                    time.sleep(0.2)
+
+        push(g.procs[m].address)  # (a duplicate if a first try applied it before its backups were following)
+        deadline = time.monotonic() + 30
+        while len({g.info(k).lsn for k in range(3)}) > 1:  # every backup holds it: nothing left to ship them
+            assert time.monotonic() < deadline, "the backups did not catch up"
+            time.sleep(0.05)
+        g.procs[m].kill()
+        assert push(g.procs[g.primary()].address).duplicate
+        with Client([g.procs[g.primary()].address]) as c:
+            torch.testing.assert_close(c.pull("cnt", torch.arange(4))[:, 0], torch.full((4,), -1.0))
+    finally:
+        g.kill_all()
+
+
 def _replicate(address: str, hello: pb.ReplicaHello | None, raw: bytes | None = None) -> grpc.RpcError:
     call = grpc.insecure_channel(address).stream_stream(
         "/shardps.v1.Shard/Replicate", request_serializer=lambda b: b, response_deserializer=pb.ReplicaFrame.FromString)
