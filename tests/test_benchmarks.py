@@ -83,13 +83,16 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         assert [(r["replicas"], r["ack"]) for r in rows] == [(1, "-"), (3, "quorum")] and rows[0]["x_r1"] == 1.0
         fo = data["meta"]["failover"]
         assert fo["kills"] == 1 and fo["exact"] and not fo["errors"] and fo["max_s"] > 0
-    if name == "e2e":  # local baseline first, then 1 worker through the shards in each variant, with its ratio
-        local, *ours = data["results"]
+    if name == "e2e":  # local baselines first (every core, one thread), then 1 worker through the shards in each
+        # variant, with its ratios
+        local, one, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0
+        assert one["trainer"] == "local torch.optim, 1 thread" and one["fwd_bwd_x_one_thread"] == 1.0
         assert [(r["workers"], r["prefetch"]) for r in ours] == [
             (w, p) for w in (1,) for p in ("no", "yes", "yes, dense lag 1", "yes, lag 1, cache 4")]
         for r in ours:
             assert r["x_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"])
+            assert r["fwd_bwd_x_one_thread"] > 0 and r["fwd_bwd_x_local_main"] > 0
             assert 0.5 < r["auc"] <= r["best_auc"]  # it learned something, and not more than the planted truth allows
 
 
