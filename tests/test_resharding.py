@@ -538,7 +538,7 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
     primary and the new shard's are killed with SIGKILL: each backup, promoted, agrees on the map and holds the
     rows the moves brought (they reached it through the replicated log), and the counts are exact."""
     with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
-                      etcd=etcd.url, serve_args=["--ack", "quorum"]) as cluster:
+                      etcd=etcd.url, serve_args=["--ack", "quorum", "--quorum-timeout", "2"]) as cluster:
         with Client(cluster.addresses) as c:
             _tables(c)
         two = list(cluster.addresses)
