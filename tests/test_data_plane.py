@@ -293,7 +293,7 @@ def test_a_call_waiting_off_the_socket_when_the_shard_stops_still_gets_its_answe
             assert not outcome and c.transport.data_planes() == ["zmq"]
             shard.proc.send_signal(signal.SIGTERM)
             waiting.join(30)
-            assert outcome == ["answered"], outcome
+            assert outcome == ["answered"], f"{outcome}; the shard's log:\n{shard.log()[-3000:]}"
         assert shard.proc.wait(30) == 0
     finally:
         if shard.proc.poll() is None:

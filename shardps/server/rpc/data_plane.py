@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 HELLO = b"hello"
 POLL_MS = 50  # how soon a stopping shard's data-plane threads notice
+ANSWER_DRAIN_S = 0.25  # how long a stopping shard keeps its sockets open after the last answers it sent
 CLOSE_LINGER_MS = 1000  # how long a stopping shard's sockets keep sending the answers already made
 MAX_CONNECTIONS = 4096  # connections whose credentials a socket remembers (the oldest are forgotten first)
 MAX_WAITING = 256  # calls waiting off their socket's thread at once (beyond: they wait on it)
@@ -164,13 +165,23 @@ class DataPlane:
             # Calls that finished off the socket's thread (they waited: a synchronous step, a checkpoint's hold)
             # after its last leader stopped left their answers here: sent, so a push applied is not left unanswered
             # (its client would send it again: to another shard, if this one left the cluster).
+            sent = 0
             while st.done:
                 _, reply, _ = st.done.popleft()
                 if reply is not None:
                     try:
                         st.sock.send_multipart(reply, copy=False, flags=zmq.NOBLOCK)
-                    except zmq.ZMQError:  # that connection is gone: its client resends the call
-                        pass
+                        sent += 1
+                    except zmq.ZMQError as e:  # that connection is gone: its client resends the call
+                        log.info("data plane: an answer made while stopping was not sent: %s", e)
+            if sent:
+                log.info("data plane: %d answer(s) of calls that finished while it stopped sent", sent)
+        if any(st.connections for st in self._states):
+            # libzmq hands answers to the kernel, which must deliver them before the sockets close: a socket
+            # closed with a client's bytes unread (a heartbeat, a request come too late) resets its connection,
+            # and what the kernel had not sent yet is dropped. Meanwhile libzmq's I/O threads read what comes.
+            time.sleep(ANSWER_DRAIN_S)
+        for st in self._states:
             st.sock.close(CLOSE_LINGER_MS)  # the answers already made still go out (each client settles them)
             st.wake.close()
         self._ctx.term()
