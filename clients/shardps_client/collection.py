@@ -373,9 +373,8 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
             w = ws[g]
             assert w is not None
             if lay.pools[a] == "sum" and psw is None and w.device.type == "cpu" and w.requires_grad:
-                n_bags = step.lengths[in_group].reshape(-1)
-                bag_of = None if idx.shape[0] == n_bags.shape[0] and (n_bags == 1).all() else \
-                    torch.from_numpy(np.repeat(np.arange(n_bags.shape[0]), n_bags))
+                bag_of = None if idx.shape[0] == lens.numel() and bool((lens == 1).all()) else \
+                    torch.repeat_interleave(torch.arange(lens.numel()), lens)
                 pooled = _SumBags.apply(w, idx, offsets, bag_of)
             else:
                 pooled = F.embedding_bag(idx, w, offsets.to(device), mode=lay.pools[a], per_sample_weights=psw,

@@ -138,7 +138,8 @@ class Pulls:
         for table, ids in requests.items():
             spec = session.catalog.table(table)
             ids_np, ordered = checked_ids_in_order(spec, ids)
-            uniq = ids_np.reshape(-1).copy() if ordered else unique_ids(ids_np.reshape(-1))  # (the caller may reuse its array)
+            flat = ids_np.reshape(-1)
+            uniq = flat.copy() if ordered else unique_ids(flat)  # (a copy: the caller may reuse its array)
             cache = self._caches.get(table)
             need, epoch = uniq, 0
             if cache is not None:  # rows the cache will serve are not read; those it will not are read after

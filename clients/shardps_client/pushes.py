@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import random
 import threading
 import time
 from concurrent.futures import Future
@@ -213,10 +212,9 @@ class PushPipeline:
         self._inflight.release()
         e = inner.exception()
         if answered_unavailable(e):  # e.g. applied, but a quorum of its replica group not reached in time
-            now = time.monotonic()
-            since = since if since is not None else now
-            if now - since < self._transport.retry_timeout:  # sent again as it was: applied once, or a duplicate
-                delay = min(1.0, 0.05 + (now - since) / 4) * (0.5 + random.random())
+            since = since if since is not None else time.monotonic()
+            delay = self._transport.resend_delay(since)
+            if delay is not None:  # sent again as it was: applied once, or a duplicate
                 timer = threading.Timer(delay, self._send, args=(outer, call, attempt, since))
                 timer.daemon = True
                 timer.start()

@@ -234,6 +234,14 @@ class Transport:
                                                         wire.frame(protocol.stream_field(method), req.SerializeToString())))
                         for s, method, req in calls])
 
+    def resend_delay(self, since: float) -> Optional[float]:
+        """Seconds to wait before sending again a call its shard answered UNAVAILABLE, first at ``since``
+        (``time.monotonic()``): growing to 1 s, jittered; None once ``retry_timeout`` has passed since then."""
+        waited = time.monotonic() - since
+        if waited >= self.retry_timeout:
+            return None
+        return min(1.0, 0.05 + waited / 4) * (0.5 + random.random())
+
     def _patient(self, submit: Callable[[], Future]) -> Callable[[], Any]:
         """Submit a lane call now; a getter of its result that sends it again while the shard answers it UNAVAILABLE
         (not ready: a checkpoint holding it back too long, say), for up to ``retry_timeout`` from the first such
@@ -246,11 +254,11 @@ class Transport:
                 try:
                     return f.result()
                 except ShardpsError as e:
-                    now = time.monotonic()
-                    since = since if since is not None else now
-                    if not answered_unavailable(e) or now - since >= self.retry_timeout:
+                    since = since if since is not None else time.monotonic()
+                    delay = self.resend_delay(since) if answered_unavailable(e) else None
+                    if delay is None:
                         raise
-                    time.sleep(min(1.0, 0.05 + (now - since) / 4) * (0.5 + random.random()))
+                    time.sleep(delay)
                     f = submit()
 
         return get

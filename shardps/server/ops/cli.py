@@ -443,9 +443,8 @@ def run_serve(args: argparse.Namespace) -> int:
             durability=args.durability, fsync=args.fsync, fsync_interval_s=args.fsync_interval,
             worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
             serve_from=args.serve_from, disk_dir=args.disk_dir, disk_cache_mb=args.disk_cache_mb,
-            disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack, quorum_timeout_s=args.quorum_timeout,
-            join=bool(args.join),
-            handover_hold_s=args.handover_hold,
+            disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack,
+            quorum_timeout_s=args.quorum_timeout, join=bool(args.join), handover_hold_s=args.handover_hold,
             limits=Limits(
                 max_memory_mb=args.max_memory_mb, max_tables=args.max_tables, max_table_rows=args.max_table_rows,
                 max_ids_per_request=args.max_ids_per_request, max_name_length=args.max_name_length,

@@ -371,7 +371,7 @@ class Shard(ShardCuts):
         """
         check_sync(t, sync)
         if not self.updates.once(client_id, seq):
-            return self.duplicate_push(counted=True)
+            return self.duplicate_push()
         try:
             if sync is not None:
                 step = self.sync.push(t, ids, grads, sync)
@@ -389,12 +389,11 @@ class Shard(ShardCuts):
             raise
         return PushResult(version, staleness, False)
 
-    def duplicate_push(self, counted: bool = False) -> PushResult:
+    def duplicate_push(self) -> PushResult:
         """The answer to a push applied before (its resend), counted; given once every record logged so far is
         acknowledged by the durability policy, the original's with them (its own wait may have failed: a quorum
         not reached in time, its client told UNAVAILABLE and resending)."""
-        if not counted:
-            self.updates.stats.count("duplicates")
+        self.updates.stats.count("duplicates")
         self.durability.wait_all()
         return PushResult(self.version, 0, True)
 

@@ -220,11 +220,8 @@ class UpdatePath:
         self.stats = Stats()
 
     def once(self, client_id: str, seq: int) -> bool:
-        """Claim a push for application; False (counted) if it was applied before."""
-        if not client_id or self.seen.begin(client_id, seq):
-            return True
-        self.stats.count("duplicates")
-        return False
+        """Claim a push for application; False if it was applied before (the caller answers it as a duplicate)."""
+        return not client_id or self.seen.begin(client_id, seq)
 
     def release(self, client_id: str, seq: int, error: BaseException) -> None:
         """A claimed push failed: a retry applies it, unless it was applied (settled: its record's wait failed) or
