@@ -5,17 +5,21 @@ behaviour tests of lanes (order, read-your-writes, batches, errors) run over bot
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
 import torch
 import zmq
-from shardps_client import TLS, Client
+from shardps_client import SGD, TLS, Client, Initializer
 
 from shardps.core import codec
+from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
 from shardps.server.ops import certs
 from shardps.v1 import shardps_pb2 as pb
 from tests.procs import start_shard
@@ -23,32 +27,43 @@ from tests.procs import start_shard
 TOKEN = "t" * 24 + "-trainer"
 
 
-def data_plane_call(port: int, frame: bytes, token: str = "", ticket: bytes = b"", server_key: str = "",
+def data_plane_call(port: int, frame: bytes, token: str = "", session: Optional[tuple[bytes, bytes]] = None,
                     hello: bool = True, timeout_ms: int = 10_000) -> pb.StreamResponse:
     """One request on a fresh data-plane connection (raw ZeroMQ, as any client could send it): the hello with
-    ``token`` and ``ticket`` first when ``hello``, then ``frame``; the StreamResponse answering the frame
-    (the hello's refusal, when it was refused)."""
+    ``token`` first when ``hello`` (sealed under ``session``, (id, key) from ShardInfo, when given; the request
+    and its answer too), then ``frame``; the StreamResponse answering the frame (the refusal, when refused)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    if server_key:
-        public, secret = zmq.curve_keypair()
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key.encode(), public, secret
+    sealing = None if session is None else Seal(session[1], sending=TO_SHARD, receiving=TO_CLIENT)
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
         if hello:
-            sock.send_multipart([b"", b"hello", token.encode(), ticket])
+            if sealing is None:
+                sock.send_multipart([b"", b"hello", token.encode()])
+            else:
+                sock.send_multipart([b"", b"hello", session[0], *sealing.seal(token.encode(), HELLO_AAD + session[0])])
             answer = sock.recv_multipart()
             if answer[1] == b"error":
                 return pb.StreamResponse.FromString(answer[2])
             assert answer == [b"", b"ok"]
-        sock.send_multipart([b"\x01" * 8, frame])
-        rid, reply = sock.recv_multipart()
-        assert rid == b"\x01" * 8
-        return pb.StreamResponse.FromString(reply)
+        rid = b"\x01" * 8
+        sock.send_multipart([rid, frame] if sealing is None else [rid, *sealing.seal(frame, rid)])
+        answer = sock.recv_multipart()
+        if answer[0] == b"":  # the connection refused (a sealed request that did not open)
+            return pb.StreamResponse.FromString(answer[2])
+        assert answer[0] == rid
+        return pb.StreamResponse.FromString(answer[1] if sealing is None else sealing.open(answer[1], answer[2], rid))
     finally:
         sock.close(0)
+
+
+def data_session(address: str, tls: TLS, token: str = "") -> tuple[bytes, bytes]:
+    """A data-plane session (id, key), from ShardInfo over TLS, as a client about to connect asks for one."""
+    with Client([address], tls=tls, token=token or None, timeout=10) as c:
+        info = c.transport.call(0, "ShardInfo", pb.ShardInfoRequest(data_session=True))
+        return bytes(info.data_session_id), bytes(info.data_session_key)
 
 
 def _pull_frame(n: int = 3) -> bytes:
@@ -103,21 +118,139 @@ def test_with_tokens_a_connection_presents_one_before_any_request_is_decoded(tmp
         shard.terminate()
 
 
-def test_with_tls_the_data_plane_is_encrypted_and_wants_the_ticket(tmp_path):
+class _Wiretap:
+    """A TCP relay on 127.0.0.1 between one client connection and ``port``, keeping every byte it passes both
+    ways: what someone on the network would see. Bounded: it stops when either side closes, or at ``close``."""
+
+    def __init__(self, port: int) -> None:
+        self.seen = bytearray()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(10)
+        self.port = self._listener.getsockname()[1]
+        self._target, self._socks = port, []
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def _relay(self) -> None:
+        try:
+            client, _ = self._listener.accept()
+        except OSError:
+            return
+        server = socket.create_connection(("127.0.0.1", self._target), timeout=10)
+        self._socks = [client, server]
+        pumps = [threading.Thread(target=self._pump, args=pair, daemon=True) for pair in ((client, server), (server, client))]
+        for t in pumps:
+            t.start()
+        for t in pumps:
+            t.join(30)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.seen += data
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in self._socks:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the pumps (a close would leave them in recv)
+        self._thread.join(10)
+        for sock in self._socks:
+            sock.close()
+
+
+def _push_frame(values: np.ndarray) -> bytes:
+    return pb.StreamRequest(push=pb.PushRequest(
+        table="t", ids=codec.encode(np.arange(len(values), dtype=np.int64)), grads=codec.encode(values),
+        shard_map=pb.ShardMap(num_shards=1), client_id="tap", seq=1)).SerializeToString()
+
+
+def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_over_tls(tmp_path):
     dev = certs.make_dev_certs(str(tmp_path / "pki"))
     shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key])
+    tls = TLS(ca=dev.ca)
+    grads = np.full((3, 2), 1234.5678, np.float32)  # pushed with SGD lr 1 onto zeros: the rows are -grads
     try:
-        with Client([shard.address], tls=TLS(ca=dev.ca), timeout=10, data_plane="zmq") as c:
-            c.create_table("t", dim=2, num_embeddings=10)
+        with Client([shard.address], tls=tls, timeout=10, data_plane="zmq") as c:
+            c.create_table("t", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
             c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
             assert c.transport.data_planes() == ["zmq"]
             info = c.shard_info()[0]
-        port, key, ticket = info.data_ports[0], info.data_public_key, bytes(info.data_ticket)
-        assert len(key) == 40 and len(ticket) == 32  # a CURVE public key (Z85) and the ticket
-        assert not data_plane_call(port, _pull_frame(), server_key=key, ticket=ticket).HasField("error")
-        assert data_plane_call(port, _pull_frame(), server_key=key, ticket=b"x" * 32).error.code == 16
-        with pytest.raises(zmq.Again):  # plaintext to a CURVE socket: no handshake, no answer
-            data_plane_call(port, _pull_frame(), ticket=ticket, timeout_ms=1000)
+            c.push("t", torch.arange(3), -torch.ones(3, 2), wait=True)  # back to zeros
+        assert not info.data_session_id  # handed out only when asked for (a data-plane client about to connect)
+        port = info.data_ports[0]
+
+        # A wiretap sees neither what is pushed nor what is pulled (in plaintext, it sees both).
+        tap = _Wiretap(port)
+        try:
+            session = data_session(shard.address, tls)
+            assert len(session[0]) == 16 and len(session[1]) == 32
+            assert not data_plane_call(tap.port, _push_frame(grads), session=session).HasField("error")
+        finally:
+            tap.close()
+        tap = _Wiretap(port)
+        try:
+            reply = data_plane_call(tap.port, _pull_frame(), session=data_session(shard.address, tls))
+        finally:
+            tap.close()
+        assert codec.decode(reply.pull.rows, "rows").tobytes() == (-grads).tobytes()
+        assert len(tap.seen) > 2 * grads.nbytes
+        assert grads.tobytes()[:8] not in tap.seen and (-grads).tobytes()[:8] not in tap.seen
+
+        # A session serves one connection; a hello that does not open takes nothing from its client.
+        session = data_session(shard.address, tls)
+        forged = data_plane_call(port, _pull_frame(), session=(session[0], os.urandom(32)))
+        assert forged.error.code == 16 and "does not open" in forged.error.message  # UNAUTHENTICATED
+        assert not data_plane_call(port, _pull_frame(), session=session).HasField("error")
+        again = data_plane_call(port, _pull_frame(), session=session)
+        assert again.error.code == 16 and "used session" in again.error.message
+        # No session, or a plaintext request on a sealed connection: refused before anything is decoded.
+        plain = data_plane_call(port, _push_frame(grads))
+        assert plain.error.code == 16 and "with TLS a hello is" in plain.error.message
+        assert data_plane_call(port, _pull_frame(), hello=False).error.code == 16
+
+        # Changed, replayed or plaintext requests on a sealed connection: refused, the connection forgotten.
+        for bad in ("changed", "replayed", "plaintext"):
+            session = data_session(shard.address, tls)
+            sealing = Seal(session[1], sending=TO_SHARD, receiving=TO_CLIENT)
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            try:
+                sock.connect(f"tcp://127.0.0.1:{port}")
+                sock.send_multipart([b"", b"hello", session[0], *sealing.seal(b"", HELLO_AAD + session[0])])
+                assert sock.recv_multipart() == [b"", b"ok"]
+                rid = b"\x01" * 8
+                counter, sealed = sealing.seal(_pull_frame(), rid)
+                if bad == "replayed":
+                    sock.send_multipart([rid, counter, sealed])
+                    assert not pb.StreamResponse.FromString(sealing.open(*sock.recv_multipart()[1:], rid)).HasField("error")
+                    parts = [rid, counter, sealed]
+                elif bad == "changed":
+                    counter, sealed = sealing.seal(_push_frame(grads), rid)
+                    changed = bytearray(sealed)
+                    changed[5] ^= 1
+                    parts = [rid, counter, bytes(changed)]
+                else:
+                    parts = [rid, _push_frame(grads)]
+                sock.send_multipart(parts)
+                answer = sock.recv_multipart()
+                assert answer[:2] == [b"", b"error"], bad
+                assert pb.StreamResponse.FromString(answer[2]).error.code == 16
+                sock.send_multipart([rid, *sealing.seal(_push_frame(grads), rid)])  # then even a genuine one
+                error = pb.StreamResponse.FromString(sock.recv_multipart()[-1]).error
+                assert error.code == 16 and "has not presented its credentials" in error.message
+            finally:
+                sock.close(0)
+        with Client([shard.address], tls=tls, timeout=10) as c:  # only the push through the tap changed rows
+            torch.testing.assert_close(c.pull("t", torch.arange(3)), torch.from_numpy(-grads), rtol=0, atol=0)
     finally:
         shard.terminate()
 

@@ -5,9 +5,11 @@ the shard in the order they were made, many in flight, each answered in order; w
 (the shard restarts or dies) every unanswered call is resent, in order, on a new connection, for up to
 ``retry_timeout`` seconds ((client id, seq) dedup on the shard makes a resent push that was applied a no-op).
 
-The lane learns the shard's data-plane ports, its CURVE public key and its ticket from ``ShardInfo`` over the
-client's gRPC channel (authenticated, and with TLS encrypted: the key is then as trusted as the shard's
-certificate), connects one DEALER socket to the port its client id picks, and presents its token and ticket.
+The lane learns the shard's data-plane ports from ``ShardInfo`` over the client's gRPC channel, connects one
+DEALER socket to the port its client id picks, and presents its token. With TLS that ``ShardInfo`` call (over
+TLS: the shard's certificate authenticates it, and it is encrypted) also hands out a session for the connection,
+whose key seals every message both ways (``shardps.core.seal``): only the shard holding the certificate's key
+can open what the client sends or seal an answer that opens.
 A shard without a data plane, or a client without pyzmq, gets the gRPC ``Lane`` (``fallback``) instead.
 
 Who uses the socket, and when (``shardps_client.lane_turns``): the thread that makes a call sends it, and the
@@ -30,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
 from shardps_client.errors import ShardpsError, ShardUnavailableError
 from shardps_client.lane_turns import MAX_TICK_MS, TICK_MS, Item, SocketTurns, settle
 
@@ -176,8 +179,9 @@ class DataLane(SocketTurns):
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 1.0)
 
-    def _connect(self, ctx: zmq.Context) -> Optional[tuple[zmq.Socket, zmq.Socket]]:
-        """A DEALER connected to the shard's data plane (and its monitor), hello sent; None: it has none."""
+    def _connect(self, ctx: zmq.Context) -> Optional[tuple[zmq.Socket, zmq.Socket, Optional[Seal]]]:
+        """A DEALER connected to the shard's data plane (its monitor, and with TLS the connection's seal), hello
+        sent; None: it has none."""
         info = self._discover()
         if not info.data_ports:
             return None
@@ -190,17 +194,17 @@ class DataLane(SocketTurns):
         sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # no connection to queue on: never block the lane for good
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        if info.data_public_key:
-            public, secret = zmq.curve_keypair()
-            sock.curve_serverkey = info.data_public_key.encode()
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
+        seal, hello = None, [b"", HELLO, self._token]
+        if info.data_session_id:  # the shard serves TLS: this connection's session, handed out over TLS
+            sid = bytes(info.data_session_id)
+            seal = Seal(bytes(info.data_session_key), sending=TO_SHARD, receiving=TO_CLIENT)
+            hello = [b"", HELLO, sid, *seal.seal(self._token, HELLO_AAD + sid)]
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         host = f"[{self._host}]" if ":" in self._host else self._host
         self.endpoint = f"tcp://{host}:{port}"
         sock.connect(self.endpoint)
         try:
-            sock.send_multipart([b"", HELLO, self._token, bytes(info.data_ticket)])
+            sock.send_multipart(hello)
         except zmq.Again:  # not connected within SEND_TIMEOUT_MS (the shard died again): retried as a lost one
             sock.disable_monitor()
             monitor.close(0)
@@ -208,13 +212,13 @@ class DataLane(SocketTurns):
             raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
                                         address=self.address) from None
         self.mode = "zmq"
-        return sock, monitor
+        return sock, monitor, seal
 
-    def _serve(self, conn: tuple[zmq.Socket, zmq.Socket], unacked: collections.OrderedDict) -> str:
+    def _serve(self, conn: tuple[zmq.Socket, zmq.Socket, Optional[Seal]], unacked: collections.OrderedDict) -> str:
         """Send and answer calls until the lane closes ("closed"), the connection breaks ("broken": unanswered
         calls are then resent first, in order, on the next connection), or the data plane of a shard this
         lane never reached cannot be connected ("unreachable"). Callers use the socket too, under ``_io``."""
-        sock, monitor = conn
+        sock, monitor, seal = conn
         poller = zmq.Poller()
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake.fd, zmq.POLLIN)
@@ -222,10 +226,11 @@ class DataLane(SocketTurns):
         answers: list[Callable[[], None]] = []
         try:
             with self._owning_io():
+                self._seal = seal
                 try:
                     for item in unacked.values():  # resent in order (the shard drops pushes it applied)
                         item.sent_at = time.monotonic()
-                        sock.send_multipart([item.rid, item.request], copy=False)
+                        self._send_item(sock, item, 0)
                 except zmq.Again:  # the connection went away under a send: resent on the next one
                     return "broken"
                 self._sock, self._unacked, self._broken = sock, unacked, False
@@ -276,7 +281,7 @@ class DataLane(SocketTurns):
                     self._receive_all(sock, unacked, answers)
                 except zmq.ZMQError:
                     pass
-                self._sock = self._unacked = None
+                self._sock = self._unacked = self._seal = None
                 self._lead_poller = None
             settle(answers)
             sock.disable_monitor()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -25,8 +26,11 @@ from typing import Any, Callable, Iterator, Optional
 import zmq
 
 from shardps.core import protocol, wire
+from shardps.core.seal import Seal, SealError
 from shardps.core.wake import WakePipe
 from shardps_client.errors import ShardpsError
+
+log = logging.getLogger(__name__)
 
 LEAD_SLICE_MS = 50  # a caller receiving for its answer looks up this often (the lane's thread may need the socket)
 TICK_MS = 2  # while calls are out, the lane's thread takes the answers nobody waits for this often
@@ -80,6 +84,7 @@ class SocketTurns:
         self._wake = WakePipe()  # callers wake the lane's thread (which owns the connection) through it
         self._io = threading.Lock()  # held by whoever uses the socket (a caller or the lane's thread)
         self._sock: Optional[zmq.Socket] = None  # the connected socket (set and cleared under _io by the lane)
+        self._seal: Optional[Seal] = None  # with TLS: its connection's sealing (set and cleared with it)
         self._unacked: Optional[collections.OrderedDict[bytes, Item]] = None  # its calls sent and not answered
         self._broken = False  # a caller found the connection broken: the lane's thread reconnects
         self._want_io = False  # the lane's thread needs the socket: a caller receiving lets it go
@@ -122,10 +127,17 @@ class SocketTurns:
             try:
                 flags = 0 if block else zmq.NOBLOCK
                 for item in items:
-                    sock.send_multipart([item.rid, item.request], flags, copy=False)
+                    self._send_item(sock, item, flags)
             except zmq.Again:  # no connection to send on: what is unanswered is resent on the next one
                 return "broken"
         return self._receive_all(sock, unacked, answers)
+
+    def _send_item(self, sock: zmq.Socket, item: Item, flags: int) -> None:
+        """Send a call (under ``_io``), sealed as it leaves when the connection is."""
+        if self._seal is None:
+            sock.send_multipart([item.rid, item.request], flags, copy=False)
+        else:
+            sock.send_multipart([item.rid, *self._seal.seal(item.request, item.rid)], flags, copy=False)
 
     def _receive_all(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
         """Take every answer the socket holds (under ``_io``); "broken" when the connection must be made again.
@@ -135,8 +147,8 @@ class SocketTurns:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
-            if self._answer(parts, unacked, answers) == "not primary":
-                return "broken"  # the unanswered calls go to the group's primary, in order
+            if self._answer(parts, unacked, answers) is not None:
+                return "broken"  # a new connection: the unanswered calls go (to the group's primary), in order
 
     def _pump_or_break(self, sock: zmq.Socket, answers: list) -> bool:
         """``_pump`` from a caller's thread; a broken connection is left to the lane's thread (False)."""
@@ -250,13 +262,22 @@ class SocketTurns:
         if len(parts) == 2 and not len(parts[0]) and parts[1].bytes == b"ok":
             self._reached = True
             return None
-        if len(parts) != 2:
+        body = parts[-1].buffer
+        if self._seal is not None:  # every answer sealed: one that does not open ends the connection
+            try:
+                if len(parts) != 3:
+                    raise SealError(f"an answer of {len(parts)} parts is not sealed")
+                body = memoryview(self._seal.open(parts[1].buffer, parts[2].buffer, parts[0].bytes))
+            except SealError as e:
+                log.warning("data plane of shard at %s: %s; connecting again", self.address, e)
+                return "broken"
+        elif len(parts) != 2:
             return None
         item = unacked.get(parts[0].bytes)
         if item is None:
             return None  # the answer to a call resent after its first answer was lost: already resolved
         try:
-            field, view = wire.unframe(parts[1].buffer)
+            field, view = wire.unframe(body)
         except BaseException as e:  # noqa: BLE001 - a malformed answer fails its call alone
             unacked.pop(parts[0].bytes)
             answers.append(lambda f=item.future, e=e: f.set_exception(e))

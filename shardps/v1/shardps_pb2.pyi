@@ -559,8 +559,10 @@ class StreamResponse(_message.Message):
     def __init__(self, push: _Optional[_Union[PushResponse, _Mapping]] = ..., push_dense: _Optional[_Union[PushResponse, _Mapping]] = ..., push_batch: _Optional[_Union[PushBatchResponse, _Mapping]] = ..., pull: _Optional[_Union[PullResponse, _Mapping]] = ..., pull_dense: _Optional[_Union[PullResponse, _Mapping]] = ..., pull_batch: _Optional[_Union[PullBatchResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class ShardInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("data_session",)
+    DATA_SESSION_FIELD_NUMBER: _ClassVar[int]
+    data_session: bool
+    def __init__(self, data_session: _Optional[bool] = ...) -> None: ...
 
 class ShardStats(_message.Message):
     __slots__ = ("pulls", "pushes", "rows_pulled", "rows_pushed", "stale_rejected", "duplicates", "max_staleness", "mean_staleness", "errors")
@@ -585,7 +587,7 @@ class ShardStats(_message.Message):
     def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_public_key", "data_ticket", "data_clients", "data_plane_handoffs", "replica", "slots")
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_clients", "data_plane_handoffs", "replica", "slots", "data_session_id", "data_session_key")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -598,12 +600,12 @@ class ShardInfoResponse(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     EXPORT_FLOOR_FIELD_NUMBER: _ClassVar[int]
     DATA_PORTS_FIELD_NUMBER: _ClassVar[int]
-    DATA_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
-    DATA_TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -616,13 +618,13 @@ class ShardInfoResponse(_message.Message):
     serving: ServingInfo
     export_floor: int
     data_ports: _containers.RepeatedScalarFieldContainer[int]
-    data_public_key: str
-    data_ticket: bytes
     data_clients: _containers.RepeatedCompositeFieldContainer[DataClient]
     data_plane_handoffs: int
     replica: ReplicaInfo
     slots: SlotsInfo
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_public_key: _Optional[str] = ..., data_ticket: _Optional[bytes] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ..., replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., slots: _Optional[_Union[SlotsInfo, _Mapping]] = ...) -> None: ...
+    data_session_id: bytes
+    data_session_key: bytes
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ..., replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., slots: _Optional[_Union[SlotsInfo, _Mapping]] = ..., data_session_id: _Optional[bytes] = ..., data_session_key: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("member", "role", "epoch", "lsn", "primary", "group", "ack", "backups", "etcd_age_s")

@@ -53,6 +53,7 @@ def payloads() -> st.SearchStrategy[list[bytes]]:
     message = weighted(
         (12, st.tuples(rid, frame).map(list)),
         (1, st.tuples(rid, frame, blob).map(list)),
+        (1, st.tuples(st.just(b""), st.just(b"hello"), blob).map(list)),
         (1, st.tuples(st.just(b""), st.just(b"hello"), blob, blob).map(list)),
         (1, st.tuples(st.just(b""), blob).map(list)),
         (1, st.lists(blob, min_size=2, max_size=4).map(lambda ps: [b"r", *ps[1:]])),

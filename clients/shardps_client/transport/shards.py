@@ -87,11 +87,11 @@ class Transport:
             return lane
         from shardps_client.data_plane import DataLane
 
-        # (its ShardInfo is asked once: a shard that does not answer is retried by the lane, which stops when closed)
-        return DataLane(lane, functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest(), False), a,
-                        self._client_id,
-                        self._token, resolve, timed_out, unavailable, self.timeout, self.retry_timeout,
-                        functools.partial(self.failover, i), removed_error)
+        # (its ShardInfo is asked once per connection: a shard that does not answer is retried by the lane, which stops
+        # when closed; with TLS the answer carries the connection's session)
+        discover = functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest(data_session=True), False)
+        return DataLane(lane, discover, a, self._client_id, self._token, resolve, timed_out, unavailable, self.timeout,
+                        self.retry_timeout, functools.partial(self.failover, i), removed_error)
 
     def add_shards(self, entries: Sequence[str]) -> None:
         """Shards added to the cluster (a slot map naming more than this client knew): their entries (an address,

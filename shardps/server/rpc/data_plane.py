@@ -18,19 +18,24 @@ Protocol (multipart messages; a client connects one DEALER to one of the ports, 
 - ``[request id, frame]``: ``frame`` is a ``StreamRequest`` as the gRPC stream carries it; the answer is
   ``[request id, StreamResponse]``. A connection's requests are served one after another, in the order they
   came (a pull sees the connection's earlier pushes).
-- ``[b"", b"hello", token, ticket]``: the connection's credentials, first of all when the shard has tokens
-  (the token's role then bounds what each request may call) or TLS (the ticket ``ShardInfo`` hands out over
-  the authenticated gRPC call). Answered ``[b"", b"ok"]`` or ``[b"", b"error", StreamError]``. Until a
-  connection's hello is accepted, its requests are refused (UNAUTHENTICATED) before any is decoded.
+- ``[b"", b"hello", token]``: the connection's credentials, first of all when the shard has tokens (the
+  token's role then bounds what each request may call). Answered ``[b"", b"ok"]`` or
+  ``[b"", b"error", StreamError]``. Until a connection's hello is accepted, its requests are refused
+  (UNAUTHENTICATED) before any is decoded.
 
-With TLS the sockets use CURVE: the shard's key pair is made at start and its public key is handed out by
-``ShardInfo`` over TLS, so a client that trusts the shard's certificate trusts the key; traffic is encrypted.
+With TLS every connection is sealed (``shardps.core.seal``: AES-256-GCM under a key of its own). Its client
+asks ``ShardInfo`` (over gRPC with TLS: the shard's certificate authenticates it, and the call is encrypted)
+for a session, an id and a key the shard keeps for a minute, for one connection. The hello is then
+``[b"", b"hello", session id, counter, sealed token]`` and takes the session; requests are
+``[request id, counter, sealed StreamRequest]`` and answers ``[request id, counter, sealed StreamResponse]``.
+A message that does not open (another key, a byte changed, a counter not above the last) is refused before
+anything in it is decoded, and its connection is forgotten (``[b"", b"error", StreamError]``). Only the shard
+that holds the certificate's key learns a session's key, so an answer that opens comes from it.
 A request above the size limit (``--max-message-mb``) closes its connection (libzmq's ``MAXMSGSIZE``).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import threading
@@ -43,6 +48,7 @@ import grpc
 import zmq
 
 from shardps.core.errors import ResourceExhausted, Unauthenticated
+from shardps.core.seal import HELLO_AAD, SESSION_ID_BYTES, TO_CLIENT, TO_SHARD, Seal, SealError, new_key
 from shardps.core.tokens import bearer
 from shardps.core.wake import WakePipe
 from shardps.server.rpc import fair
@@ -59,6 +65,8 @@ MAX_CONNECTIONS = 4096  # connections whose credentials a socket remembers (the 
 MAX_WAITING = 256  # calls waiting off their socket's thread at once (beyond: they wait on it)
 MAX_QUEUED = 1024  # requests of one connection held behind its waiting call (beyond: RESOURCE_EXHAUSTED)
 RECEIVE_BATCH = 64  # requests served per turn of the poll loop
+SESSION_TTL_S = 60.0  # how long a session handed out by ShardInfo waits for its connection's hello
+MAX_SESSIONS = 4096  # sessions waiting for their hello at once (beyond: the oldest are forgotten)
 
 
 class _SocketState:
@@ -80,6 +88,44 @@ class _Connection:
     key: str
     weight: float
     peer: str
+    seal: Optional[Seal] = None  # with TLS: the connection's session
+
+
+class Sessions:
+    """Sessions handed out by ``ShardInfo`` (over TLS), each waiting for the one connection that presents it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[bytes, tuple[bytes, float]] = {}  # id -> (key, when handed out), oldest first
+
+    def issue(self) -> tuple[bytes, bytes]:
+        """A new session: (id, key)."""
+        sid, key, now = os.urandom(SESSION_ID_BYTES), new_key(), time.monotonic()
+        with self._lock:
+            while self._waiting:  # the oldest go first: expired, or too many waiting
+                oldest = next(iter(self._waiting))
+                if len(self._waiting) < MAX_SESSIONS and now - self._waiting[oldest][1] < SESSION_TTL_S:
+                    break
+                del self._waiting[oldest]
+            self._waiting[sid] = (key, now)
+        return sid, key
+
+    def open_hello(self, sid: bytes, counter: Any, sealed: Any) -> tuple[Seal, bytes]:
+        """The connection's seal and the token its hello carries; the session is taken only if the hello opens
+        (a forged hello with a session id seen on the wire takes nothing from its client)."""
+        with self._lock:
+            entry = self._waiting.get(sid)
+        if entry is None or time.monotonic() - entry[1] > SESSION_TTL_S:
+            raise Unauthenticated("data plane: unknown, expired or used session (ask ShardInfo over TLS for one)")
+        seal = Seal(entry[0], sending=TO_CLIENT, receiving=TO_SHARD)
+        try:
+            token = seal.open(counter, sealed, HELLO_AAD + sid)
+        except SealError as e:
+            raise Unauthenticated(f"data plane: the hello does not open with its session's key: {e}") from None
+        with self._lock:
+            if self._waiting.pop(sid, None) is None:
+                raise Unauthenticated("data plane: that session was taken by another connection")
+        return seal, token
 
 
 class DataPlane:
@@ -92,7 +138,7 @@ class DataPlane:
         ports: the ports to bind, one socket and thread each (0: a free port).
         max_message_bytes: the largest request accepted.
         tokens: bearer tokens (None: every connection allowed).
-        encrypted: CURVE encryption, and a ticket required in every connection's hello (the shard serves TLS).
+        encrypted: every connection sealed under a session ``ShardInfo`` hands out (the shard serves TLS).
     """
 
     def __init__(self, chain: CallChain, frames: dict, host: str, ports: list[int], max_message_bytes: int,
@@ -100,13 +146,8 @@ class DataPlane:
         self.chain = chain
         self.frames = frames
         self.tokens = tokens
-        self.ticket = os.urandom(32) if encrypted else b""
+        self.sessions = Sessions() if encrypted else None
         self._ctx = zmq.Context()
-        self.public_key = ""
-        secret = b""
-        if encrypted:
-            public, secret = zmq.curve_keypair()
-            self.public_key = public.decode()
         self._sockets: list[zmq.Socket] = []
         self.ports: list[int] = []
         host = "*" if host in ("0.0.0.0", "::") else host
@@ -116,10 +157,6 @@ class DataPlane:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 64 * 1024)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            if encrypted:
-                sock.curve_server = True
-                sock.curve_secretkey = secret
-                sock.curve_publickey = public
             if port:
                 sock.bind(f"tcp://{host}:{port}")
             else:
@@ -170,7 +207,7 @@ class DataPlane:
                 _, reply, _ = st.done.popleft()
                 if reply is not None:
                     try:
-                        st.sock.send_multipart(reply, copy=False, flags=zmq.NOBLOCK)
+                        self._send(st, reply, zmq.NOBLOCK)
                         sent += 1
                     except zmq.ZMQError as e:  # that connection is gone: its client resends the call
                         log.info("data plane: an answer made while stopping was not sent: %s", e)
@@ -222,7 +259,7 @@ class DataPlane:
             while st.done:  # calls finished off the socket's thread: answer, then their connection's next
                 rid, reply, ordered = st.done.popleft()
                 if reply is not None:
-                    st.sock.send_multipart(reply, copy=False)
+                    self._send(st, reply)
                 if ordered and not self._resume(st, rid):
                     return
             if st.sock in ready and not self._receive(st):
@@ -291,8 +328,19 @@ class DataPlane:
             st.wake.wake()
             return False
         if reply is not None:
-            st.sock.send_multipart(reply, copy=False)
+            self._send(st, reply)
         return True
+
+    @staticmethod
+    def _send(st: _SocketState, reply: list, flags: int = 0) -> None:
+        """Send an answer ``[rid, request id, StreamResponse]``, sealed now (in the order answers leave: the
+        counters rise as the client receives them) when its connection has a session."""
+        if len(reply) == 3 and reply[1]:
+            conn = st.connections.get(reply[0])
+            if conn is not None and conn.seal is not None:
+                counter, sealed = conn.seal.seal(reply[2], reply[1])
+                reply = [reply[0], reply[1], counter, sealed]
+        st.sock.send_multipart(reply, flags, copy=False)
 
     def _refuse_queued(self, st: _SocketState, rid: bytes, parts: list[Any]) -> None:
         if len(parts) < 3 or not parts[1].bytes:
@@ -300,7 +348,7 @@ class DataPlane:
         error = ResourceExhausted(f"data plane: over {MAX_QUEUED} requests of this connection wait behind "
                                   "its waiting call")
         code, message, kind = self.chain.status(error, "Stream")
-        st.sock.send_multipart([rid, parts[1].bytes, stream_error(code, message, kind)], copy=False)
+        self._send(st, [rid, parts[1].bytes, stream_error(code, message, kind)])
 
     def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[list]:
         peer = f"{_peer(parts[-1])}#{rid.hex()}"  # a connection, as gRPC's peer names one (address and port)
@@ -312,28 +360,47 @@ class DataPlane:
             return [rid, b"", *self._hello(rid, parts[2:], peer, connections)]
         conn = connections.get(rid)
         if conn is None:
-            if self.tokens is not None or self.ticket:
+            if self.tokens is not None or self.sessions is not None:
                 error = Unauthenticated("data plane: this connection has not presented its credentials (hello)")
                 code, message, kind = self.chain.status(error, "Stream")
                 self.chain.slow_refusal(peer, code, len(parts[2]))
                 return [rid, request_id, stream_error(code, message, kind)]
             conn = self._remember(rid, _Connection(None, peer, 1.0, peer), connections)
+        frame = parts[2].buffer
+        if conn.seal is not None:
+            try:
+                if len(parts) != 4:
+                    raise SealError(f"a sealed request has 3 parts (request id, counter, sealed), got {len(parts) - 1}")
+                frame = conn.seal.open(parts[2].buffer, parts[3].buffer, request_id)
+            except SealError as e:  # nothing of it decoded; the connection must make a new session
+                connections.pop(rid, None)
+                code, message, kind = self.chain.status(Unauthenticated(f"data plane: {e}"), "Stream")
+                self.chain.slow_refusal(peer, code, sum(len(p) for p in parts[2:]))
+                return [rid, b"", b"error", stream_error(code, message, kind)]
         role = conn.grant.role if conn.grant is not None else None
-        reply = self.chain.frame(self.frames, parts[2].buffer, role, conn.key, conn.weight, conn.peer, "zmq")
+        reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, "zmq")
         return [rid, request_id, reply]
 
     def _hello(self, rid: bytes, fields: list[Any], peer: str, connections: dict[bytes, _Connection]) -> list:
         try:
-            if len(fields) != 3 or fields[0].bytes != HELLO:
-                raise Unauthenticated("data plane: a control message must be [b'hello', token, ticket]")
-            token, ticket = fields[1].bytes.decode("utf-8", "replace"), fields[2].bytes
-            if self.ticket and not hmac.compare_digest(ticket, self.ticket):
-                raise Unauthenticated("data plane: wrong or missing ticket (ask ShardInfo over TLS for it)")
+            seal = None
+            if not fields or fields[0].bytes != HELLO:
+                raise Unauthenticated("data plane: a control message must be a hello")
+            if self.sessions is not None:
+                if len(fields) != 4:
+                    raise Unauthenticated("data plane: with TLS a hello is [b'hello', session id, counter, sealed "
+                                          "token] (ask ShardInfo over TLS for a session)")
+                seal, raw = self.sessions.open_hello(fields[1].bytes, fields[2].buffer, fields[3].buffer)
+            elif len(fields) != 2:
+                raise Unauthenticated("data plane: a hello is [b'hello', token]")
+            else:
+                raw = fields[1].bytes
+            token = raw.decode("utf-8", "replace")
             grant = None
             if self.tokens is not None:
                 grant = self.tokens.check(bearer(token) if token else (), "Pull")
             key, weight = (grant.key, grant.limits.weight) if grant is not None else (peer, 1.0)
-            self._remember(rid, _Connection(grant, key, weight, peer), connections)
+            self._remember(rid, _Connection(grant, key, weight, peer, seal), connections)
             return [b"ok"]
         except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED, answered
             code, message, kind = self.chain.status(e, "Stream")

@@ -201,8 +201,8 @@ class ShardServicer(pb_grpc.ShardServicer):
         info.server_version = f"shardps/{__version__}"
         if self.data_plane is not None:
             info.data_ports.extend(self.data_plane.ports)
-            info.data_public_key = self.data_plane.public_key
-            info.data_ticket = self.data_plane.ticket
+            if request.data_session and self.data_plane.sessions is not None:  # over TLS: for one connection
+                info.data_session_id, info.data_session_key = self.data_plane.sessions.issue()
             info.data_plane_handoffs = self.data_plane.handoffs
         for p, idle in self.chain.peers.recent():
             info.data_clients.add(peer=p.peer, transport=p.transport, caller=p.caller, calls=p.calls, bytes=p.bytes,
