@@ -255,6 +255,29 @@ def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_
         shard.terminate()
 
 
+def test_an_answer_that_does_not_open_makes_the_client_connect_again_and_resend_the_call(tmp_path):
+    """The client's side of a sealed connection: answers that do not open (here: every one looks replayed, as if
+    the client had already accepted later ones) end the connection; the lane takes a new session, resends the
+    unanswered push, and the shard answers it as the duplicate it is: applied once."""
+    dev = certs.make_dev_certs(str(tmp_path / "pki"))
+    shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key])
+    try:
+        with Client([shard.address], tls=TLS(ca=dev.ca), timeout=10, data_plane="zmq") as c:
+            c.create_table("t", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+            c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+            lane = c.transport.lanes[0]
+            with lane._io:  # the connection's next answers fail their counter check
+                first = lane._seal
+                first._received = 2**62
+            c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+            assert lane._seal is not None and lane._seal is not first  # a new connection, a new session
+            torch.testing.assert_close(c.pull("t", torch.arange(3)), -2 * torch.ones(3, 2), rtol=0, atol=0)
+            assert c.shard_info()[0].stats.duplicates == 1  # the resend, answered without applying it again
+            assert c.transport.data_planes() == ["zmq"]
+    finally:
+        shard.terminate()
+
+
 def test_malformed_traffic_changes_nothing_and_the_shard_keeps_serving(tmp_path):
     """Raw multipart messages (random bytes, truncated and oversized frames, wrong shapes): each is refused
     or dropped; the table is unchanged and clients are served throughout. Bounded: 300 messages."""
