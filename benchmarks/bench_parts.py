@@ -123,29 +123,31 @@ def memory(args: argparse.Namespace) -> list[dict]:
 
     out = []
     rows, dim = args.memory_rows, 64
-    for opt, state in ((SGD(lr=0.01), 0), (Adam(), 2)):
-        for fixed in (True, False):
-            with LocalCluster(1) as cl, Client(cl.addresses) as c:
-                pid = cl.procs[0].popen.pid
-                before = rss_bytes(pid)
-                c.create_table("m", dim=dim, num_embeddings=rows if fixed else None, optimizer=opt,
-                               initializer=Initializer("zeros"))
-                ids = torch.arange(rows) * (1 if fixed else 7919)
-                load(c, ids[: rows // 2], dim)
-                time.sleep(2.5 * IDLE_TRIM_S)
-                half = rss_bytes(pid)
-                load(c, ids[rows // 2 :], dim)
-                loaded = rss_bytes(pid)
-                time.sleep(2.5 * IDLE_TRIM_S)
-                rest = rss_bytes(pid)
-                info = c.describe_table("m")[0]
-            payload = rows * dim * 4 * (1 + state)
-            out.append({"part": "memory", "what": f"{type(opt).__name__}, {'fixed' if fixed else 'unbounded'} table",
-                        "batch": rows, "payload_bytes": payload, "rss_loaded": loaded - before, "rss_rest": rest - before,
-                        "reported_bytes": info.bytes, "ratio_loaded": (loaded - before) / payload,
-                        "ratio_rest": (rest - before) / payload,
-                        "ratio_per_row": (rest - half) / ((rows - rows // 2) * dim * 4 * (1 + state)),
-                        "ratio_reported": info.bytes / payload})
+    configs = [(opt, state, fixed) for opt, state in ((SGD(lr=0.01), 0), (Adam(), 2)) for fixed in (True, False)]
+    if args.quick:  # a smoke run: each optimizer and each kind of table once (every config idles 5 s)
+        configs = [configs[0], configs[3]]
+    for opt, state, fixed in configs:
+        with LocalCluster(1) as cl, Client(cl.addresses) as c:
+            pid = cl.procs[0].popen.pid
+            before = rss_bytes(pid)
+            c.create_table("m", dim=dim, num_embeddings=rows if fixed else None, optimizer=opt,
+                           initializer=Initializer("zeros"))
+            ids = torch.arange(rows) * (1 if fixed else 7919)
+            load(c, ids[: rows // 2], dim)
+            time.sleep(2.5 * IDLE_TRIM_S)
+            half = rss_bytes(pid)
+            load(c, ids[rows // 2 :], dim)
+            loaded = rss_bytes(pid)
+            time.sleep(2.5 * IDLE_TRIM_S)
+            rest = rss_bytes(pid)
+            info = c.describe_table("m")[0]
+        payload = rows * dim * 4 * (1 + state)
+        out.append({"part": "memory", "what": f"{type(opt).__name__}, {'fixed' if fixed else 'unbounded'} table",
+                    "batch": rows, "payload_bytes": payload, "rss_loaded": loaded - before, "rss_rest": rest - before,
+                    "reported_bytes": info.bytes, "ratio_loaded": (loaded - before) / payload,
+                    "ratio_rest": (rest - before) / payload,
+                    "ratio_per_row": (rest - half) / ((rows - rows // 2) * dim * 4 * (1 + state)),
+                    "ratio_reported": info.bytes / payload})
     return out
 
 
