@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -255,22 +256,39 @@ def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_
         shard.terminate()
 
 
-def test_an_answer_that_does_not_open_makes_the_client_connect_again_and_resend_the_call(tmp_path):
-    """The client's side of a sealed connection: answers that do not open (here: every one looks replayed, as if
-    the client had already accepted later ones) end the connection; the lane takes a new session, resends the
-    unanswered push, and the shard answers it as the duplicate it is: applied once."""
+def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_does_not_open(tmp_path):
+    """The client's side of a sealed connection. A hello whose session the shard does not hold (its previous
+    process handed it out, say: here, one used already) is sent again on a new connection with a new session.
+    Answers that do not open (here: every one looks replayed, as if the client had already accepted later ones)
+    end the connection; the lane takes a new session, resends the unanswered push, and the shard answers it as
+    the duplicate it is: applied once."""
     dev = certs.make_dev_certs(str(tmp_path / "pki"))
     shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key])
+    tls = TLS(ca=dev.ca)
     try:
-        with Client([shard.address], tls=TLS(ca=dev.ca), timeout=10, data_plane="zmq") as c:
+        with Client([shard.address], tls=tls, timeout=10, data_plane="zmq") as c:
             c.create_table("t", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
-            c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+            used = data_session(shard.address, tls)
+            assert not data_plane_call(c.shard_info()[0].data_ports[0], _pull_frame(), session=used).HasField("error")
             lane = c.transport.lanes[0]
+            discover, asked = lane._discover, []
+
+            def stale_first() -> pb.ShardInfoResponse:
+                info = discover()
+                asked.append(bytes(info.data_session_id))
+                if len(asked) == 1:
+                    info.data_session_id, info.data_session_key = used
+                return info
+
+            lane._discover = stale_first
+            c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+            assert len(asked) == 2 and lane._seal is not None
+
             with lane._io:  # the connection's next answers fail their counter check
                 first = lane._seal
                 first._received = 2**62
             c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
-            assert lane._seal is not None and lane._seal is not first  # a new connection, a new session
+            assert lane._seal is not None and lane._seal is not first and len(asked) == 3  # a new session
             torch.testing.assert_close(c.pull("t", torch.arange(3)), -2 * torch.ones(3, 2), rtol=0, atol=0)
             assert c.shard_info()[0].stats.duplicates == 1  # the resend, answered without applying it again
             assert c.transport.data_planes() == ["zmq"]
@@ -373,6 +391,33 @@ def test_kill9_of_shards_under_a_data_plane_client_loses_nothing_and_applies_not
         stop.set()
         for s in shards:
             s.kill()
+
+
+def test_each_lost_connection_gets_its_own_retry_window(tmp_path):
+    """retry_timeout bounds how long one loss is retried, not the time since the first loss: a connection lost,
+    found again and used for longer than retry_timeout, then lost again, is retried again (it failed at once)."""
+    from shardps_client import SGD
+
+    from shardps.core.specs import Initializer
+
+    data = str(tmp_path / "d")
+    shard = start_shard(0, 1, tmp_path, data)
+    try:
+        with Client([shard.address], timeout=10, retry_timeout=6, data_plane="zmq") as c:
+            c.create_table("t", dim=2, num_embeddings=4, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+            for k in range(2):
+                if k:
+                    time.sleep(6.5)  # used past retry_timeout since the first loss
+                shard.proc.send_signal(signal.SIGSTOP)  # a push in flight when the shard goes
+                c.push("t", torch.arange(4), torch.ones(4, 2))
+                port = shard.address.rsplit(":", 1)[1]
+                shard.kill()
+                shard = start_shard(0, 1, tmp_path, data, extra=["--port", port])
+                c.flush()  # resent to the new process and answered (before the fix, the second loss failed it)
+            assert c.transport.data_planes() == ["zmq"]
+            torch.testing.assert_close(c.pull("t", torch.arange(4)), -2 * torch.ones(4, 2), rtol=0, atol=0)
+    finally:
+        shard.kill()
 
 
 def test_a_waiting_call_hands_its_socket_over_and_its_connection_keeps_order(tmp_path):

@@ -152,6 +152,8 @@ class DataLane(SocketTurns):
                     self._hand_over(unacked)
                     return
                 ended = self._serve(conn, unacked)
+                if self._hello_ok:  # this connection worked before it was lost: a new retry window
+                    failing_since, delay = None, 0.05
             if ended == "closed":
                 return  # everything answered
             if ended == "unreachable":  # never reached (a firewall, a port not mapped): gRPC from now on
@@ -212,6 +214,7 @@ class DataLane(SocketTurns):
             raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
                                         address=self.address) from None
         self.mode = "zmq"
+        self._hello_ok = False
         return sock, monitor, seal
 
     def _serve(self, conn: tuple[zmq.Socket, zmq.Socket, Optional[Seal]], unacked: collections.OrderedDict) -> str:

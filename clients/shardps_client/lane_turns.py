@@ -79,6 +79,7 @@ class SocketTurns:
 
     def __init__(self) -> None:
         self._reached = False  # a connection of this lane got its hello answered
+        self._hello_ok = False  # ... this lane's connection now did
         self._lock = threading.Lock()  # the queue (and the lane's state)
         self._queue: collections.deque[Item] = collections.deque()  # calls made, not sent yet
         self._wake = WakePipe()  # callers wake the lane's thread (which owns the connection) through it
@@ -250,6 +251,8 @@ class SocketTurns:
             refused: Future = Future()
             try:
                 field, view = wire.unframe(parts[2].buffer)
+                if protocol.error_kind(field, view) == "data_session":  # (its shard restarted since it was handed
+                    return "broken"  # out, say): a new connection and session, within the lane's retry window
                 self._resolve(refused, self.address, "data-plane hello", field, view)
             except Exception as e:  # noqa: BLE001 - a malformed refusal is still a refusal
                 refused.set_exception(e)
@@ -260,7 +263,7 @@ class SocketTurns:
             self._fail(unacked, exc, answers)
             return None
         if len(parts) == 2 and not len(parts[0]) and parts[1].bytes == b"ok":
-            self._reached = True
+            self._reached = self._hello_ok = True
             return None
         body = parts[-1].buffer
         if self._seal is not None:  # every answer sealed: one that does not open ends the connection

@@ -69,6 +69,11 @@ class Unauthenticated(ShardError):
     """The call carries no token, or one the shard does not know."""
 
 
+class SessionUnknown(Unauthenticated):
+    """A data-plane hello names a session this shard does not hold: never handed out, expired, used already, or
+    handed out by the shard's previous process. The client connects again with a new one."""
+
+
 class PermissionDenied(ShardError):
     """The call's token has a role that may not make this call."""
 

@@ -50,6 +50,7 @@ TABLE: tuple[Status, ...] = (
     Status("unavailable", "UNAVAILABLE", errors.Unavailable, "ShardUnavailableError"),
     Status("not_primary", "UNAVAILABLE", errors.NotPrimary, "NotPrimaryError"),
     Status("unauthenticated", "UNAUTHENTICATED", errors.Unauthenticated, "AuthenticationError"),
+    Status("data_session", "UNAUTHENTICATED", errors.SessionUnknown, "AuthenticationError"),
     Status("permission_denied", "PERMISSION_DENIED", errors.PermissionDenied, "PermissionDeniedError"),
     Status("read_only", "FAILED_PRECONDITION", errors.ReadOnly, "ReadOnlyError"),
     Status("export_gap", "FAILED_PRECONDITION", errors.ExportGap, "ExportGapError"),

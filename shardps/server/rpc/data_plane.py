@@ -47,7 +47,7 @@ from typing import Any, Optional
 import grpc
 import zmq
 
-from shardps.core.errors import ResourceExhausted, Unauthenticated
+from shardps.core.errors import ResourceExhausted, SessionUnknown, Unauthenticated
 from shardps.core.seal import HELLO_AAD, SESSION_ID_BYTES, TO_CLIENT, TO_SHARD, Seal, SealError, new_key
 from shardps.core.tokens import bearer
 from shardps.core.wake import WakePipe
@@ -116,7 +116,7 @@ class Sessions:
         with self._lock:
             entry = self._waiting.get(sid)
         if entry is None or time.monotonic() - entry[1] > SESSION_TTL_S:
-            raise Unauthenticated("data plane: unknown, expired or used session (ask ShardInfo over TLS for one)")
+            raise SessionUnknown("data plane: unknown, expired or used session (ask ShardInfo over TLS for one)")
         seal = Seal(entry[0], sending=TO_CLIENT, receiving=TO_SHARD)
         try:
             token = seal.open(counter, sealed, HELLO_AAD + sid)
@@ -124,7 +124,7 @@ class Sessions:
             raise Unauthenticated(f"data plane: the hello does not open with its session's key: {e}") from None
         with self._lock:
             if self._waiting.pop(sid, None) is None:
-                raise Unauthenticated("data plane: that session was taken by another connection")
+                raise SessionUnknown("data plane: that session was taken by another connection")
         return seal, token
 
 
