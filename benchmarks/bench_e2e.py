@@ -76,6 +76,8 @@ def main() -> int:
                    help="row-cache steps k of the cached variants (prefetch, dense lag 1, Client.cache_table)")
     p.add_argument("--skip-ddp", action="store_true",
                    help="leave out the DDP variant (the test suite's smoke run: the DDP example has its own test)")
+    p.add_argument("--skip-lag", action="store_true",
+                   help="leave out the dense-lag variant without a cache (the suite's smoke run: a cached one has the lag)")
     p.add_argument("--skip-tables", action="store_true",
                    help="leave out the per-table-modules variant (the test suite's smoke run)")
     p.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
@@ -85,7 +87,8 @@ def main() -> int:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.quick:
         args.train, args.test, args.rows = 20_000, 5_000, 50_000
-    variants = [v for v in VARIANTS if not (args.skip_ddp and "DDP" in v[0]) and not (args.skip_tables and "per-table" in v[0])]
+    variants = [v for v in VARIANTS if not (args.skip_ddp and "DDP" in v[0]) and not (args.skip_tables and "per-table" in v[0])
+                and not (args.skip_lag and v[0] == "yes, dense lag 1")]
     variants += [cached(k) for k in args.cache_steps]
     configs = [(workers, label, extra) for workers in args.workers for label, extra in variants]
     progress = Progress(len(configs) * args.repeat, "e2e")

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("bench_parts", "parts", []),
     ("bench_durability", "durability", []),
     # One worker count, no DDP variant (tests/test_examples.py runs DDP): the suite's time.
-    ("bench_e2e", "e2e", ["--cache-steps", "4", "--workers", "1", "--skip-ddp", "--skip-tables"]),
+    ("bench_e2e", "e2e", ["--cache-steps", "4", "--workers", "1", "--skip-ddp", "--skip-tables", "--skip-lag"]),
     ("bench_transport", "transport", []),
     ("bench_bounded", "bounded", []),
     ("bench_serving", "serving", []),
@@ -89,7 +89,7 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0
         assert one["trainer"] == "local torch.optim, 1 thread" and one["fwd_bwd_x_one_thread"] == 1.0
         assert [(r["workers"], r["prefetch"]) for r in ours] == [
-            (w, p) for w in (1,) for p in ("no", "yes", "yes, dense lag 1", "yes, lag 1, cache 4")]
+            (w, p) for w in (1,) for p in ("no", "yes", "yes, lag 1, cache 4")]
         for r in ours:
             assert r["x_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"])
             assert r["fwd_bwd_x_one_thread"] > 0 and r["fwd_bwd_x_local_main"] > 0
