@@ -45,10 +45,10 @@ def data_plane_call(port: int, frame: bytes, token: str = "", session: Optional[
                 sock.send_multipart([b"", b"hello", token.encode()])
             else:
                 sock.send_multipart([b"", b"hello", session[0], *sealing.seal(token.encode(), HELLO_AAD + session[0])])
-            answer = sock.recv_multipart()
-            if answer[1] == b"error":
-                return pb.StreamResponse.FromString(answer[2])
-            assert answer == [b"", b"ok"]
+            what, body = hello_answer(sock.recv_multipart(), sealing)
+            if what == b"error":
+                return pb.StreamResponse.FromString(body)
+            assert what == b"ok"
         rid = b"\x01" * 8
         sock.send_multipart([rid, frame] if sealing is None else [rid, *sealing.seal(frame, rid)])
         answer = sock.recv_multipart()
@@ -58,6 +58,16 @@ def data_plane_call(port: int, frame: bytes, token: str = "", session: Optional[
         return pb.StreamResponse.FromString(answer[1] if sealing is None else sealing.open(answer[1], answer[2], rid))
     finally:
         sock.close(0)
+
+
+def hello_answer(answer: list[bytes], sealing: Optional[Seal]) -> tuple[bytes, bytes]:
+    """(b"ok" or b"error", the refusal's StreamResponse) of a hello's answer; on a sealed connection the answer
+    of a hello whose session opened is sealed too, and a refusal of one that did not open is not."""
+    assert answer[0] == b"", answer
+    if sealing is not None and len(answer) == 4:
+        return answer[1], sealing.open(answer[2], answer[3], HELLO_AAD + answer[1])
+    assert answer[1] == b"error" or sealing is None, answer  # unsealed: only refusals, with TLS
+    return answer[1], answer[-1]
 
 
 def data_session(address: str, tls: TLS, token: str = "") -> tuple[bytes, bytes]:
@@ -218,7 +228,7 @@ def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_
         assert data_plane_call(port, _pull_frame(), hello=False).error.code == 16
 
         # Changed, replayed or plaintext requests on a sealed connection: refused, the connection forgotten.
-        for bad in ("changed", "replayed", "plaintext"):
+        for bad in ("changed", "replayed", "plaintext", "after a lost one"):
             session = data_session(shard.address, tls)
             sealing = Seal(session[1], sending=TO_SHARD, receiving=TO_CLIENT)
             sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -227,7 +237,7 @@ def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_
             try:
                 sock.connect(f"tcp://127.0.0.1:{port}")
                 sock.send_multipart([b"", b"hello", session[0], *sealing.seal(b"", HELLO_AAD + session[0])])
-                assert sock.recv_multipart() == [b"", b"ok"]
+                assert hello_answer(sock.recv_multipart(), sealing) == (b"ok", b"")
                 rid = b"\x01" * 8
                 counter, sealed = sealing.seal(_pull_frame(), rid)
                 if bad == "replayed":
@@ -239,6 +249,8 @@ def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_
                     changed = bytearray(sealed)
                     changed[5] ^= 1
                     parts = [rid, counter, bytes(changed)]
+                elif bad == "after a lost one":  # the network lost the first: the second must not overtake it
+                    parts = [rid, *sealing.seal(_pull_frame(), rid)]
                 else:
                     parts = [rid, _push_frame(grads)]
                 sock.send_multipart(parts)
@@ -292,6 +304,20 @@ def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_d
             torch.testing.assert_close(c.pull("t", torch.arange(3)), -2 * torch.ones(3, 2), rtol=0, atol=0)
             assert c.shard_info()[0].stats.duplicates == 1  # the resend, answered without applying it again
             assert c.transport.data_planes() == ["zmq"]
+        with Client([shard.address], tls=tls, timeout=10, data_plane="zmq") as c:
+            # A client on TLS whose ShardInfo hands out no session (a proxy that ends TLS in front of a plaintext
+            # shard, say) does not send its token in clear on the data plane: it uses gRPC streams.
+            lane = c.transport.lanes[0]
+            discover = lane._discover
+
+            def no_session() -> pb.ShardInfoResponse:
+                info = discover()
+                info.ClearField("data_session_id")
+                return info
+
+            lane._discover = no_session
+            c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+            assert c.transport.data_planes() == ["grpc-stream"]
     finally:
         shard.terminate()
 

@@ -58,14 +58,18 @@ class DataLane(SocketTurns):
             ``unavailable(address, message)`` -> the exceptions of a call with no answer in time / a shard that
             could not be reached again.
         timeout: seconds a call may wait for its answer; retry_timeout: seconds to keep reconnecting.
+        sealed: the client talks TLS to the shard: its data plane is used only sealed (a ``ShardInfo`` without a
+            session, from a shard without TLS behind a proxy that ends TLS, say, means gRPC streams: the token never
+            leaves in clear).
     """
 
     def __init__(self, fallback: Any, discover: Callable[[], Any], address: str, client_id: str, token: Optional[str],
                  resolve: Callable[..., None],
                  timed_out: Callable[[str, str], ShardpsError], unavailable: Callable[[str, str], ShardpsError],
                  timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
-                 removed: Optional[Callable[[str, str], ShardpsError]] = None) -> None:
+                 removed: Optional[Callable[[str, str], ShardpsError]] = None, sealed: bool = False) -> None:
         self.fallback = fallback
+        self._sealed = sealed  # the client uses TLS: a data plane that hands out no session is not used
         self._removed_error = removed
         self._discover = discover
         self.rebind(address)
@@ -152,7 +156,7 @@ class DataLane(SocketTurns):
                     self._hand_over(unacked)
                     return
                 ended = self._serve(conn, unacked)
-                if self._hello_ok:  # this connection worked before it was lost: a new retry window
+                if self._hello_ok and not self._tampered:  # it worked before it was lost: a new retry window
                     failing_since, delay = None, 0.05
             if ended == "closed":
                 return  # everything answered
@@ -187,6 +191,9 @@ class DataLane(SocketTurns):
         info = self._discover()
         if not info.data_ports:
             return None
+        if self._sealed and not info.data_session_id:
+            log.warning("shard at %s hands out no data-plane session over TLS; using gRPC streams", self.address)
+            return None
         port = info.data_ports[self._pick % len(info.data_ports)]
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -214,7 +221,7 @@ class DataLane(SocketTurns):
             raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
                                         address=self.address) from None
         self.mode = "zmq"
-        self._hello_ok = False
+        self._hello_ok = self._tampered = False
         return sock, monitor, seal
 
     def _serve(self, conn: tuple[zmq.Socket, zmq.Socket, Optional[Seal]], unacked: collections.OrderedDict) -> str:

@@ -26,8 +26,9 @@ from typing import Any, Callable, Iterator, Optional
 import zmq
 
 from shardps.core import protocol, wire
-from shardps.core.seal import Seal, SealError
+from shardps.core.seal import HELLO_AAD, Seal, SealError
 from shardps.core.wake import WakePipe
+from shardps.v1 import shardps_pb2 as pb
 from shardps_client.errors import ShardpsError
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class SocketTurns:
     def __init__(self) -> None:
         self._reached = False  # a connection of this lane got its hello answered
         self._hello_ok = False  # ... this lane's connection now did
+        self._tampered = False  # ... it ended on a message that did not open (no new retry window for that)
         self._lock = threading.Lock()  # the queue (and the lane's state)
         self._queue: collections.deque[Item] = collections.deque()  # calls made, not sent yet
         self._wake = WakePipe()  # callers wake the lane's thread (which owns the connection) through it
@@ -247,20 +249,10 @@ class SocketTurns:
 
     def _answer(self, parts: list[Any], unacked: collections.OrderedDict, answers: list) -> Optional[str]:
         """Take one answer off the socket (under ``_io``); settling its call's future goes into ``answers``."""
+        if len(parts[0]) == 0 and self._seal is not None:  # a control message on a sealed connection
+            return self._sealed_control(parts, unacked, answers)
         if len(parts) == 3 and not len(parts[0]):  # the hello refused: [b"", b"error", StreamResponse]
-            refused: Future = Future()
-            try:
-                field, view = wire.unframe(parts[2].buffer)
-                if protocol.error_kind(field, view) == "data_session":  # (its shard restarted since it was handed
-                    return "broken"  # out, say): a new connection and session, within the lane's retry window
-                self._resolve(refused, self.address, "data-plane hello", field, view)
-            except Exception as e:  # noqa: BLE001 - a malformed refusal is still a refusal
-                refused.set_exception(e)
-            exc = refused.exception()
-            if not isinstance(exc, ShardpsError):
-                exc = ShardpsError(f"data plane of shard at {self.address} refused the hello: {exc}",
-                                   address=self.address)
-            self._fail(unacked, exc, answers)
+            self._refused(parts[2].buffer, unacked, answers)
             return None
         if len(parts) == 2 and not len(parts[0]) and parts[1].bytes == b"ok":
             self._reached = self._hello_ok = True
@@ -273,6 +265,7 @@ class SocketTurns:
                 body = memoryview(self._seal.open(parts[1].buffer, parts[2].buffer, parts[0].bytes))
             except SealError as e:
                 log.warning("data plane of shard at %s: %s; connecting again", self.address, e)
+                self._tampered = True
                 return "broken"
         elif len(parts) != 2:
             return None
@@ -291,6 +284,45 @@ class SocketTurns:
         answers.append(lambda item=item, field=field, view=view, parts=parts:
                        self._resolve(item.future, self.address, item.method, field, view))
         return None
+
+    def _sealed_control(self, parts: list[Any], unacked: collections.OrderedDict, answers: list) -> Optional[str]:
+        """The hello's answer on a sealed connection, ``[b"", b"ok" / b"error", counter, sealed]``: trusted once it
+        opens. Anything else (a refusal the shard could not seal: a session it does not hold, a request of ours that
+        did not open; or a forgery) ends the connection: a new one with a new session, within the retry window."""
+        assert self._seal is not None
+        what = parts[1].bytes if len(parts) > 1 else b""
+        try:
+            if len(parts) != 4 or what not in (b"ok", b"error"):
+                raise SealError("an unsealed control message")
+            body = self._seal.open(parts[2].buffer, parts[3].buffer, HELLO_AAD + what)
+        except SealError as e:
+            reason = str(e)
+            if len(parts) == 3 and what == b"error":
+                try:
+                    reason = "refused, unsealed: " + pb.StreamResponse.FromString(parts[2].bytes).error.message
+                except Exception:  # noqa: BLE001 - a malformed refusal: said as it is
+                    reason = f"refused, unsealed: {parts[2].bytes[:200]!r}"
+            log.warning("data plane of shard at %s: %s; connecting again", self.address, reason)
+            self._tampered = True
+            return "broken"
+        if what == b"ok":
+            self._reached = self._hello_ok = True
+        else:  # the token refused, say: every call of the connection fails with it
+            self._refused(memoryview(body), unacked, answers)
+        return None
+
+    def _refused(self, refusal: memoryview, unacked: collections.OrderedDict, answers: list) -> None:
+        """The hello refused (a framed StreamResponse): every call not answered yet fails with the refusal."""
+        refused: Future = Future()
+        try:
+            field, view = wire.unframe(refusal)
+            self._resolve(refused, self.address, "data-plane hello", field, view)
+        except Exception as e:  # noqa: BLE001 - a malformed refusal is still a refusal
+            refused.set_exception(e)
+        exc = refused.exception()
+        if not isinstance(exc, ShardpsError):
+            exc = ShardpsError(f"data plane of shard at {self.address} refused the hello: {exc}", address=self.address)
+        self._fail(unacked, exc, answers)
 
     def _take_all(self, unacked: collections.OrderedDict, mode: Optional[str] = None) -> list[Item]:
         """Every call not answered yet (sent first, then queued), in order; both emptied (and, in the same

@@ -75,6 +75,7 @@ class Channels:
                                                 # would otherwise share one).
                                                 ("grpc.use_local_subchannel_pool", 1)]
         self._creds = None
+        self.tls = tls
         if tls is not None:
             self._creds = tls.credentials()
             if tls.server_name:

@@ -91,7 +91,8 @@ class Transport:
         # when closed; with TLS the answer carries the connection's session)
         discover = functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest(data_session=True), False)
         return DataLane(lane, discover, a, self._client_id, self._token, resolve, timed_out, unavailable, self.timeout,
-                        self.retry_timeout, functools.partial(self.failover, i), removed_error)
+                        self.retry_timeout, functools.partial(self.failover, i), removed_error,
+                        sealed=self.channels.tls is not None)
 
     def add_shards(self, entries: Sequence[str]) -> None:
         """Shards added to the cluster (a slot map naming more than this client knew): their entries (an address,

@@ -69,6 +69,9 @@ SESSION_TTL_S = 60.0  # how long a session handed out by ShardInfo waits for its
 MAX_SESSIONS = 4096  # sessions waiting for their hello at once (beyond: the oldest are forgotten)
 
 
+_Answer = tuple[list, Optional[Seal]]  # an answer's parts, and the session that seals it (None: sent as it is)
+
+
 class _SocketState:
     """A ROUTER socket and what its leader thread keeps: connections' credentials, connections with a call
     waiting off the socket's thread (and their requests held behind it), and finished calls to answer."""
@@ -198,7 +201,9 @@ class DataPlane:
             if not alive or time.monotonic() > deadline:
                 break
             alive[0].join(max(0.0, deadline - time.monotonic()))
-        for st in self._states:
+        if alive:  # a thread still serves a call (it could not hand its socket over): the sockets are its
+            log.warning("data plane: %d thread(s) still serving after 5 s; their answers are not sent", len(alive))
+        for st in self._states if not alive else ():
             # Calls that finished off the socket's thread (they waited: a synchronous step, a checkpoint's hold)
             # after its last leader stopped left their answers here: sent, so a push applied is not left unanswered
             # (its client would send it again: to another shard, if this one left the cluster).
@@ -207,7 +212,7 @@ class DataPlane:
                 _, reply, _ = st.done.popleft()
                 if reply is not None:
                     try:
-                        self._send(st, reply, zmq.NOBLOCK)
+                        _send(st, reply, zmq.NOBLOCK)
                         sent += 1
                     except zmq.ZMQError as e:  # that connection is gone: its client resends the call
                         log.info("data plane: an answer made while stopping was not sent: %s", e)
@@ -259,7 +264,7 @@ class DataPlane:
             while st.done:  # calls finished off the socket's thread: answer, then their connection's next
                 rid, reply, ordered = st.done.popleft()
                 if reply is not None:
-                    self._send(st, reply)
+                    _send(st, reply)
                 if ordered and not self._resume(st, rid):
                     return
             if st.sock in ready and not self._receive(st):
@@ -314,7 +319,7 @@ class DataPlane:
             self._spawn(st)
 
         fair.on_wait(hand_off)
-        reply = None
+        reply: Optional[_Answer] = None
         try:
             reply = self._one(rid, parts, st.connections)
         except Exception:  # noqa: BLE001 - a bug must not stop the socket: logged, the request unanswered
@@ -328,19 +333,8 @@ class DataPlane:
             st.wake.wake()
             return False
         if reply is not None:
-            self._send(st, reply)
+            _send(st, reply)
         return True
-
-    @staticmethod
-    def _send(st: _SocketState, reply: list, flags: int = 0) -> None:
-        """Send an answer ``[rid, request id, StreamResponse]``, sealed now (in the order answers leave: the
-        counters rise as the client receives them) when its connection has a session."""
-        if len(reply) == 3 and reply[1]:
-            conn = st.connections.get(reply[0])
-            if conn is not None and conn.seal is not None:
-                counter, sealed = conn.seal.seal(reply[2], reply[1])
-                reply = [reply[0], reply[1], counter, sealed]
-        st.sock.send_multipart(reply, flags, copy=False)
 
     def _refuse_queued(self, st: _SocketState, rid: bytes, parts: list[Any]) -> None:
         if len(parts) < 3 or not parts[1].bytes:
@@ -348,24 +342,32 @@ class DataPlane:
         error = ResourceExhausted(f"data plane: over {MAX_QUEUED} requests of this connection wait behind "
                                   "its waiting call")
         code, message, kind = self.chain.status(error, "Stream")
-        self._send(st, [rid, parts[1].bytes, stream_error(code, message, kind)])
+        conn = st.connections.get(rid)
+        if conn is not None and conn.seal is not None:  # its counter would be skipped: the connection must go
+            st.connections.pop(rid, None)
+            _send(st, ([rid, b"", b"error", stream_error(code, message, kind)], None))
+            return
+        _send(st, ([rid, parts[1].bytes, stream_error(code, message, kind)], None))
 
-    def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[list]:
+    def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[_Answer]:
         peer = f"{_peer(parts[-1])}#{rid.hex()}"  # a connection, as gRPC's peer names one (address and port)
         if len(parts) < 3:
             self.chain.slow_refusal(peer, grpc.StatusCode.INVALID_ARGUMENT, sum(len(p) for p in parts))
             return None  # not a request: no request id to answer
         request_id = parts[1].bytes
         if not request_id:
-            return [rid, b"", *self._hello(rid, parts[2:], peer, connections)]
+            fields, seal = self._hello(rid, parts[2:], peer, connections)
+            return [rid, b"", *fields], seal
         conn = connections.get(rid)
         if conn is None:
             if self.tokens is not None or self.sessions is not None:
                 error = Unauthenticated("data plane: this connection has not presented its credentials (hello)")
                 code, message, kind = self.chain.status(error, "Stream")
                 self.chain.slow_refusal(peer, code, len(parts[2]))
-                return [rid, request_id, stream_error(code, message, kind)]
+                return [rid, request_id, stream_error(code, message, kind)], None
             conn = self._remember(rid, _Connection(None, peer, 1.0, peer), connections)
+        elif next(reversed(connections)) != rid:  # the most recently used last: the first to go are the idle ones
+            connections[rid] = connections.pop(rid)
         frame = parts[2].buffer
         if conn.seal is not None:
             try:
@@ -376,14 +378,16 @@ class DataPlane:
                 connections.pop(rid, None)
                 code, message, kind = self.chain.status(Unauthenticated(f"data plane: {e}"), "Stream")
                 self.chain.slow_refusal(peer, code, sum(len(p) for p in parts[2:]))
-                return [rid, b"", b"error", stream_error(code, message, kind)]
+                return [rid, b"", b"error", stream_error(code, message, kind)], None
         role = conn.grant.role if conn.grant is not None else None
         reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, "zmq")
-        return [rid, request_id, reply]
+        return [rid, request_id, reply], conn.seal  # (sealed with it even if the connection is forgotten meanwhile)
 
-    def _hello(self, rid: bytes, fields: list[Any], peer: str, connections: dict[bytes, _Connection]) -> list:
+    def _hello(self, rid: bytes, fields: list[Any], peer: str,
+               connections: dict[bytes, _Connection]) -> tuple[list, Optional[Seal]]:
+        """The hello's answer, and the session to seal it with (None: no session opened)."""
+        seal = None
         try:
-            seal = None
             if not fields or fields[0].bytes != HELLO:
                 raise Unauthenticated("data plane: a control message must be a hello")
             if self.sessions is not None:
@@ -401,11 +405,11 @@ class DataPlane:
                 grant = self.tokens.check(bearer(token) if token else (), "Pull")
             key, weight = (grant.key, grant.limits.weight) if grant is not None else (peer, 1.0)
             self._remember(rid, _Connection(grant, key, weight, peer, seal), connections)
-            return [b"ok"]
+            return [b"ok"], seal
         except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED, answered
             code, message, kind = self.chain.status(e, "Stream")
             self.chain.slow_refusal(peer, code)
-            return [b"error", stream_error(code, message, kind)]
+            return [b"error", stream_error(code, message, kind)], seal
 
     @staticmethod
     def _remember(rid: bytes, conn: _Connection, connections: dict[bytes, _Connection]) -> _Connection:
@@ -414,6 +418,22 @@ class DataPlane:
         while len(connections) > MAX_CONNECTIONS:
             connections.pop(next(iter(connections)))
         return conn
+
+
+def _send(st: _SocketState, answer: _Answer, flags: int = 0) -> None:
+    """Send an answer, ``[rid, request id, StreamResponse]`` or a hello's ``[rid, b"", b"ok" / b"error", ...]``,
+    sealed now with the session its request came on (in the order answers leave: the counters rise as the
+    client receives them). Only refusals of what came with no session (no hello, a hello that did not open, a
+    request that did not open) leave unsealed."""
+    reply, seal = answer
+    if seal is not None:
+        rid, request_id, body = reply[0], reply[1], reply[-1]
+        if request_id:
+            reply = [rid, request_id, *seal.seal(body, request_id)]
+        else:  # the hello's answer: b"ok", or b"error" and its StreamError
+            what = reply[2]
+            reply = [rid, b"", what, *seal.seal(body if what != b"ok" else b"", HELLO_AAD + what)]
+    st.sock.send_multipart(reply, flags, copy=False)
 
 
 def _peer(frame: Any) -> str:
