@@ -26,11 +26,12 @@ Protocol (multipart messages; a client connects one DEALER to one of the ports, 
 With TLS every connection is sealed (``shardps.core.seal``: AES-256-GCM under a key of its own). Its client
 asks ``ShardInfo`` (over gRPC with TLS: the shard's certificate authenticates it, and the call is encrypted)
 for a session, an id and a key the shard keeps for a minute, for one connection. The hello is then
-``[b"", b"hello", session id, counter, sealed token]`` and takes the session; requests are
-``[request id, counter, sealed StreamRequest]`` and answers ``[request id, counter, sealed StreamResponse]``.
-A message that does not open (another key, a byte changed, a counter not above the last) is refused before
-anything in it is decoded, and its connection is forgotten (``[b"", b"error", StreamError]``). Only the shard
-that holds the certificate's key learns a session's key, so an answer that opens comes from it.
+``[b"", b"hello", session id, counter, sealed token]`` and takes the session (its answer sealed too);
+requests are ``[request id, counter, sealed StreamRequest]`` and answers ``[request id, counter, sealed
+StreamResponse]``, each answer sealed with the session its request came on. A message that does not open
+(another key, a byte changed, a counter not the next) is refused before anything in it is decoded, and its
+connection is forgotten (``[b"", b"error", StreamError]``, unsealed). Only the shard that holds the
+certificate's key learns a session's key, so an answer that opens comes from it.
 A request above the size limit (``--max-message-mb``) closes its connection (libzmq's ``MAXMSGSIZE``).
 """
 
