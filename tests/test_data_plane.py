@@ -1,7 +1,8 @@
 """The data plane (pulls and pushes over ZeroMQ) against real shard processes: the client's choice of transport,
-credentials before any request is decoded, CURVE with TLS, malformed traffic, and the gRPC fallback. The
-behaviour tests of lanes (order, read-your-writes, batches, errors) run over both transports through the
-``client2`` fixture; kill -9s of shards under a training client here."""
+credentials before any request is decoded, every message sealed with TLS (a wiretap, forged and replayed traffic,
+the client's reconnects), malformed traffic, and the gRPC fallback. The behaviour tests of lanes (order,
+read-your-writes, batches, errors) run over both transports through the ``client2`` fixture; kill -9s of shards
+under a training client here."""
 
 from __future__ import annotations
 
