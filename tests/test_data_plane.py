@@ -34,18 +34,14 @@ def data_plane_call(port: int, frame: bytes, token: str = "", session: Optional[
     """One request on a fresh data-plane connection (raw ZeroMQ, as any client could send it): the hello with
     ``token`` first when ``hello`` (sealed under ``session``, (id, key) from ShardInfo, when given; the request
     and its answer too), then ``frame``; the StreamResponse answering the frame (the refusal, when refused)."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock = dealer(port, timeout_ms)
     sealing = None if session is None else Seal(session[1], sending=TO_SHARD, receiving=TO_CLIENT)
     try:
-        sock.connect(f"tcp://127.0.0.1:{port}")
         if hello:
             if sealing is None:
                 sock.send_multipart([b"", b"hello", token.encode()])
             else:
-                sock.send_multipart([b"", b"hello", session[0], *sealing.seal(token.encode(), HELLO_AAD + session[0])])
+                sock.send_multipart(sealed_hello(sealing, session[0], token.encode()))
             what, body = hello_answer(sock.recv_multipart(), sealing)
             if what == b"error":
                 return pb.StreamResponse.FromString(body)
@@ -59,6 +55,20 @@ def data_plane_call(port: int, frame: bytes, token: str = "", session: Optional[
         return pb.StreamResponse.FromString(answer[1] if sealing is None else sealing.open(answer[1], answer[2], rid))
     finally:
         sock.close(0)
+
+
+def dealer(port: int, timeout_ms: int = 10_000) -> zmq.Socket:
+    """A raw DEALER connected to a data-plane port on 127.0.0.1, as any client could open one."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def sealed_hello(sealing: Seal, sid: bytes, token: bytes = b"") -> list[bytes]:
+    """The hello of a sealed connection: the session's id, and the token sealed under its key."""
+    return [b"", b"hello", sid, *sealing.seal(token, HELLO_AAD + sid)]
 
 
 def hello_answer(answer: list[bytes], sealing: Optional[Seal]) -> tuple[bytes, bytes]:
@@ -232,12 +242,9 @@ def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_
         for bad in ("changed", "replayed", "plaintext", "after a lost one"):
             session = data_session(shard.address, tls)
             sealing = Seal(session[1], sending=TO_SHARD, receiving=TO_CLIENT)
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock = dealer(port)
             try:
-                sock.connect(f"tcp://127.0.0.1:{port}")
-                sock.send_multipart([b"", b"hello", session[0], *sealing.seal(b"", HELLO_AAD + session[0])])
+                sock.send_multipart(sealed_hello(sealing, session[0]))
                 assert hello_answer(sock.recv_multipart(), sealing) == (b"ok", b"")
                 rid = b"\x01" * 8
                 counter, sealed = sealing.seal(_pull_frame(), rid)
@@ -333,10 +340,8 @@ def test_malformed_traffic_changes_nothing_and_the_shard_keeps_serving(tmp_path)
             c.create_table("t", dim=2, num_embeddings=10)
             before = c.pull("t", torch.arange(10))
             port = c.shard_info()[0].data_ports[0]
-            ctx = zmq.Context.instance()
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock = dealer(port)
+
             def push(table: str, cols: int, n: int = 3) -> bytes:
                 return pb.StreamRequest(push=pb.PushRequest(
                     table=table, ids=codec.encode(np.arange(n, dtype=np.int64)),

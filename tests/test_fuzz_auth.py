@@ -384,10 +384,9 @@ def sealed_traffic(draw: Any) -> tuple[str, Any]:
 def test_forged_sealed_data_plane_traffic_is_refused_under_fuzzing(tmp_path):
     """With TLS, data-plane traffic that was not sealed with its connection's session key (forged hellos, changed
     or replayed requests) is refused UNAUTHENTICATED before it is decoded, and changes nothing."""
-    import zmq
 
-    from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
-    from tests.test_data_plane import data_session, hello_answer
+    from shardps.core.seal import TO_CLIENT, TO_SHARD, Seal
+    from tests.test_data_plane import data_session, dealer, hello_answer, sealed_hello
 
     dev = certs.make_dev_certs(str(tmp_path / "pki"))
     shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key])
@@ -407,17 +406,14 @@ def test_forged_sealed_data_plane_traffic_is_refused_under_fuzzing(tmp_path):
             kind, data = example
             sid, key = data_session(shard.address, tls)
             sealing = Seal(key, sending=TO_SHARD, receiving=TO_CLIENT)
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 10_000)
+            sock = dealer(port)
             try:
-                sock.connect(f"tcp://127.0.0.1:{port}")
                 if kind == "made-up":
                     sock.send_multipart([b"", b"hello", *data])
                 elif kind == "real id":
                     sock.send_multipart([b"", b"hello", sid, *data])
                 else:
-                    sock.send_multipart([b"", b"hello", sid, *sealing.seal(b"", HELLO_AAD + sid)])
+                    sock.send_multipart(sealed_hello(sealing, sid))
                     assert hello_answer(sock.recv_multipart(), sealing) == (b"ok", b"")
                     rid = b"fz" + data.to_bytes(6, "big")
                     counter, sealed = sealing.seal(push, rid) if kind != "replay" else (b"", b"")

@@ -103,11 +103,6 @@ def by_stream_field(field: int) -> Optional[Method]:
     return BY_STREAM_FIELD.get(field)
 
 
-def error_kind(field: int, view: memoryview) -> str:
-    """The status kind of a StreamResponse (``field``, ``view``) that is a refusal; "" for an answer."""
-    return pb.StreamError.FromString(bytes(view)).kind if field == STREAM_ERROR_FIELD else ""
-
-
 def not_primary(field: int, view: memoryview) -> bool:
     """Whether a StreamResponse (``field``, ``view``) is a replica group member's refusal because it is not the
     primary (status kind "not_primary"): the call was not applied, and goes to the primary instead."""
