@@ -10,7 +10,9 @@ read_your_writes=False); ``shardps_defaults`` is the loop a new user writes
 ``shardps_mtls_tokens`` are the tuned path with TLS, bearer tokens, or mutual TLS and tokens
 (``--backends shardps shardps_tls shardps_tokens shardps_mtls_tokens``: their cost, as "x shardps");
 pulls and pushes travel over the data plane (ZeroMQ, the client's default); ``shardps_grpc`` and
-``shardps_defaults_grpc`` are the same loops on gRPC streams (``Client(data_plane="grpc")``). Baselines (same run, same machine): a torch.distributed.rpc
+``shardps_defaults_grpc`` are the same loops on gRPC streams (``Client(data_plane="grpc")``), ``shardps_tcp`` and
+``shardps_defaults_tcp`` on the data plane's TCP ports instead of its Unix sockets (``data_plane="zmq-tcp"``, as
+from another machine). Baselines (same run, same machine): a torch.distributed.rpc
 parameter server, a Ray actor parameter server (if Ray is installed), and the
 same gather/scatter in one process (no transport).
 
@@ -216,7 +218,8 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
     tls, tokens = SECURITY.get(cfg.backend, (None, False))
     with tempfile.TemporaryDirectory(prefix="shardps-bench-") as tmp:
         serve_args: list[str] = []
-        security: dict[str, Any] = {"data_plane": "grpc"} if cfg.backend.endswith("_grpc") else {}
+        plane = {"_grpc": "grpc", "_tcp": "zmq-tcp"}.get(cfg.backend[cfg.backend.rfind("_"):])
+        security: dict[str, Any] = {"data_plane": plane} if plane else {}
         admin = None
         if tokens:
             admin, trainer = "admin-" + os.urandom(16).hex(), "trainer-" + os.urandom(16).hex()
@@ -323,7 +326,8 @@ def run_shardps_defaults(cfg: Config, budget_s: float) -> dict[str, Any]:
 RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "torch_rpc": run_rpc, "ray": run_ray,
            "in_process": run_in_process, **{name: run_shardps for name in SECURITY},
            # The same loops with pulls and pushes on gRPC streams instead of the data plane (ZeroMQ).
-           "shardps_grpc": run_shardps, "shardps_defaults_grpc": run_shardps_defaults}
+           "shardps_grpc": run_shardps, "shardps_defaults_grpc": run_shardps_defaults,
+           "shardps_tcp": run_shardps, "shardps_defaults_tcp": run_shardps_defaults}
 
 
 def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:

@@ -20,7 +20,7 @@ import torch
 import zmq
 from shardps_client import SGD, TLS, Client, Initializer
 
-from shardps.core import codec
+from shardps.core import codec, protocol
 from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
 from shardps.server.ops import certs
 from shardps.v1 import shardps_pb2 as pb
@@ -29,7 +29,7 @@ from tests.procs import start_shard
 TOKEN = "t" * 24 + "-trainer"
 
 
-def data_plane_call(port: int, frame: bytes, token: str = "", session: Optional[tuple[bytes, bytes]] = None,
+def data_plane_call(port: int | str, frame: bytes, token: str = "", session: Optional[tuple[bytes, bytes]] = None,
                     hello: bool = True, timeout_ms: int = 10_000) -> pb.StreamResponse:
     """One request on a fresh data-plane connection (raw ZeroMQ, as any client could send it): the hello with
     ``token`` first when ``hello`` (sealed under ``session``, (id, key) from ShardInfo, when given; the request
@@ -57,12 +57,13 @@ def data_plane_call(port: int, frame: bytes, token: str = "", session: Optional[
         sock.close(0)
 
 
-def dealer(port: int, timeout_ms: int = 10_000) -> zmq.Socket:
-    """A raw DEALER connected to a data-plane port on 127.0.0.1, as any client could open one."""
+def dealer(port: int | str, timeout_ms: int = 10_000) -> zmq.Socket:
+    """A raw DEALER connected to a data-plane port on 127.0.0.1 (or an endpoint: a Unix socket), as any client could
+    open one."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.connect(port if isinstance(port, str) else f"tcp://127.0.0.1:{port}")
     return sock
 
 
@@ -97,15 +98,23 @@ def _pull_frame(n: int = 3) -> bytes:
 def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_path, monkeypatch):
     with_plane = start_shard(0, 1, tmp_path)
     without = start_shard(0, 1, tmp_path, extra=["--data-threads", "0"])
+    tcp_only = start_shard(0, 1, tmp_path, extra=["--no-data-ipc"])
     try:
-        for shard, expected in ((with_plane, "zmq"), (without, "grpc-stream")):
+        for shard, expected in ((with_plane, "zmq-ipc"), (without, "grpc-stream"), (tcp_only, "zmq")):
             with Client([shard.address], timeout=10, retry_timeout=5, data_plane="zmq") as c:
                 c.create_table("t", dim=2, num_embeddings=10)
                 c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
                 assert c.pull("t", torch.arange(3)).shape == (3, 2)
                 assert c.transport.data_planes() == [expected]
-                assert len(c.shard_info()[0].data_ports) == (2 if expected == "zmq" else 0)
-        with Client([with_plane.address]) as c:  # the default: the data plane
+                info = c.shard_info()[0]
+                assert len(info.data_ports) == (0 if expected == "grpc-stream" else 2)
+                assert len(info.data_ipc) == (2 if expected == "zmq-ipc" else 0)
+                # The shard tells the same: this connection's transport, as `shardps stats` shows it.
+                assert [p.transport for p in info.data_clients] == [expected]
+        with Client([with_plane.address]) as c:  # the default: the data plane, over its Unix socket on this machine
+            c.pull("t", torch.arange(3))
+            assert c.transport.data_planes() == ["zmq-ipc"]
+        with Client([with_plane.address], data_plane="zmq-tcp") as c:  # asked for TCP: as from another machine
             c.pull("t", torch.arange(3))
             assert c.transport.data_planes() == ["zmq"]
         with Client([with_plane.address], data_plane="grpc") as c:  # asked for gRPC streams
@@ -115,9 +124,16 @@ def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_
         with Client([with_plane.address]) as c:
             c.pull("t", torch.arange(3))
             assert c.transport.data_planes() == ["grpc-stream"]
+        monkeypatch.delenv("SHARDPS_DATA_PLANE")
+        # A client elsewhere (another machine, another network namespace: another scope) connects over TCP.
+        monkeypatch.setattr(protocol, "local_scope", lambda: "another-machine/1")
+        with Client([with_plane.address]) as c:
+            c.pull("t", torch.arange(3))
+            assert c.transport.data_planes() == ["zmq"]
     finally:
         with_plane.terminate()
         without.terminate()
+        tcp_only.terminate()
 
 
 def test_with_tokens_a_connection_presents_one_before_any_request_is_decoded(tmp_path):
@@ -126,16 +142,18 @@ def test_with_tokens_a_connection_presents_one_before_any_request_is_decoded(tmp
     shard = start_shard(0, 1, tmp_path, extra=["--tokens-file", str(tokens)])
     try:
         with Client([shard.address], token=TOKEN) as c:
-            port = c.shard_info()[0].data_ports[0]
+            info = c.shard_info()[0]
             with pytest.raises(Exception, match="only an admin"):
                 c.create_table("t", dim=2, num_embeddings=10)
-        # No hello: refused without being decoded (garbage gets the same answer as a valid frame).
-        for frame in (_pull_frame(), os.urandom(64)):
-            reply = data_plane_call(port, frame, hello=False)
-            assert reply.error.code == 16 and "hello" in reply.error.message  # UNAUTHENTICATED
-        assert data_plane_call(port, _pull_frame(), token="w" * 30).error.code == 16  # an unknown token
-        reply = data_plane_call(port, _pull_frame(), token="r" * 24)  # a reader may pull (no such table here)
-        assert reply.error.code == 5 and "t" in reply.error.message  # NOT_FOUND: past authentication
+        # The TCP port and the Unix socket alike.
+        for port in (info.data_ports[0], f"ipc://@{info.data_ipc[0]}"):
+            # No hello: refused without being decoded (garbage gets the same answer as a valid frame).
+            for frame in (_pull_frame(), os.urandom(64)):
+                reply = data_plane_call(port, frame, hello=False)
+                assert reply.error.code == 16 and "hello" in reply.error.message  # UNAUTHENTICATED
+            assert data_plane_call(port, _pull_frame(), token="w" * 30).error.code == 16  # an unknown token
+            reply = data_plane_call(port, _pull_frame(), token="r" * 24)  # a reader may pull (no such table here)
+            assert reply.error.code == 5 and "t" in reply.error.message  # NOT_FOUND: past authentication
     finally:
         shard.terminate()
 
@@ -203,7 +221,7 @@ def test_with_tls_every_data_plane_message_is_sealed_under_a_session_handed_out_
         with Client([shard.address], tls=tls, timeout=10, data_plane="zmq") as c:
             c.create_table("t", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
             c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
-            assert c.transport.data_planes() == ["zmq"]
+            assert c.transport.data_planes() == ["zmq-ipc"]
             info = c.shard_info()[0]
             c.push("t", torch.arange(3), -torch.ones(3, 2), wait=True)  # back to zeros
         assert not info.data_session_id  # handed out only when asked for (a data-plane client about to connect)
@@ -311,7 +329,7 @@ def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_d
             assert lane._seal is not None and lane._seal is not first and len(asked) == 3  # a new session
             torch.testing.assert_close(c.pull("t", torch.arange(3)), -2 * torch.ones(3, 2), rtol=0, atol=0)
             assert c.shard_info()[0].stats.duplicates == 1  # the resend, answered without applying it again
-            assert c.transport.data_planes() == ["zmq"]
+            assert c.transport.data_planes() == ["zmq-ipc"]
         with Client([shard.address], tls=tls, timeout=10, data_plane="zmq") as c:
             # A client on TLS whose ShardInfo hands out no session (a proxy that ends TLS in front of a plaintext
             # shard, say) does not send its token in clear on the data plane: it uses gRPC streams.
@@ -394,7 +412,7 @@ def test_kill9_of_shards_under_a_data_plane_client_loses_nothing_and_applies_not
                     c.push("cnt", torch.from_numpy(ids), torch.ones(32, 2), wait=True)
                     counts[ids] += 1
                     acked[0] += 1
-                assert c.transport.data_planes() == ["zmq", "zmq"]
+                assert c.transport.data_planes() == ["zmq-ipc", "zmq-ipc"]
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -446,7 +464,7 @@ def test_each_lost_connection_gets_its_own_retry_window(tmp_path):
                 shard.kill()
                 shard = start_shard(0, 1, tmp_path, data, extra=["--port", port])
                 c.flush()  # resent to the new process and answered (before the fix, the second loss failed it)
-            assert c.transport.data_planes() == ["zmq"]
+            assert c.transport.data_planes() == ["zmq-ipc"]
             torch.testing.assert_close(c.pull("t", torch.arange(4)), -2 * torch.ones(4, 2), rtol=0, atol=0)
     finally:
         shard.kill()
@@ -474,7 +492,7 @@ def test_a_waiting_call_hands_its_socket_over_and_its_connection_keeps_order(tmp
                 c.push("s", ids, torch.full((4, 2), float(rank + 1)))  # not waited for
                 seen[step] = c.pull("s", ids) if rank == 0 else seen.get(step)  # behind the push, on its lane
                 c.flush()
-            assert c.transport.data_planes() == ["zmq"]
+            assert c.transport.data_planes() == ["zmq-ipc"]
 
         assert not run_workers([shard.address], 3, body, timeout=30, retry_timeout=5)
         for step in range(3):  # each step subtracts the sum of the three workers' gradients (1 + 2 + 3)
@@ -482,12 +500,13 @@ def test_a_waiting_call_hands_its_socket_over_and_its_connection_keeps_order(tmp
         with Client([shard.address], data_plane="grpc") as c:
             info = c.shard_info()[0]
         assert info.data_plane_handoffs >= 3  # every step's completing pushes waited off the socket's thread
-        assert sorted(d.transport for d in info.data_clients) == ["zmq"] * 3
+        assert sorted(d.transport for d in info.data_clients) == ["zmq-ipc"] * 3
         from shardps.server.ops.report import collect, render
 
         rows = collect([shard.address], interval=0)  # shardps stats: each client's transport
-        assert [c["transport"] for c in rows[0]["clients"]] == ["zmq"] * 3
-        assert "clients in the last minute: 3 over zmq; data plane on port " in render(rows)
+        assert [c["transport"] for c in rows[0]["clients"]] == ["zmq-ipc"] * 3
+        assert "clients in the last minute: 3 over zmq-ipc; data plane on port " in render(rows)
+        assert render(rows).count(" and Unix sockets") == 1
         assert shard.proc.poll() is None and "Traceback" not in shard.log()
     finally:
         shard.terminate()
@@ -523,7 +542,7 @@ def test_a_call_waiting_off_the_socket_when_the_shard_stops_still_gets_its_answe
             waiting = threading.Thread(target=push, daemon=True)
             waiting.start()
             time.sleep(0.8)
-            assert not outcome and c.transport.data_planes() == ["zmq"]
+            assert not outcome and c.transport.data_planes() == ["zmq-ipc"]
             shard.proc.send_signal(signal.SIGTERM)
             waiting.join(30)
             assert outcome == ["answered"], f"{outcome}; the shard's log:\n{shard.log()[-3000:]}"

@@ -90,10 +90,11 @@ def test_scraped_counters_follow_pulls_pushes_errors_wal_checkpoints_and_workers
     assert value(after, "shardps_live_workers") == 1
     # The slot map: one shard owns every hash slot, no slot ever moved.
     assert value(after, "shardps_slots_owned") == 16384 and value(after, "shardps_slot_map_epoch") == 0
-    # The data path's connections by transport (the client's default: the data plane), and the synchronous
+    # The data path's connections by transport (the client's default: the data plane, over its Unix socket on
+    # this machine), and the synchronous
     # step's push, which waited off its data-plane socket's thread (--fsync always: every push did).
-    assert value(after, "shardps_clients", transport="zmq") == 1
-    assert value(after, "shardps_clients", transport="grpc-stream") == 0
+    assert value(after, "shardps_clients", transport="zmq-ipc") == 1
+    assert value(after, "shardps_clients", transport="zmq") == value(after, "shardps_clients", transport="grpc-stream") == 0
     assert value(after, "shardps_data_plane_handoffs_total") >= 4
     # The refused call, by method and status code.
     assert value(refused, "shardps_errors_total", method="DescribeTable", code="NOT_FOUND") == 1

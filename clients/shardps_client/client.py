@@ -93,8 +93,9 @@ class Client(ClusterMethods, DenseMethods):
         token: the bearer token every call carries; None: the file SHARDPS_TOKEN_FILE names, else
             SHARDPS_TOKEN, else no token (what shards without ``--tokens-file`` expect).
         data_plane: how pulls and pushes travel: "zmq" (the default; SHARDPS_DATA_PLANE sets another): over
-            a shard's data plane (ZeroMQ) when it has one, else on a gRPC stream; "grpc": on a gRPC stream per
-            shard. Both keep the same order, retries and errors.
+            a shard's data plane (ZeroMQ) when it has one, else on a gRPC stream; a shard on this machine (in this
+            network namespace) is reached over a Unix socket, others over TCP; "zmq-tcp": the data plane always
+            over TCP; "grpc": on a gRPC stream per shard. All keep the same order, retries and errors.
         stale_reads: pulls of a shard run as a replica group go to one of its backups, which answers with rows as
             of the log records it has applied (behind its primary by its replication lag; this client's own pushes
             may not show yet): reads spread over the group and go on while a failover elects a primary. Pushes

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from shardps.core import protocol
 from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
 from shardps_client.errors import ShardpsError, ShardUnavailableError
 from shardps_client.lane_turns import MAX_TICK_MS, TICK_MS, Item, SocketTurns, settle
@@ -61,14 +62,15 @@ class DataLane(SocketTurns):
         sealed: the client talks TLS to the shard: its data plane is used only sealed (a ``ShardInfo`` without a
             session, from a shard without TLS behind a proxy that ends TLS, say, means gRPC streams: the token never
             leaves in clear).
+        ipc: a shard on this machine (in this network namespace) is reached over its Unix socket (``endpoint``).
     """
 
     def __init__(self, fallback: Any, discover: Callable[[], Any], address: str, client_id: str, token: Optional[str],
                  resolve: Callable[..., None],
                  timed_out: Callable[[str, str], ShardpsError], unavailable: Callable[[str, str], ShardpsError],
                  timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
-                 removed: Optional[Callable[[str, str], ShardpsError]] = None, sealed: bool = False) -> None:
-        self.fallback = fallback
+                 removed: Optional[Callable[[str, str], ShardpsError]] = None, sealed: bool = False, ipc: bool = True) -> None:
+        self.fallback, self._ipc = fallback, ipc
         self._sealed = sealed  # the client uses TLS: a data plane that hands out no session is not used
         self._removed_error = removed
         self._discover = discover
@@ -160,6 +162,8 @@ class DataLane(SocketTurns):
                     failing_since, delay = None, 0.05
             if ended == "closed":
                 return  # everything answered
+            if ended == "unreachable" and self._unix_unreachable():  # then TCP
+                continue
             if ended == "unreachable":  # never reached (a firewall, a port not mapped): gRPC from now on
                 log.warning("data plane of shard at %s (%s) unreachable; using gRPC streams", self.address,
                             self.endpoint)
@@ -194,7 +198,6 @@ class DataLane(SocketTurns):
         if self._sealed and not info.data_session_id:
             log.warning("shard at %s hands out no data-plane session over TLS; using gRPC streams", self.address)
             return None
-        port = info.data_ports[self._pick % len(info.data_ports)]
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -209,8 +212,7 @@ class DataLane(SocketTurns):
             seal = Seal(bytes(info.data_session_key), sending=TO_SHARD, receiving=TO_CLIENT)
             hello = [b"", HELLO, sid, *seal.seal(self._token, HELLO_AAD + sid)]
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = endpoint(info, self._host, self._pick % len(info.data_ports), self._ipc)
         sock.connect(self.endpoint)
         try:
             sock.send_multipart(hello)
@@ -218,11 +220,19 @@ class DataLane(SocketTurns):
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
+            self._unix_unreachable()
             raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
                                         address=self.address) from None
         self.mode = "zmq"
         self._hello_ok = self._tampered = False
         return sock, monitor, seal
+
+    def _unix_unreachable(self) -> bool:
+        """Whether the connection that failed was a Unix socket's (a sandbox?): then TCP from now on."""
+        if self.endpoint.startswith("ipc:"):
+            log.warning("data plane of shard at %s: Unix socket %s not reachable; using TCP", self.address, self.endpoint)
+            self._ipc = False
+        return self.endpoint.startswith("ipc:")
 
     def _serve(self, conn: tuple[zmq.Socket, zmq.Socket, Optional[Seal]], unacked: collections.OrderedDict) -> str:
         """Send and answer calls until the lane closes ("closed"), the connection breaks ("broken": unanswered
@@ -342,3 +352,12 @@ def _chain(source: Future, target: Future) -> None:
         target.set_exception(source.exception())
     else:
         target.set_result(source.result())
+
+
+def endpoint(info: Any, host: str, pick: int, ipc: bool) -> str:
+    """The ZeroMQ endpoint of data-plane socket ``pick`` of the shard ``info`` (its ShardInfo) describes, at
+    ``host``: its abstract Unix socket when ``ipc`` and the shard runs in this machine's network namespace
+    (``protocol.local_scope``), else its TCP port."""
+    if ipc and info.local_scope and info.local_scope == protocol.local_scope() and len(info.data_ipc) > pick:
+        return f"ipc://@{info.data_ipc[pick]}"
+    return f"tcp://[{host}]:{info.data_ports[pick]}" if ":" in host else f"tcp://{host}:{info.data_ports[pick]}"

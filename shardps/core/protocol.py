@@ -6,6 +6,8 @@ the servicer's dispatch, the client's stubs and its stream lanes all read it her
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -107,3 +109,20 @@ def not_primary(field: int, view: memoryview) -> bool:
     """Whether a StreamResponse (``field``, ``view``) is a replica group member's refusal because it is not the
     primary (status kind "not_primary"): the call was not applied, and goes to the primary instead."""
     return field == STREAM_ERROR_FIELD and pb.StreamError.FromString(bytes(view)).kind == "not_primary"
+
+
+@functools.lru_cache(maxsize=1)
+def local_scope() -> str:
+    """Where a shard's data plane can be reached over Unix sockets: this machine's boot and network namespace.
+
+    The data plane's Unix sockets are abstract (Linux: no file, gone with their process), and an abstract socket
+    is visible in the network namespace that bound it, so a client whose scope equals a shard's connects to it
+    that way instead of over TCP. Empty where it cannot be told (not Linux): TCP then.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{netns}" if boot else ""

@@ -42,7 +42,8 @@ class Transport:
         tls: TLS to the shards (None: plaintext).
         token: the bearer token every call carries (None: none).
         data_plane: "zmq": a shard's pulls and pushes over its data plane (ZeroMQ, ``data_plane.DataLane``)
-            when it has one, else on a gRPC stream; "grpc": always on gRPC streams.
+            when it has one (over a Unix socket when the shard runs on this machine, in this network namespace, else
+            TCP), else on a gRPC stream; "zmq-tcp": the same, always over TCP; "grpc": always on gRPC streams.
         client_id: the client's id (picks the data-plane port it uses).
         stale_reads: a replica group's pulls go to one of its backups (rows as of the records it has applied).
     """
@@ -50,8 +51,8 @@ class Transport:
     def __init__(self, addresses: Sequence[str], timeout: float, retry_timeout: float, max_message_bytes: int,
                  tls: Optional[TLS] = None, token: Optional[str] = None, data_plane: str = "zmq",
                  client_id: str = "", stale_reads: bool = False) -> None:
-        if data_plane not in ("zmq", "grpc"):
-            raise ValueError(f"data_plane must be 'grpc' or 'zmq', got {data_plane!r}")
+        if data_plane not in ("zmq", "zmq-tcp", "grpc"):
+            raise ValueError(f"data_plane must be 'zmq', 'zmq-tcp' or 'grpc', got {data_plane!r}")
         self.groups = [members(a) for a in addresses]  # [] for a shard removed from the cluster (its entry "")
         self.addresses = [g[0] if g else "" for g in self.groups]
         self.timeout = timeout
@@ -64,7 +65,8 @@ class Transport:
             if len(group) > 1:
                 self.addresses[i] = find_primary(self.channels, group, timeout) or group[0]
         self._stubs = [Stub(self.channels.get(a)) if a else None for a in self.addresses]
-        self._zmq = data_plane == "zmq" and importlib.util.find_spec("zmq") is not None
+        self._zmq = data_plane != "grpc" and importlib.util.find_spec("zmq") is not None
+        self._ipc = data_plane == "zmq"
         self._client_id = client_id
         self._token = token
         self._grow_lock = threading.Lock()
@@ -92,7 +94,7 @@ class Transport:
         discover = functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest(data_session=True), False)
         return DataLane(lane, discover, a, self._client_id, self._token, resolve, timed_out, unavailable, self.timeout,
                         self.retry_timeout, functools.partial(self.failover, i), removed_error,
-                        sealed=self.channels.tls is not None)
+                        sealed=self.channels.tls is not None, ipc=self._ipc)
 
     def add_shards(self, entries: Sequence[str]) -> None:
         """Shards added to the cluster (a slot map naming more than this client knew): their entries (an address,
@@ -170,12 +172,14 @@ class Transport:
         return all(lane.streaming for lane in self.lanes)
 
     def data_planes(self) -> list[str]:
-        """How each shard's pulls and pushes travel: "zmq", "grpc-stream", "grpc-unary" or "" (no call yet)."""
+        """How each shard's pulls and pushes travel: "zmq" (TCP), "zmq-ipc" (a Unix socket), "grpc-stream",
+        "grpc-unary" or "" (no call yet)."""
         out = []
         for lane in self.lanes:
             mode = getattr(lane, "mode", "grpc")
             grpc_lane = getattr(lane, "fallback", lane)
-            out.append("zmq" if mode == "zmq" else "" if mode is None else
+            ipc = mode == "zmq" and lane.endpoint.startswith("ipc:")
+            out.append("zmq-ipc" if ipc else "zmq" if mode == "zmq" else "" if mode is None else
                        "grpc-stream" if grpc_lane.streaming else "grpc-unary")
         return out
 

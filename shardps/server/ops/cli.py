@@ -79,6 +79,9 @@ SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
      "clients use gRPC streams"),
     ("data-port", int, 0, "the first data-plane port, the others following it (0: free ports, told to clients by "
      "ShardInfo; fix them where a firewall or container maps ports)"),
+    ("no-data-ipc", "switch", False, "no Unix sockets on the data plane: clients on this machine use its TCP ports "
+     "too (by default those in this network namespace connect over abstract Unix sockets, which skip the kernel's "
+     "TCP work)"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
     ("metrics-port", int, None, "serve Prometheus metrics on this port at /metrics (0: a free port; default: off)"),
     ("tls-cert", str, None, "serve TLS: the certificate chain (PEM file); with --tls-key"),
@@ -335,10 +338,11 @@ def _data_ports(address: str, tls: Optional[dict]) -> str:
     from shardps.server.ops.report import collect
 
     try:
-        ports = collect([address], interval=0, tls=tls)[0]["data_ports"]
+        row = collect([address], interval=0, tls=tls)[0]
     except RuntimeError as e:
         return f" (data plane unknown: {e})"
-    return f", data plane on port{'s' if len(ports) > 1 else ''} {', '.join(map(str, ports))}" if ports else ""
+    ports, unix = row["data_ports"], " (and Unix sockets, for clients on this machine)" if row["data_ipc"] else ""
+    return f", data plane on port{'s' if len(ports) > 1 else ''} {', '.join(map(str, ports))}{unix}" if ports else ""
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -454,6 +458,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb, data_threads=args.data_threads, data_port=args.data_port,
+            data_ipc=not args.no_data_ipc,
             checkpoint_interval_s=args.checkpoint_interval, checkpoint_log_mb=args.checkpoint_log_mb,
             checkpoint_log_ratio=args.checkpoint_log_ratio,
             grace_s=args.grace, metrics_port=args.metrics_port,

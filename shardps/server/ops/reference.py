@@ -54,7 +54,8 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("SHARDPS_TOKEN", "the same", "the bearer token itself, when `SHARDPS_TOKEN_FILE` is not set"),
         ("SHARDPS_DATA_PLANE", "`Client` (when `data_plane=None`)",
          "`zmq` (default: pulls and pushes over a shard's data plane, ZeroMQ, when it has one, else on a gRPC "
-         "stream) or `grpc` (on a gRPC stream per shard)"),
+         "stream; a Unix socket to a shard on this machine), `zmq-tcp` (the data plane always over TCP) or `grpc` "
+         "(on a gRPC stream per shard)"),
         ("SHARDPS_SHARDS", "`shardps cluster`", "default of `--shards` (2)"),
         ("RANK", "`Client` (when `rank=None`)", "this worker's rank, as torchrun sets it"),
         ("WORLD_SIZE", "`Client` (when `world_size=None`)", "the number of workers, as torchrun sets it"),

@@ -96,7 +96,7 @@ def collect(addresses: list[str], timeout: float = 5.0, interval: float = 1.0,
             "max_staleness": st.max_staleness, "mean_staleness": round(st.mean_staleness, 3),
             "stale_rejected": st.stale_rejected, "duplicates": st.duplicates, "errors": st.errors,
             "tables": tables, "server_version": info.server_version, "export_floor": info.export_floor,
-            "data_ports": list(info.data_ports), "data_plane_handoffs": info.data_plane_handoffs,
+            "data_ports": list(info.data_ports), "data_ipc": len(info.data_ipc), "data_plane_handoffs": info.data_plane_handoffs,
             "clients": [{"peer": c.peer, "transport": c.transport, "caller": c.caller, "calls": c.calls,
                          "bytes": c.bytes, "idle_s": round(c.idle_s, 1)} for c in info.data_clients],
         })
@@ -145,7 +145,7 @@ def render(rows: list[dict[str, Any]]) -> str:
             using = ", ".join(f"{n} over {t}" for t, n in sorted(by.items())) or "none"
             plural = "s" if len(r["data_ports"]) > 1 else ""
             ports = (f"data plane on port{plural} {', '.join(map(str, r['data_ports']))}" if r["data_ports"]
-                     else "no data plane")
+                     else "no data plane") + (" and Unix sockets" if r.get("data_ipc") else "")
             lines.append(f"{'':>5}   clients in the last minute: {using}; {ports}")
         if "replica" in r:
             rp = r["replica"]

@@ -37,6 +37,7 @@ A request above the size limit (``--max-message-mb``) closes its connection (lib
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import threading
@@ -48,6 +49,7 @@ from typing import Any, Optional
 import grpc
 import zmq
 
+from shardps.core import protocol
 from shardps.core.errors import ResourceExhausted, SessionUnknown, Unauthenticated
 from shardps.core.seal import HELLO_AAD, SESSION_ID_BYTES, TO_CLIENT, TO_SHARD, Seal, SealError, new_key
 from shardps.core.tokens import bearer
@@ -143,10 +145,13 @@ class DataPlane:
         max_message_bytes: the largest request accepted.
         tokens: bearer tokens (None: every connection allowed).
         encrypted: every connection sealed under a session ``ShardInfo`` hands out (the shard serves TLS).
+        ipc: each socket also bound as an abstract Unix socket (Linux), for clients in the shard's network
+            namespace on its machine (``protocol.local_scope``): the same requests, answers, tokens and seals,
+            with less of the kernel's TCP work per message.
     """
 
     def __init__(self, chain: CallChain, frames: dict, host: str, ports: list[int], max_message_bytes: int,
-                 tokens: Optional[Tokens], encrypted: bool) -> None:
+                 tokens: Optional[Tokens], encrypted: bool, ipc: bool = True) -> None:
         self.chain = chain
         self.frames = frames
         self.tokens = tokens
@@ -167,6 +172,7 @@ class DataPlane:
                 port = sock.bind_to_random_port(f"tcp://{host}")
             self._sockets.append(sock)
             self.ports.append(port)
+        self.ipc: list[str] = _bind_unix(self._sockets) if ipc else []  # the Unix sockets' names, one per port
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()  # every thread serving or finishing a call
@@ -381,7 +387,8 @@ class DataPlane:
                 self.chain.slow_refusal(peer, code, sum(len(p) for p in parts[2:]))
                 return [rid, b"", b"error", stream_error(code, message, kind)], None
         role = conn.grant.role if conn.grant is not None else None
-        reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, "zmq")
+        transport = "zmq-ipc" if conn.peer.startswith("unix:") else "zmq"
+        reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, transport)
         return [rid, request_id, reply], conn.seal  # (sealed with it even if the connection is forgotten meanwhile)
 
     def _hello(self, rid: bytes, fields: list[Any], peer: str,
@@ -437,9 +444,28 @@ def _send(st: _SocketState, answer: _Answer, flags: int = 0) -> None:
     st.sock.send_multipart(reply, flags, copy=False)
 
 
-def _peer(frame: Any) -> str:
-    """The remote address of a received frame's connection, as gRPC names peers."""
+def _bind_unix(sockets: list[zmq.Socket]) -> list[str]:
+    """Bind each socket also as an abstract Unix socket (Linux): their names, or none where that cannot be done.
+    Abstract names leave no file behind a kill -9, and are unguessable so no other process can hold one first."""
+    if not protocol.local_scope():
+        return []
+    names = [f"shardps-{os.getpid()}-{os.urandom(8).hex()}-{i}" for i in range(len(sockets))]
     try:
-        return f"ipv4:{frame.get('Peer-Address')}"
+        for sock, name in zip(sockets, names):
+            sock.bind(f"ipc://@{name}")
+    except zmq.ZMQError as e:  # clients on this machine use TCP, as the others do
+        log.warning("data plane: no Unix sockets (%s); clients on this machine use TCP", e)
+        return []
+    return names
+
+
+def _peer(frame: Any) -> str:
+    """The remote address of a received frame's connection, as gRPC names peers ("unix:..." over a Unix socket)."""
+    try:
+        address = frame.get("Peer-Address")
     except (zmq.ZMQError, AttributeError):
         return "zmq"
+    try:
+        return f"ipv{ipaddress.ip_address(address).version}:{address}"
+    except ValueError:  # a Unix socket: libzmq names its peer by credentials
+        return f"unix:{address}"

@@ -22,7 +22,7 @@ Counters and histograms (all prefixed ``shardps_``):
   step; ``sync_missing_workers_total``: workers a step went on without (gone, dropped from it).
 
 Read at each scrape: ``clients{transport}`` (connections that pulled or pushed in the last minute, by
-transport: zmq, grpc-stream, grpc-unary), ``data_plane_handoffs_total`` (data-plane calls that waited off
+transport: zmq, zmq-ipc, grpc-stream, grpc-unary), ``data_plane_handoffs_total`` (data-plane calls that waited off
 their socket's thread), ``version``, ``uptime_seconds``, ``table_rows{table}`` and
 ``table_bytes{table}`` (stored rows and bytes of memory), ``live_workers``, ``gone_workers``; for bounded
 tables ``table_admitted_total{table}``, ``table_rejected_total{table}`` (pushed rows of ids not admitted),

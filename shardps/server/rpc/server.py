@@ -78,6 +78,8 @@ class ServerConfig:
         data_threads: sockets (and threads) of the data plane, pulls and pushes over ZeroMQ
             (``shardps.server.rpc.data_plane``); 0: none, clients use gRPC streams.
         data_port: the first data-plane port (the others follow it); 0: free ports.
+        data_ipc: the data plane's sockets are also abstract Unix sockets, which clients on this machine (in its
+            network namespace) use instead of TCP.
         replica: this shard's place in a replica group (``shardps.server.replica.member.ReplicaConfig``; the shard
             config's ``replicas`` is the group's size); None: no replicas.
         advertise: the address clients and the group's other members reach this shard at ("host:port"; default:
@@ -100,6 +102,7 @@ class ServerConfig:
     delta_poll_s: float = 1.0
     data_threads: int = 2
     data_port: int = 0
+    data_ipc: bool = True
     replica: Optional[ReplicaConfig] = None
     advertise: str = ""
 
@@ -146,7 +149,8 @@ class ShardServer:
             ports = [server_config.data_port + i if server_config.data_port else 0
                      for i in range(server_config.data_threads)]
             self.data_plane = DataPlane(self._servicer.chain, self._servicer.data.frames, server_config.host, ports,
-                                        limit, tokens, encrypted=server_config.tls is not None)
+                                        limit, tokens, encrypted=server_config.tls is not None,
+                                        ipc=server_config.data_ipc)
             self._servicer.data_plane = self.data_plane
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

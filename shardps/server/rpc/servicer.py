@@ -201,6 +201,9 @@ class ShardServicer(pb_grpc.ShardServicer):
         info.server_version = f"shardps/{__version__}"
         if self.data_plane is not None:
             info.data_ports.extend(self.data_plane.ports)
+            if self.data_plane.ipc:  # clients on this machine, in this network namespace, use Unix sockets
+                info.local_scope = protocol.local_scope()
+                info.data_ipc.extend(self.data_plane.ipc)
             if request.data_session and self.data_plane.sessions is not None:  # over TLS: for one connection
                 info.data_session_id, info.data_session_key = self.data_plane.sessions.issue()
             info.data_plane_handoffs = self.data_plane.handoffs
