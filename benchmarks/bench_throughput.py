@@ -330,6 +330,9 @@ RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "to
            "shardps_tcp": run_shardps, "shardps_defaults_tcp": run_shardps_defaults}
 
 
+GROUPS = ("standard", "trainers", "batch", "distribution", "table", "wire")
+
+
 def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:
     std = Config("shardps")
     compare = [b for b in backends if b in ("shardps", "torch_rpc")]
@@ -345,7 +348,7 @@ def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:
         configs += [replace(std, backend=b, zipf=z, group="distribution") for z in (None, 1.05, 1.2)]
         configs += [replace(std, backend=b, rows=10_000_000, group="table")]
     configs += [replace(std, wire="float16", group="wire")]
-    return configs
+    return [c for c in configs if not args.groups or c.group in args.groups]
 
 
 def main() -> int:
@@ -359,6 +362,9 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of every configuration, interleaved (all configurations, then again); the table shows "
                         "medians, and each ratio's range over the runs paired by order")
+    p.add_argument("--groups", nargs="+", choices=GROUPS, default=None,
+                   help="only these parts of the grid (standard: the headline over --shards; trainers: 2 and 4 "
+                        "trainers; default: all)")
     p.add_argument("--quick", action="store_true", help="headline only, short budget unless --budget is given (smoke run)")
     p.add_argument("--out", default=str(RESULTS), help="directory for throughput.json and throughput.png")
     args = p.parse_args()
