@@ -577,3 +577,31 @@ def test_health_covers_the_data_plane():
         assert check(server.address) == "NOT_SERVING"
     finally:
         server.stop()
+
+
+def test_a_unix_socket_that_cannot_be_reached_means_tcp(tmp_path, monkeypatch, caplog):
+    """A client in the shard's scope that cannot connect to the Unix socket it was given (a sandbox, say) tries it
+    UNIX_MISSES times, then uses the TCP port, with nothing lost."""
+    from shardps_client import data_plane
+
+    real = data_plane.endpoint
+    tried: list[str] = []
+
+    def unreachable(info, host, pick, ipc):  # what the shard names, replaced by a socket nobody listens on
+        e = real(info, host, pick, ipc)
+        tried.append(e)
+        return f"ipc://@shardps-nobody-{os.urandom(8).hex()}" if e.startswith("ipc:") else e
+
+    monkeypatch.setattr(data_plane, "endpoint", unreachable)
+    monkeypatch.setattr(data_plane, "SEND_TIMEOUT_MS", 200)  # each miss gives up sooner
+    shard = start_shard(0, 1, tmp_path)
+    try:
+        with Client([shard.address], timeout=30, retry_timeout=30) as c:
+            c.create_table("t", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+            c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
+            torch.testing.assert_close(c.pull("t", torch.arange(3)), -torch.ones(3, 2), rtol=0, atol=0)
+            assert c.transport.data_planes() == ["zmq"]
+        assert [e.split(":")[0] for e in tried] == ["ipc"] * data_plane.UNIX_MISSES + ["tcp"]
+        assert "not reachable; using TCP" in caplog.text
+    finally:
+        shard.terminate()

@@ -70,7 +70,7 @@ class DataLane(SocketTurns):
                  timed_out: Callable[[str, str], ShardpsError], unavailable: Callable[[str, str], ShardpsError],
                  timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
                  removed: Optional[Callable[[str, str], ShardpsError]] = None, sealed: bool = False, ipc: bool = True) -> None:
-        self.fallback, self._ipc = fallback, ipc
+        self.fallback, self._ipc, self._unix_misses = fallback, ipc, 0
         self._sealed = sealed  # the client uses TLS: a data plane that hands out no session is not used
         self._removed_error = removed
         self._discover = discover
@@ -162,7 +162,7 @@ class DataLane(SocketTurns):
                     failing_since, delay = None, 0.05
             if ended == "closed":
                 return  # everything answered
-            if ended == "unreachable" and self._unix_unreachable():  # then TCP
+            if ended == "unreachable" and _unix_unreachable(self):
                 continue
             if ended == "unreachable":  # never reached (a firewall, a port not mapped): gRPC from now on
                 log.warning("data plane of shard at %s (%s) unreachable; using gRPC streams", self.address,
@@ -220,19 +220,12 @@ class DataLane(SocketTurns):
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
-            self._unix_unreachable()
+            _unix_unreachable(self)
             raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
                                         address=self.address) from None
-        self.mode = "zmq"
+        self.mode, self._unix_misses = "zmq", 0
         self._hello_ok = self._tampered = False
         return sock, monitor, seal
-
-    def _unix_unreachable(self) -> bool:
-        """Whether the connection that failed was a Unix socket's (a sandbox?): then TCP from now on."""
-        if self.endpoint.startswith("ipc:"):
-            log.warning("data plane of shard at %s: Unix socket %s not reachable; using TCP", self.address, self.endpoint)
-            self._ipc = False
-        return self.endpoint.startswith("ipc:")
 
     def _serve(self, conn: tuple[zmq.Socket, zmq.Socket, Optional[Seal]], unacked: collections.OrderedDict) -> str:
         """Send and answer calls until the lane closes ("closed"), the connection breaks ("broken": unanswered
@@ -361,3 +354,18 @@ def endpoint(info: Any, host: str, pick: int, ipc: bool) -> str:
     if ipc and info.local_scope and info.local_scope == protocol.local_scope() and len(info.data_ipc) > pick:
         return f"ipc://@{info.data_ipc[pick]}"
     return f"tcp://[{host}]:{info.data_ports[pick]}" if ":" in host else f"tcp://{host}:{info.data_ports[pick]}"
+
+
+UNIX_MISSES = 3  # connections in a row to a shard's Unix socket that fail before a lane uses TCP
+
+
+def _unix_unreachable(lane: DataLane) -> bool:
+    """Whether ``lane``'s connection that failed was to a Unix socket; after ``UNIX_MISSES`` in a row (the same
+    scope yet not reachable, a sandbox, say; not a shard restarting) the lane uses TCP from then on."""
+    if not lane.endpoint.startswith("ipc:"):
+        return False
+    lane._unix_misses += 1
+    if lane._unix_misses >= UNIX_MISSES:
+        log.warning("data plane of shard at %s: Unix socket %s not reachable; using TCP", lane.address, lane.endpoint)
+        lane._ipc = False
+    return True
