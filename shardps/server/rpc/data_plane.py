@@ -357,16 +357,16 @@ class DataPlane:
         _send(st, ([rid, parts[1].bytes, stream_error(code, message, kind)], None))
 
     def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[_Answer]:
-        peer = f"{_peer(parts[-1])}#{rid.hex()}"  # a connection, as gRPC's peer names one (address and port)
         if len(parts) < 3:
-            self.chain.slow_refusal(peer, grpc.StatusCode.INVALID_ARGUMENT, sum(len(p) for p in parts))
+            self.chain.slow_refusal(_peer(rid, parts[-1]), grpc.StatusCode.INVALID_ARGUMENT, sum(len(p) for p in parts))
             return None  # not a request: no request id to answer
         request_id = parts[1].bytes
         if not request_id:
-            fields, seal = self._hello(rid, parts[2:], peer, connections)
+            fields, seal = self._hello(rid, parts[2:], _peer(rid, parts[-1]), connections)
             return [rid, b"", *fields], seal
         conn = connections.get(rid)
-        if conn is None:
+        if conn is None:  # (a known connection's peer was named at its first request: not looked up per request)
+            peer = _peer(rid, parts[-1])
             if self.tokens is not None or self.sessions is not None:
                 error = Unauthenticated("data plane: this connection has not presented its credentials (hello)")
                 code, message, kind = self.chain.status(error, "Stream")
@@ -384,7 +384,7 @@ class DataPlane:
             except SealError as e:  # nothing of it decoded; the connection must make a new session
                 connections.pop(rid, None)
                 code, message, kind = self.chain.status(Unauthenticated(f"data plane: {e}"), "Stream")
-                self.chain.slow_refusal(peer, code, sum(len(p) for p in parts[2:]))
+                self.chain.slow_refusal(conn.peer, code, sum(len(p) for p in parts[2:]))
                 return [rid, b"", b"error", stream_error(code, message, kind)], None
         role = conn.grant.role if conn.grant is not None else None
         transport = "zmq-ipc" if conn.peer.startswith("unix:") else "zmq"
@@ -459,13 +459,14 @@ def _bind_unix(sockets: list[zmq.Socket]) -> list[str]:
     return names
 
 
-def _peer(frame: Any) -> str:
-    """The remote address of a received frame's connection, as gRPC names peers ("unix:..." over a Unix socket)."""
+def _peer(rid: bytes, frame: Any) -> str:
+    """Connection ``rid``, as gRPC names peers: the remote address of a frame it sent ("unix:..." over a Unix
+    socket) and its routing id."""
     try:
         address = frame.get("Peer-Address")
     except (zmq.ZMQError, AttributeError):
-        return "zmq"
+        return f"zmq#{rid.hex()}"
     try:
-        return f"ipv{ipaddress.ip_address(address).version}:{address}"
+        return f"ipv{ipaddress.ip_address(address).version}:{address}#{rid.hex()}"
     except ValueError:  # a Unix socket: libzmq names its peer by credentials
-        return f"unix:{address}"
+        return f"unix:{address}#{rid.hex()}"
