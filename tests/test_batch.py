@@ -6,7 +6,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from shardps_client import SGD, Adam, Client, TableNotFoundError
+from shardps_client import SGD, Adam, Client, SyncPolicy, TableNotFoundError
+from shardps_client.pushes import MAX_TRAILING
 
 from shardps.core import wire
 from shardps.core.routing import shard_of_ids
@@ -79,6 +80,52 @@ def test_read_your_writes_sends_deferred_pushes_first(client2):
     c.defer_pushes = True
     c.push("r", torch.arange(10), torch.ones(10, 2))
     torch.testing.assert_close(c.pull("r", torch.arange(10)), -torch.ones(10, 2))
+
+
+def test_without_read_your_writes_a_push_trails_the_next_pull(cluster2, client2):
+    """read_your_writes=False: a push waits for the next pull and leaves right after its calls, so the shards serve
+    that pull first and apply the push after it (off the step's path); flush, close, a push that waits and a
+    return to read_your_writes send it too. Nothing is lost or applied twice."""
+    c = client2
+    c.create_table("t", dim=2, num_embeddings=50, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    ids = torch.arange(50)
+    c.read_your_writes = False
+    c.push("t", ids, torch.ones(50, 2))
+    assert c.pushes.has_queued
+    torch.testing.assert_close(c.pull("t", ids), torch.zeros(50, 2))  # served before the push it sent out
+    assert not c.pushes.has_queued
+    c.flush()
+    assert sum(i.stats.pushes for i in c.shard_info()) == 2  # one per shard, applied once
+    torch.testing.assert_close(c.pull("t", ids), -torch.ones(50, 2))
+    c.push("t", ids, torch.ones(50, 2))
+    c.flush()  # sends it
+    torch.testing.assert_close(c.pull("t", ids), torch.full((50, 2), -2.0))
+    c.push("t", ids, torch.ones(50, 2))
+    c.push("t", ids, torch.ones(50, 2), wait=True)  # sent after the one before it, both applied now
+    assert not c.pushes.has_queued
+    c.push("t", ids, torch.ones(50, 2))
+    c.read_your_writes = True  # the pull sees it again
+    torch.testing.assert_close(c.pull("t", ids), torch.full((50, 2), -5.0))
+    with Client([s.address for s in cluster2], read_your_writes=False) as other:
+        for _ in range(3 * MAX_TRAILING):  # pushing without pulling: at most MAX_TRAILING calls stay here
+            other.push("t", ids[:1], torch.ones(1, 2))
+            assert sum(len(calls) for _, calls in other.pushes._deferred) <= MAX_TRAILING
+        other.push("t", ids, torch.ones(50, 2))  # sent by close
+    expected = torch.full((50, 2), -6.0)
+    expected[0] -= 3 * MAX_TRAILING
+    torch.testing.assert_close(c.pull("t", ids), expected)
+
+
+def test_a_synchronous_tables_push_does_not_wait_for_a_pull(client2):
+    c = client2
+    c.create_table("s", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                   sync=SyncPolicy(workers=1))
+    c.worker.rank, c.worker.world_size = 0, 1
+    c.read_your_writes = False
+    c.push("s", torch.arange(10), torch.ones(10, 2))
+    assert not c.pushes.has_queued  # its pull may wait for the step the push completes
+    c.flush()
+    torch.testing.assert_close(c.pull("s", torch.arange(10)), -torch.ones(10, 2))
 
 
 def _sgd_reference(w0: torch.Tensor, grads: list[torch.Tensor], lr: float) -> torch.Tensor:

@@ -71,7 +71,10 @@ class Client(ClusterMethods, DenseMethods):
         read_your_writes: a pull of a table sees this client's earlier pushes
             to it (so one worker sees its own updates). On streams a pull is
             served after them anyway; over unary calls (a shard that refused
-            streams) the pull first waits for them.
+            streams) the pull first waits for them. With False, an asynchronous
+            push to a table without synchronous steps waits for the next pull and
+            leaves right after its calls (the shards apply it off the step's path),
+            or at flush, close, a push with wait=True, or past 64 waiting calls.
         check_shard_map: verify each shard's (index, count) on connect.
         client_id: identity for exactly-once pushes (default: random).
         rank: this worker's rank (default: the RANK environment variable that

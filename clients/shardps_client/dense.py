@@ -89,7 +89,7 @@ class DenseTensors:
             per_shard = planner.dense_pull_plan(specs, slots, wire_code, session.max_message_bytes)
             calls, metas = planner.pull_batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs),
                                                 session.max_message_bytes)
-            pulled = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls),
+            pulled = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls, then=session.pushes.send_trailing),
                                            pb.PullBatchResponse.DENSE_FIELD_NUMBER)
             values = planner.assemble_dense(specs, ((s, name, a, b, rows, v) for s, name, (a, b), rows, v in pulled))
             return {name: (value, Versions(v)) for name, (value, v) in values.items()}
@@ -108,7 +108,7 @@ class DenseTensors:
         calls = planner.dense_push_plan(spec, g.reshape(spec.rows, spec.cols), session.slots, wire_code,
                                         session.max_message_bytes, versions.by_shard if versions is not None else None,
                                         session.client_id, session.next_seq, sync_step, session.worker.rank or 0)
-        session.pushes.dispatch(name, calls, wait)
+        session.pushes.dispatch(name, calls, wait, session.trails(spec))
 
     def returning(self, names: Sequence[str]) -> Optional[DensePull]:
         """The PullDenseRequests (framed as PushBatchRequest.pull_dense) that bring ``names`` back with a push."""

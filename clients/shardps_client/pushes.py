@@ -35,6 +35,11 @@ from shardps_client.transport import Transport
 log = logging.getLogger(__name__)
 
 
+# Pushes (calls) that wait for the next pull (``trail``) before they are sent anyway: a loop that pushes many times
+# without pulling keeps at most this many in this process.
+MAX_TRAILING = 64
+
+
 class _LeftOut(Exception):
     """A shard answered a step's pushes without the dense values asked with them (a chunk of them moved)."""
 
@@ -146,19 +151,32 @@ class PushPipeline:
 
     # ---- sending -----------------------------------------------------------------------
 
-    def dispatch(self, key: str, calls: list[planner.Call], wait: bool) -> None:
-        """Send (or, while held, queue) the framed push calls of one table or dense tensor."""
-        self.dispatch_many([(key, calls)], wait)
+    def dispatch(self, key: str, calls: list[planner.Call], wait: bool, trail: bool = False) -> None:
+        """Send (or, while held, queue) the framed push calls of one table or dense tensor; with ``trail`` (a
+        client without read-your-writes, a table without synchronous steps) they wait for the next pull
+        (``send_trailing``)."""
+        self.dispatch_many([(key, calls)], wait, trail)
 
-    def dispatch_many(self, calls: list[tuple[str, list[planner.Call]]], wait: bool) -> None:
+    def dispatch_many(self, calls: list[tuple[str, list[planner.Call]]], wait: bool, trail: bool = False) -> None:
         """``dispatch`` of several tables' calls (key, calls) at once, in that order."""
+        queued = False
         with self._lock:
-            if self._holds and not wait:
+            if (self._holds or trail) and not wait:
                 self._deferred.extend(calls)
-                return
+                if self._holds or sum(len(cs) for _, cs in self._deferred) <= MAX_TRAILING:
+                    return
+                queued = True  # too many trailing: sent now, with the others
         if self._deferred:
             self.send()  # keep this client's pushes in order
-        self._submit([([key], call) for key, cs in calls for call in cs], wait)
+        if not queued:
+            self._submit([([key], call) for key, cs in calls for call in cs], wait)
+
+    def send_trailing(self) -> None:
+        """A pull's calls are out: send the pushes that waited for it (none while a ``PushHold`` is held: those
+        go at its ``send``). The shards serve the pull first and apply the pushes while its answer travels and
+        the trainer computes: their apply is off the step's path."""
+        if self._deferred and not self._holds:
+            self.send()
 
     def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
         """Send the queued pushes, with ``returning``'s dense pulls carried by each shard's last batch."""

@@ -16,13 +16,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterator, Optional, TypeVar, overload
+from typing import Any, Callable, Generic, Iterator, Optional, TypeVar, Union, overload
 
 import numpy as np
 
 from shardps.core import protocol, wire
 from shardps.core.slots import SlotMap
-from shardps.core.specs import TableSpec
+from shardps.core.specs import DenseSpec, TableSpec
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
 from shardps_client.admin import Catalog, maps_of
@@ -166,7 +166,13 @@ class Session:
         calls = planner.push_plan(spec, uniq, summed, self.slots, wire_code, self.max_message_bytes,
                                   versions.by_shard if versions is not None else None, self.client_id,
                                   self.next_seq, sync_step, self.worker.rank or 0)
-        self.pushes.dispatch(spec.name, calls, wait)
+        self.pushes.dispatch(spec.name, calls, wait, self.trails(spec))
+
+    def trails(self, spec: Union[TableSpec, DenseSpec]) -> bool:
+        """Whether a push to ``spec`` waits for this client's next pull (``PushPipeline.send_trailing``): without
+        read-your-writes, unless the table takes synchronous steps (its pull may wait for the step the push is
+        part of)."""
+        return not self.read_your_writes and spec.sync is None
 
     def push_rows_many(self, specs: list[TableSpec], uniq: list[np.ndarray], summed: np.ndarray,
                        versions: list[Optional[Versions]], wire_code: int) -> None:
@@ -175,7 +181,7 @@ class Session:
         calls = planner.push_plan_many([s.name for s in specs], uniq, summed, self.slots, wire_code,
                                        self.max_message_bytes, [v.by_shard if v is not None else None for v in versions],
                                        self.push_encoder, self.next_seq)
-        self.pushes.dispatch_many(calls, wait=False)
+        self.pushes.dispatch_many(calls, wait=False, trail=not self.read_your_writes)  # (no synchronous steps)
 
     def push_encoder(self, table: str, shard: int) -> wire.PushEncoder:
         """The encoder of this client's pushes of ``table`` to ``shard`` under the current slot map (made once)."""

@@ -155,15 +155,16 @@ class Transport:
                                               self.retry_timeout, lost)
         return lane
 
-    def read_calls(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
+    def read_calls(self, calls: list[tuple[int, str, Any]], then: Callable[[], None] = lambda: None) -> list[Any]:
         """``lane_calls`` for pulls: with ``stale_reads``, a replica group's go to a backup's lane."""
         if not self.stale_reads:
-            return self.lane_calls(calls)
+            return self.lane_calls(calls, then)
         getters = []
         for s, method, req in calls:
             framed = wire.frame(protocol.stream_field(method), req.SerializeToString())
             lane = self._read_lane(s) if len(self.groups[s]) > 1 else self.lanes[s]
             getters.append(self._patient(functools.partial(lane.submit, method, framed)))
+        then()
         return results(getters)
 
     @property
@@ -230,14 +231,17 @@ class Transport:
         """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field)."""
         return self.lanes[shard].submit(method, framed)
 
-    def lane_calls(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
-        """Run calls (messages) on their shards' lanes, in order after this client's earlier calls.
+    def lane_calls(self, calls: list[tuple[int, str, Any]], then: Callable[[], None] = lambda: None) -> list[Any]:
+        """Run calls (messages) on their shards' lanes, in order after this client's earlier calls; ``then()`` once
+        they are all sent, before waiting for their answers.
 
         Results in order; raises the first error once every call has finished.
         """
-        return results([self._patient(functools.partial(self.submit, s, method,
-                                                        wire.frame(protocol.stream_field(method), req.SerializeToString())))
-                        for s, method, req in calls])
+        getters = [self._patient(functools.partial(self.submit, s, method,
+                                                   wire.frame(protocol.stream_field(method), req.SerializeToString())))
+                   for s, method, req in calls]
+        then()
+        return results(getters)
 
     def resend_delay(self, since: float) -> Optional[float]:
         """Seconds to wait before sending again a call its shard answered UNAVAILABLE, first at ``since``
