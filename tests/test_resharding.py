@@ -111,7 +111,24 @@ def _reshard(cluster_file: pathlib.Path, *args: str, timeout: float = 180) -> st
     return r.stdout
 
 
-@pytest.mark.xfail(strict=False, reason=(
+class KnownRace(Exception):
+    """docs/resharding.md#known-issue: a push a leaving shard applied, applied once more by the new owner of its rows.
+    Its mark: rows (and dense rows) over their acknowledged counts by at most one push per client, none under."""
+
+
+def _exact_counts_or_known_race(trainers: Trainers, c: Client) -> None:
+    try:
+        trainers.check(c)
+    except AssertionError as e:
+        extra = -c.pull("t", torch.arange(ROWS)).numpy().astype(np.int64) - trainers.counts[:, None]
+        dense = -c.pull_dense("w")[0].numpy().astype(np.int64) - trainers.dense_pushes
+        if min(extra.min(), dense.min()) >= 0 and max(extra.max(), dense.max()) <= len(trainers.threads):
+            raise KnownRace(f"{e}: over, by at most one push per client") from e
+        raise  # pushes lost, or applied more than the race can: a failure
+
+
+# Only the known race's mark is an expected failure: anything else (a push lost, a crash, a timeout) fails the test.
+@pytest.mark.xfail(strict=False, raises=KnownRace, reason=(
     "known race, docs/resharding.md#known-issue: under load (two CI runs of three; 0 of 26 runs alone) a push that a "
     "shard leaving the cluster applied is also applied by the new owner of its rows: the client plans a removed "
     "shard's unanswered calls again with new sequence numbers"))
@@ -146,8 +163,8 @@ def test_two_three_four_two_shards_under_two_training_clients_keep_exact_counts(
         data = json.loads(cluster_file.read_text())
         assert data["addresses"][2:] == ["", ""] and data["retired"] == [2, 3], data
         with Client.from_file(str(cluster_file)) as c:
-            trainers.check(c)
             assert c.shard_info()[2:] == [None, None]
+            _exact_counts_or_known_race(trainers, c)
     finally:
         proc.terminate()
         proc.wait(60)
