@@ -309,7 +309,7 @@ def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_d
             used = data_session(shard.address, tls)
             assert not data_plane_call(c.shard_info()[0].data_ports[0], _pull_frame(), session=used).HasField("error")
             lane = c.transport.lanes[0]
-            discover, asked = lane._discover, []
+            discover, asked = lane.dialer._discover, []
 
             def stale_first() -> pb.ShardInfoResponse:
                 info = discover()
@@ -318,7 +318,7 @@ def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_d
                     info.data_session_id, info.data_session_key = used
                 return info
 
-            lane._discover = stale_first
+            lane.dialer._discover = stale_first
             c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
             assert len(asked) == 2 and lane._seal is not None
 
@@ -334,14 +334,14 @@ def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_d
             # A client on TLS whose ShardInfo hands out no session (a proxy that ends TLS in front of a plaintext
             # shard, say) does not send its token in clear on the data plane: it uses gRPC streams.
             lane = c.transport.lanes[0]
-            discover = lane._discover
+            discover = lane.dialer._discover
 
             def no_session() -> pb.ShardInfoResponse:
                 info = discover()
                 info.ClearField("data_session_id")
                 return info
 
-            lane._discover = no_session
+            lane.dialer._discover = no_session
             c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
             assert c.transport.data_planes() == ["grpc-stream"]
     finally:

@@ -70,14 +70,11 @@ class DataLane(SocketTurns):
                  timed_out: Callable[[str, str], ShardpsError], unavailable: Callable[[str, str], ShardpsError],
                  timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
                  removed: Optional[Callable[[str, str], ShardpsError]] = None, sealed: bool = False, ipc: bool = True) -> None:
-        self.fallback, self._ipc, self._unix_misses = fallback, ipc, 0
-        self._sealed = sealed  # the client uses TLS: a data plane that hands out no session is not used
+        self.fallback = fallback
         self._removed_error = removed
-        self._discover = discover
-        self.rebind(address)
+        self.address = address
+        self.dialer = Dialer(discover, address, client_id, token, sealed, ipc)
         self.on_lost = on_lost  # the shard was lost: find its replica group's primary (True: the lane was rebound)
-        self._pick = zlib.crc32(client_id.encode())
-        self._token = (token or "").encode()
         self._resolve, self._timed_out, self._unavailable = resolve, timed_out, unavailable
         self.timeout = timeout
         self.retry_timeout = retry_timeout
@@ -86,13 +83,16 @@ class DataLane(SocketTurns):
         self._ids = 0
         self._thread: Optional[threading.Thread] = None
         self.mode: Optional[str] = None  # "zmq" or "grpc" once known
-        self.endpoint = ""
 
     def rebind(self, address: str) -> None:
         """Connect to another member of the shard's replica group (its new primary) from the next connection on."""
         self.address = address
-        host = address.rsplit(":", 1)[0]
-        self._host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        self.dialer.rebind(address)
+
+    @property
+    def endpoint(self) -> str:
+        """The ZeroMQ endpoint of the lane's last connection ("": none yet)."""
+        return self.dialer.endpoint
 
     @property
     def streaming(self) -> bool:
@@ -162,7 +162,7 @@ class DataLane(SocketTurns):
                     failing_since, delay = None, 0.05
             if ended == "closed":
                 return  # everything answered
-            if ended == "unreachable" and _unix_unreachable(self):
+            if ended == "unreachable" and self.dialer.unix_missed():
                 continue
             if ended == "unreachable":  # never reached (a firewall, a port not mapped): gRPC from now on
                 log.warning("data plane of shard at %s (%s) unreachable; using gRPC streams", self.address,
@@ -190,42 +190,12 @@ class DataLane(SocketTurns):
             delay = min(delay * 2, 1.0)
 
     def _connect(self, ctx: zmq.Context) -> Optional[tuple[zmq.Socket, zmq.Socket, Optional[Seal]]]:
-        """A DEALER connected to the shard's data plane (its monitor, and with TLS the connection's seal), hello
-        sent; None: it has none."""
-        info = self._discover()
-        if not info.data_ports:
-            return None
-        if self._sealed and not info.data_session_id:
-            log.warning("shard at %s hands out no data-plane session over TLS; using gRPC streams", self.address)
-            return None
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # no connection to queue on: never block the lane for good
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-        seal, hello = None, [b"", HELLO, self._token]
-        if info.data_session_id:  # the shard serves TLS: this connection's session, handed out over TLS
-            sid = bytes(info.data_session_id)
-            seal = Seal(bytes(info.data_session_key), sending=TO_SHARD, receiving=TO_CLIENT)
-            hello = [b"", HELLO, sid, *seal.seal(self._token, HELLO_AAD + sid)]
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        self.endpoint = endpoint(info, self._host, self._pick % len(info.data_ports), self._ipc)
-        sock.connect(self.endpoint)
-        try:
-            sock.send_multipart(hello)
-        except zmq.Again:  # not connected within SEND_TIMEOUT_MS (the shard died again): retried as a lost one
-            sock.disable_monitor()
-            monitor.close(0)
-            sock.close(0)
-            _unix_unreachable(self)
-            raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
-                                        address=self.address) from None
-        self.mode, self._unix_misses = "zmq", 0
-        self._hello_ok = self._tampered = False
-        return sock, monitor, seal
+        """A connection to the shard's data plane (``Dialer.connect``); None: it has none."""
+        conn = self.dialer.connect(ctx)
+        if conn is not None:
+            self.mode = "zmq"
+            self._hello_ok = self._tampered = False
+        return conn
 
     def _serve(self, conn: tuple[zmq.Socket, zmq.Socket, Optional[Seal]], unacked: collections.OrderedDict) -> str:
         """Send and answer calls until the lane closes ("closed"), the connection breaks ("broken": unanswered
@@ -359,13 +329,71 @@ def endpoint(info: Any, host: str, pick: int, ipc: bool) -> str:
 UNIX_MISSES = 3  # connections in a row to a shard's Unix socket that fail before a lane uses TCP
 
 
-def _unix_unreachable(lane: DataLane) -> bool:
-    """Whether ``lane``'s connection that failed was to a Unix socket; after ``UNIX_MISSES`` in a row (the same
-    scope yet not reachable, a sandbox, say; not a shard restarting) the lane uses TCP from then on."""
-    if not lane.endpoint.startswith("ipc:"):
-        return False
-    lane._unix_misses += 1
-    if lane._unix_misses >= UNIX_MISSES:
-        log.warning("data plane of shard at %s: Unix socket %s not reachable; using TCP", lane.address, lane.endpoint)
-        lane._ipc = False
-    return True
+class Dialer:
+    """Where a lane connects and how: the shard's data-plane socket its client id picks (over the shard's Unix socket
+    on this machine, ``endpoint``, until ``UNIX_MISSES`` connections in a row to it fail), its credentials (the token,
+    in clear or sealed with the session ``ShardInfo`` hands out over TLS), and the hello that presents them."""
+
+    def __init__(self, discover: Callable[[], Any], address: str, client_id: str, token: Optional[str], sealed: bool,
+                 ipc: bool) -> None:
+        self._discover = discover  # -> the shard's ShardInfoResponse (gRPC)
+        self._pick = zlib.crc32(client_id.encode())
+        self._token = (token or "").encode()
+        self._sealed = sealed  # the client uses TLS: a data plane that hands out no session is not used
+        self._ipc, self._unix_misses = ipc, 0
+        self.endpoint = ""
+        self.rebind(address)
+
+    def rebind(self, address: str) -> None:
+        self.address = address
+        host = address.rsplit(":", 1)[0]
+        self._host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+    def connect(self, ctx: zmq.Context) -> Optional[tuple[zmq.Socket, zmq.Socket, Optional[Seal]]]:
+        """A DEALER connected to the shard's data plane (its monitor, and with TLS the connection's seal), hello
+        sent; None: it has none. ShardUnavailableError: not connected in time."""
+        info = self._discover()
+        if not info.data_ports:
+            return None
+        if self._sealed and not info.data_session_id:
+            log.warning("shard at %s hands out no data-plane session over TLS; using gRPC streams", self.address)
+            return None
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)  # no connection to queue on: never block the lane for good
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        seal, hello = None, [b"", HELLO, self._token]
+        if info.data_session_id:  # the shard serves TLS: this connection's session, handed out over TLS
+            sid = bytes(info.data_session_id)
+            seal = Seal(bytes(info.data_session_key), sending=TO_SHARD, receiving=TO_CLIENT)
+            hello = [b"", HELLO, sid, *seal.seal(self._token, HELLO_AAD + sid)]
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.endpoint = endpoint(info, self._host, self._pick % len(info.data_ports), self._ipc)
+        sock.connect(self.endpoint)
+        try:
+            sock.send_multipart(hello)
+        except zmq.Again:  # not connected within SEND_TIMEOUT_MS (the shard died again): retried as a lost one
+            sock.disable_monitor()
+            monitor.close(0)
+            sock.close(0)
+            self.unix_missed()
+            raise ShardUnavailableError(f"data plane of shard at {self.address} not connected",
+                                        address=self.address) from None
+        self._unix_misses = 0
+        return sock, monitor, seal
+
+    def unix_missed(self) -> bool:
+        """Whether the connection that failed was to a Unix socket; after ``UNIX_MISSES`` in a row (the same scope
+        yet not reachable, a sandbox, say; not a shard restarting) the lane uses TCP from then on."""
+        if not self.endpoint.startswith("ipc:"):
+            return False
+        self._unix_misses += 1
+        if self._unix_misses >= UNIX_MISSES:
+            log.warning("data plane of shard at %s: Unix socket %s not reachable; using TCP", self.address,
+                        self.endpoint)
+            self._ipc = False
+        return True

@@ -351,8 +351,7 @@ class DataPlane:
         code, message, kind = self.chain.status(error, "Stream")
         conn = st.connections.get(rid)
         if conn is not None and conn.seal is not None:  # its counter would be skipped: the connection must go
-            st.connections.pop(rid, None)
-            _send(st, ([rid, b"", b"error", stream_error(code, message, kind)], None))
+            _send(st, _end_session(st.connections, rid, code, message, kind))
             return
         _send(st, ([rid, parts[1].bytes, stream_error(code, message, kind)], None))
 
@@ -382,10 +381,9 @@ class DataPlane:
                     raise SealError(f"a sealed request has 3 parts (request id, counter, sealed), got {len(parts) - 1}")
                 frame = conn.seal.open(parts[2].buffer, parts[3].buffer, request_id)
             except SealError as e:  # nothing of it decoded; the connection must make a new session
-                connections.pop(rid, None)
                 code, message, kind = self.chain.status(Unauthenticated(f"data plane: {e}"), "Stream")
                 self.chain.slow_refusal(conn.peer, code, sum(len(p) for p in parts[2:]))
-                return [rid, b"", b"error", stream_error(code, message, kind)], None
+                return _end_session(connections, rid, code, message, kind)
         role = conn.grant.role if conn.grant is not None else None
         transport = "zmq-ipc" if conn.peer.startswith("unix:") else "zmq"
         reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, transport)
@@ -426,6 +424,14 @@ class DataPlane:
         while len(connections) > MAX_CONNECTIONS:
             connections.pop(next(iter(connections)))
         return conn
+
+
+def _end_session(connections: dict[bytes, _Connection], rid: bytes, code: grpc.StatusCode, message: str,
+                 kind: str) -> _Answer:
+    """Forget a sealed connection whose counters can no longer agree (a request that did not open, one refused
+    unread): its answer is an unsealed error in the hello's place, and the client makes a new session."""
+    connections.pop(rid, None)
+    return [rid, b"", b"error", stream_error(code, message, kind)], None
 
 
 def _send(st: _SocketState, answer: _Answer, flags: int = 0) -> None:
