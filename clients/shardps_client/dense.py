@@ -89,8 +89,8 @@ class DenseTensors:
             per_shard = planner.dense_pull_plan(specs, slots, wire_code, session.max_message_bytes)
             calls, metas = planner.pull_batches(per_shard, "PullDense", lambda reqs: pb.PullBatchRequest(dense=reqs),
                                                 session.max_message_bytes)
-            pulled = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls, then=session.pushes.send_trailing),
-                                           pb.PullBatchResponse.DENSE_FIELD_NUMBER)
+            replies = session.transport.read_calls(calls, then=session.pushes.send_trailing)
+            pulled = planner.pulled_blocks(calls, metas, replies, pb.PullBatchResponse.DENSE_FIELD_NUMBER)
             values = planner.assemble_dense(specs, ((s, name, a, b, rows, v) for s, name, (a, b), rows, v in pulled))
             return {name: (value, Versions(v)) for name, (value, v) in values.items()}
 

@@ -204,8 +204,8 @@ class Pulls:
             per_shard = planner.pull_plan(items, slots, wire_code, session.max_message_bytes)
             calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs),
                                                 session.max_message_bytes)
-            blocks = planner.pulled_blocks(calls, metas, session.transport.read_calls(calls, then=session.pushes.send_trailing),
-                                           pb.PullBatchResponse.PULLS_FIELD_NUMBER)
+            replies = session.transport.read_calls(calls, then=session.pushes.send_trailing)
+            blocks = planner.pulled_blocks(calls, metas, replies, pb.PullBatchResponse.PULLS_FIELD_NUMBER)
             return [(rows, Versions(v)) for rows, v in planner.assemble_rows(items, blocks)]
 
         return session.routed(pull)

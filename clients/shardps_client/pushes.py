@@ -117,6 +117,9 @@ class PushPipeline:
         self._transport = transport
         self._max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
+        # Held while calls are handed to the lanes: a client's pushes reach each shard in the order they were made,
+        # also when a prefetch's thread sends those that waited for its pull (``send_trailing``).
+        self._order = threading.RLock()
         self._holds = 0
         self._deferred: list[tuple[str, list[planner.Call]]] = []
         self._pending: dict[str, set[Future]] = {}
@@ -166,10 +169,14 @@ class PushPipeline:
                 if self._holds or sum(len(cs) for _, cs in self._deferred) <= MAX_TRAILING:
                     return
                 queued = True  # too many trailing: sent now, with the others
-        if self._deferred:
-            self.send()  # keep this client's pushes in order
-        if not queued:
-            self._submit([([key], call) for key, cs in calls for call in cs], wait)
+        with self._order:
+            if self._deferred:
+                self.send()  # keep this client's pushes in order
+            if queued:
+                return
+            futures = self._submit([([key], call) for key, cs in calls for call in cs], wait)
+        if wait:
+            self._await(futures)
 
     def send_trailing(self) -> None:
         """A pull's calls are out: send the pushes that waited for it (none while a ``PushHold`` is held: those
@@ -180,20 +187,22 @@ class PushPipeline:
 
     def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
         """Send the queued pushes, with ``returning``'s dense pulls carried by each shard's last batch."""
-        with self._lock:
-            deferred, self._deferred = self._deferred, []
-        if not deferred and returning is None:
-            return None
-        work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
-                                             returning.requests if returning is not None else None)
-        futures = self._submit(work, wait=False)
+        with self._order:
+            with self._lock:
+                deferred, self._deferred = self._deferred, []
+            if not deferred and returning is None:
+                return None
+            work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
+                                                 returning.requests if returning is not None else None)
+            futures = self._submit(work, wait=False)
         if returning is not None:
             returning.futures = {s: futures[i] for s, i in carries.items()}
         return returning
 
     def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool) -> list[Future]:
         """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries. The futures are
-        the pushes' outcomes (after any re-sending where slots moved)."""
+        the pushes' outcomes (after any re-sending where slots moved); ``wait``: the caller waits for them
+        (``_await``), their errors are its own, not ``flush()``'s."""
         futures = []
         for keys, call in work:
             f: Future = Future()
@@ -205,11 +214,14 @@ class PushPipeline:
             f.add_done_callback(self._done)
             self._send(f, call, 0)
             futures.append(f)
-        if wait:
-            for f in futures:
-                _answer_here(f)
-                f.result()
         return futures
+
+    @staticmethod
+    def _await(futures: list[Future]) -> None:
+        """Wait for pushes sent with ``wait`` (raising the first one's error)."""
+        for f in futures:
+            _answer_here(f)
+            f.result()
 
     def _send(self, outer: Future, call: planner.Call, attempt: int, since: Optional[float] = None) -> None:
         """``call`` on its lane (an in-flight slot taken until it is answered), its outcome ``outer``'s; ``since``:
