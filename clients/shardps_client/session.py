@@ -181,7 +181,7 @@ class Session:
         calls = planner.push_plan_many([s.name for s in specs], uniq, summed, self.slots, wire_code,
                                        self.max_message_bytes, [v.by_shard if v is not None else None for v in versions],
                                        self.push_encoder, self.next_seq)
-        self.pushes.dispatch_many(calls, wait=False, trail=not self.read_your_writes)  # (no synchronous steps)
+        self.pushes.dispatch_many(calls, wait=False, trail=all(self.trails(s) for s in specs))
 
     def push_encoder(self, table: str, shard: int) -> wire.PushEncoder:
         """The encoder of this client's pushes of ``table`` to ``shard`` under the current slot map (made once)."""

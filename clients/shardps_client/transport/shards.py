@@ -159,13 +159,7 @@ class Transport:
         """``lane_calls`` for pulls: with ``stale_reads``, a replica group's go to a backup's lane."""
         if not self.stale_reads:
             return self.lane_calls(calls, then)
-        getters = []
-        for s, method, req in calls:
-            framed = wire.frame(protocol.stream_field(method), req.SerializeToString())
-            lane = self._read_lane(s) if len(self.groups[s]) > 1 else self.lanes[s]
-            getters.append(self._patient(functools.partial(lane.submit, method, framed)))
-        then()
-        return results(getters)
+        return self.lane_calls(calls, then, lambda s: self._read_lane(s) if len(self.groups[s]) > 1 else self.lanes[s])
 
     @property
     def streaming(self) -> bool:
@@ -231,13 +225,15 @@ class Transport:
         """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field)."""
         return self.lanes[shard].submit(method, framed)
 
-    def lane_calls(self, calls: list[tuple[int, str, Any]], then: Callable[[], None] = lambda: None) -> list[Any]:
-        """Run calls (messages) on their shards' lanes, in order after this client's earlier calls; ``then()`` once
-        they are all sent, before waiting for their answers.
+    def lane_calls(self, calls: list[tuple[int, str, Any]], then: Callable[[], None] = lambda: None,
+                   lane: Optional[Callable[[int], Any]] = None) -> list[Any]:
+        """Run calls (messages) on their shards' lanes (``lane(shard)``: another lane of it), in order after this
+        client's earlier calls on them; ``then()`` once they are all sent, before waiting for their answers.
 
         Results in order; raises the first error once every call has finished.
         """
-        getters = [self._patient(functools.partial(self.submit, s, method,
+        submit = self.submit if lane is None else lambda s, method, framed: lane(s).submit(method, framed)
+        getters = [self._patient(functools.partial(submit, s, method,
                                                    wire.frame(protocol.stream_field(method), req.SerializeToString())))
                    for s, method, req in calls]
         then()

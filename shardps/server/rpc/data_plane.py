@@ -43,7 +43,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import grpc
@@ -95,6 +95,10 @@ class _Connection:
     weight: float
     peer: str
     seal: Optional[Seal] = None  # with TLS: the connection's session
+    transport: str = field(init=False)  # "zmq-ipc" over a Unix socket, else "zmq" (metrics, ``shardps stats``)
+
+    def __post_init__(self) -> None:
+        self.transport = "zmq-ipc" if self.peer.startswith("unix:") else "zmq"
 
 
 class Sessions:
@@ -385,8 +389,7 @@ class DataPlane:
                 self.chain.slow_refusal(conn.peer, code, sum(len(p) for p in parts[2:]))
                 return _end_session(connections, rid, code, message, kind)
         role = conn.grant.role if conn.grant is not None else None
-        transport = "zmq-ipc" if conn.peer.startswith("unix:") else "zmq"
-        reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, transport)
+        reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, conn.transport)
         return [rid, request_id, reply], conn.seal  # (sealed with it even if the connection is forgotten meanwhile)
 
     def _hello(self, rid: bytes, fields: list[Any], peer: str,
