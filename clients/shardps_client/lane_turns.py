@@ -145,13 +145,14 @@ class SocketTurns:
     def _receive_all(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
         """Take every answer the socket holds (under ``_io``); "broken" when the connection must be made again.
         Answers that arrived before a connection went are still there to take (libzmq keeps them readable)."""
-        while True:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (asked first: pyzmq's Again costs an import and a raise)
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
             if self._answer(parts, unacked, answers) is not None:
                 return "broken"  # a new connection: the unanswered calls go (to the group's primary), in order
+        return None
 
     def _pump_or_break(self, sock: zmq.Socket, answers: list) -> bool:
         """``_pump`` from a caller's thread; a broken connection is left to the lane's thread (False)."""

@@ -284,6 +284,8 @@ class DataPlane:
     def _receive(self, st: _SocketState) -> bool:
         """Serve the requests waiting on the socket; False once this thread handed the socket over."""
         for _ in range(RECEIVE_BATCH):
+            if not st.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (asked first: pyzmq's Again costs a raise)
+                return True
             try:
                 parts = st.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
