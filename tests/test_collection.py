@@ -170,8 +170,9 @@ def test_sum_bags_backward_sums_each_rows_gradients_in_the_order_its_ids_came(th
             idx = torch.from_numpy(idx.astype(np.int64))
             offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
             bag_of = torch.from_numpy(np.repeat(np.arange(lens.shape[0]), lens))
-            grad = torch.randn(lens.shape[0], dim)
-            w = torch.randn(rows, dim, requires_grad=True)
+            gen = torch.Generator().manual_seed(1000 * threads + dim + max_len)  # (not torch's global stream)
+            grad = torch.randn(lens.shape[0], dim, generator=gen)
+            w = torch.randn(rows, dim, generator=gen).requires_grad_()
             expected = F.embedding_bag(idx, w, offsets, mode="sum", include_last_offset=True)
             expected.backward(grad)
             theirs, w.grad = w.grad, None
@@ -183,7 +184,12 @@ def test_sum_bags_backward_sums_each_rows_gradients_in_the_order_its_ids_came(th
                 in_order[idx[k]] += grad[bag_of[k]]
             assert torch.equal(w.grad, in_order), (dim, max_len)
             exact = torch.zeros(rows, dim, dtype=torch.float64).index_add_(0, idx, grad.double()[bag_of])
-            torch.testing.assert_close(w.grad.double(), exact, rtol=1e-5, atol=1e-5)
+            # Float32 rounding of k additions in any order: at most gamma(k - 1) * (sum of |terms|) per row
+            # (a Zipf id adds thousands of terms, so no fixed tolerance fits every draw).
+            magnitude = torch.zeros(rows, dim, dtype=torch.float64).index_add_(0, idx, grad.double().abs()[bag_of])
+            adds = torch.bincount(idx, minlength=rows).clamp(min=1).double().unsqueeze(1) - 1
+            gamma = adds * 2.0**-24 / (1 - adds * 2.0**-24)
+            assert ((w.grad.double() - exact).abs() <= gamma * magnitude).all(), (dim, max_len)
             if np.bincount(idx.numpy()).max() <= 2:
                 assert torch.equal(w.grad, theirs), (dim, max_len)
     finally:
