@@ -11,6 +11,7 @@ from shardps_client import (
     EmbeddingBagConfig,
     EmbeddingConfig,
     KeyedJaggedTensor,
+    KeyedTensor,
     PoolingType,
     Prefetcher,
     RemoteEmbeddingBagCollection,
@@ -345,3 +346,10 @@ def test_kjt_and_keyed_tensor_follow_torchrec_layout():
     assert [t.tolist() for t in kjt.to_dict()["a"].to_dense()] == [[1, 2], []]
     again = KeyedJaggedTensor.from_jt_dict(kjt.to_dict())
     assert again.values().tolist() == kjt.values().tolist() and again.lengths().tolist() == kjt.lengths().tolist()
+    weighted = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([7, 8]), torch.tensor([2]),
+                                                   weights=torch.tensor([0.5, 2.0]))
+    moved = weighted.to("cpu")  # TorchRec's to(device): every tensor moved, keys and stride kept
+    assert moved is not weighted and moved.keys() == ["a"] and moved.stride() == 1 and moved.device().type == "cpu"
+    assert moved.weights().tolist() == [0.5, 2.0] and moved["a"].values().tolist() == [7, 8]
+    kt = KeyedTensor.from_tensor_list(["x", "y"], [torch.ones(2, 3), torch.zeros(2, 1)])
+    assert kt.to("cpu").length_per_key() == [3, 1] and kt.to("cpu").device().type == "cpu"

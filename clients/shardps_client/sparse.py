@@ -12,7 +12,7 @@ ids of those bags in the same order.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -54,6 +54,14 @@ class _Bags:
             self._offsets = _offsets(self._lengths)
         return self._offsets
 
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def _moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        """The constructor's tensor arguments, each moved by ``move``."""
+        return dict(values=move(self._values), weights=move(self._weights) if self._weights is not None else None,
+                    lengths=move(self._lengths), offsets=move(self._offsets) if self._offsets is not None else None)
+
 
 class JaggedTensor(_Bags):
     """Bags of values for one feature: ``values`` of the bags end to end, ``lengths`` per bag."""
@@ -61,6 +69,10 @@ class JaggedTensor(_Bags):
     def __init__(self, values: torch.Tensor, weights: Optional[torch.Tensor] = None,
                  lengths: Optional[torch.Tensor] = None, offsets: Optional[torch.Tensor] = None) -> None:
         super().__init__(values, weights, lengths, offsets)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedTensor:
+        """A copy on ``device`` (TorchRec's ``JaggedTensor.to``)."""
+        return JaggedTensor(**self._moved(lambda t: t.to(device, non_blocking=non_blocking)))
 
     def to_dense(self) -> list[torch.Tensor]:
         """The bags as a list of tensors."""
@@ -119,6 +131,15 @@ class KeyedJaggedTensor(_Bags):
     def keys(self) -> list[str]:
         return self._keys
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
+        """A copy on ``device`` (TorchRec's ``KeyedJaggedTensor.to``): a loader's CPU batch moved to the GPU."""
+        return KeyedJaggedTensor(self._keys, stride=self._stride,
+                                 **self._moved(lambda t: t.to(device, non_blocking=non_blocking)))
+
+    def pin_memory(self) -> KeyedJaggedTensor:
+        """A copy in page-locked memory, for a ``to(cuda, non_blocking=True)`` that overlaps compute."""
+        return KeyedJaggedTensor(self._keys, stride=self._stride, **self._moved(lambda t: t.pin_memory()))
+
     def stride(self) -> int:
         return self._stride
 
@@ -176,6 +197,13 @@ class KeyedTensor:
 
     def key_dim(self) -> int:
         return self._key_dim
+
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+        return KeyedTensor(self._keys, self._length_per_key, self._values.to(device, non_blocking=non_blocking),
+                           self._key_dim)
 
     def length_per_key(self) -> list[int]:
         return self._length_per_key
