@@ -17,9 +17,12 @@ import os
 import subprocess
 import sys
 import time
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 from shardps.server.ops.launcher import LocalCluster, cpu_seconds
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_cluster_args(p: argparse.ArgumentParser, workers: int = 2) -> None:
@@ -86,6 +89,29 @@ def worker_identity() -> Optional[tuple[int, int]]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
+
+
+def worker_device(requested: str) -> torch.device:
+    """The device a worker computes on. A bare ``cuda`` becomes ``cuda:LOCAL_RANK`` modulo the GPUs this machine
+    has (torchrun's and run_workers' convention), so workers spread over the GPUs and share them when there are
+    more workers than GPUs; anything else (``cpu``, ``cuda:1``) is taken as given."""
+    import torch
+
+    device = torch.device(requested)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+    return device
+
+
+def ddp_backend(device: torch.device, world: int) -> str:
+    """NCCL when every local worker has a GPU of its own; gloo on CPU and when workers share a GPU (NCCL refuses
+    two ranks on one device; gloo all-reduces CUDA tensors too)."""
+    import torch
+
+    if device.type != "cuda":
+        return "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
 
 
 def worker_threads(addresses: list[str], world: int) -> int:

@@ -51,9 +51,11 @@ from clients.examples.common import (
     Progress,
     add_cluster_args,
     cluster,
+    ddp_backend,
     run_workers,
     total_cpu_seconds,
     worker_addresses,
+    worker_device,
     worker_identity,
     worker_threads,
 )
@@ -219,12 +221,12 @@ def dense_fingerprint(model: nn.Module) -> float:
 def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(worker_threads(addresses, world))
-    device = torch.device(args.device)
+    device = worker_device(args.device)
     ids, dense, labels, _ = click_log(args.train // world, args.rows, args.seed, stream=1 + rank)
     ssp = args.ssp_bound if args.mode == "ssp" else None
     ddp = args.dense == "ddp"
     if ddp:  # MASTER_ADDR/MASTER_PORT come from torchrun, or from main() below
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+        dist.init_process_group(ddp_backend(device, world), rank=rank, world_size=world)
     with Client(addresses, rank=rank, world_size=world, ssp_bound=ssp) as client:
         sync = create_tables(args, client, world)
         if args.cache_steps:

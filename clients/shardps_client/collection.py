@@ -160,10 +160,14 @@ class _RemoteCollection(nn.Module):
         keys = tuple(features.keys())
         values, lengths = features.values(), features.lengths()
         for i, (k, v, n, step) in enumerate(self._planned):
-            if k == keys and v.shape == values.shape and n.shape == lengths.shape and v.dtype == values.dtype \
-                    and torch.equal(v, values) and torch.equal(n, lengths):
-                del self._planned[i]
-                return step
+            if k == keys and v.shape == values.shape and n.shape == lengths.shape and v.dtype == values.dtype:
+                if values.device != v.device or lengths.device != n.device:
+                    # the input moved to the GPU after ids_of planned it (DistributedDataParallel moves a
+                    # module's inputs to its device): compared on the CPU, where planning reads ids anyway
+                    values, lengths = values.detach().cpu(), lengths.detach().cpu()
+                if torch.equal(v, values) and torch.equal(n, lengths):
+                    del self._planned[i]
+                    return step
         return self._plan(features)
 
     def _plan(self, features: Any) -> _Step:
