@@ -136,11 +136,13 @@ class SocketTurns:
         return self._receive_all(sock, unacked, answers)
 
     def _send_item(self, sock: zmq.Socket, item: Item, flags: int) -> None:
-        """Send a call (under ``_io``), sealed as it leaves when the connection is."""
+        """Send a call (under ``_io``), sealed as it leaves when the connection is. Copied into libzmq's message
+        rather than zero-copy: pyzmq releases a zero-copy frame through its garbage-collector thread, a Python
+        thread woken per message that contends for the GIL (as the shard's answers, ``data_plane._send``)."""
         if self._seal is None:
-            sock.send_multipart([item.rid, item.request], flags, copy=False)
+            sock.send_multipart([item.rid, item.request], flags)
         else:
-            sock.send_multipart([item.rid, *self._seal.seal(item.request, item.rid)], flags, copy=False)
+            sock.send_multipart([item.rid, *self._seal.seal(item.request, item.rid)], flags)
 
     def _receive_all(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
         """Take every answer the socket holds (under ``_io``); "broken" when the connection must be made again.
