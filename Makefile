@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test fuzz fairness failover lint codegen bench clean docker-deps docker-base wheelhouse docker-test docker-etcd
+.PHONY: setup demo test test-gpu fuzz fairness failover lint codegen bench clean docker-deps docker-base wheelhouse docker-test docker-etcd
 
 setup: $(STAMP)
 
@@ -27,6 +27,16 @@ demo: $(STAMP)
 # and the container test's builds overlap the rest. `pytest -q` alone runs it on one.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+
+# The GPU tests (marked gpu; the suite skips them where torch sees no CUDA device), failing instead where it sees
+# none. The venv holds torch's CPU wheel: on a GPU machine, name a Python whose torch is a CUDA build and that has
+# the project's dependencies, e.g. `make test-gpu GPU_PYTHON=python3` (the sources are put on its path; the test files
+# that mark tests gpu are collected).
+GPU_PYTHON ?= $(BIN)/python
+GPU_TESTS = $(shell grep -l 'mark.gpu' tests/test_*.py)
+test-gpu:
+	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: torch sees no CUDA device')"
+	PYTHONPATH=$(CURDIR):$(CURDIR)/clients$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS)
 
 # The long fuzz run: FUZZ_EXAMPLES generated requests per method (CI runs 50), then the same as a table
 # of status codes per method; FUZZ_SEED varies the run.
