@@ -452,7 +452,7 @@ def _send(st: _SocketState, answer: _Answer, flags: int = 0) -> None:
         else:  # the hello's answer: b"ok", or b"error" and its StreamError
             what = reply[2]
             reply = [rid, b"", what, *seal.seal(body if what != b"ok" else b"", HELLO_AAD + what)]
-    # Copied into libzmq's message (a 565 KB reply: ~0.03 ms), not sent zero-copy: pyzmq frees a zero-copy
+    # Copied into libzmq's message (a 565 KB reply: about 0.03 ms more a send), not sent zero-copy: pyzmq frees a zero-copy
     # frame through its garbage-collector thread, a Python thread woken per message that takes the GIL from
     # the thread serving calls (the pull/push loop ran 6-8% faster with both ends copying, docs/performance.md).
     st.sock.send_multipart(reply, flags, copy=True)
