@@ -370,6 +370,30 @@ def test_a_failed_push_claim_is_forgotten_even_after_it_was_folded_into_the_low_
     assert seen.contains("c", 4) and not seen.begin("c", 4)
 
 
+def test_records_of_pushes_applied_elsewhere_are_the_union_of_what_came_and_name_each_shard():
+    """Records received with slots (docs/resharding.md#exactly-once-across-shards): merged per shard and client as
+    the union of both (a low mark and the seqs above it); a push is found applied by the shard its origin names
+    only; this shard's own records are its own, never overwritten by what comes back with slots."""
+    from shardps.server.shard.updates import PushesAppliedElsewhere, SeenPushes
+
+    own = SeenPushes()
+    assert own.begin("c", 1)
+    own.settle("c", 1)
+    here = PushesAppliedElsewhere(own, index=0)
+    here.merge({"2": {"c": [3, [7, 9]], "d": [0, [4]]}, "0": {"c": [50, []]}})
+    here.merge({"2": {"c": [5, [6, 12]]}})  # a later handover of shard 2: more of its records
+    assert here.applied("c", ((2, 3),)) and here.applied("c", ((2, 6),)) and here.applied("c", ((2, 12),))
+    assert here.applied("c", ((2, 9),)) and not here.applied("c", ((2, 8),)) and not here.applied("c", ((2, 13),))
+    assert here.applied("d", ((2, 4),)) and not here.applied("d", ((2, 3),))
+    assert not here.applied("c", ((1, 3),)), "shard 1 handed nothing over"
+    assert here.applied("c", ((1, 3), (2, 3))), "any shard named that applied it"
+    assert here.applied("c", ((0, 1),)) and not here.applied("c", ((0, 2),)), "its own records, not the 50 sent back"
+    assert here.to_json()["0"] == own.to_json() and here.others_json()["2"]["c"] == [7, [9, 12]]
+    again = PushesAppliedElsewhere(SeenPushes(), index=0)
+    again.load_others(here.others_json())  # a checkpoint's, restored
+    assert again.applied("c", ((2, 12),)) and not again.applied("c", ((2, 8),))
+
+
 def test_a_resend_of_a_claim_in_flight_waits_for_it_then_is_a_duplicate_or_applies():
     """A resend of a push still being applied (in flight) is neither a duplicate nor applied until the first one
     is settled (then a duplicate) or aborted (then claimed); past the wait it is refused as unavailable."""

@@ -111,27 +111,6 @@ def _reshard(cluster_file: pathlib.Path, *args: str, timeout: float = 180) -> st
     return r.stdout
 
 
-class KnownRace(Exception):
-    """docs/resharding.md#known-issue: a push a leaving shard applied, applied once more by the new owner of its rows.
-    Its mark: rows (and dense rows) over their acknowledged counts by at most one push per client, none under."""
-
-
-def _exact_counts_or_known_race(trainers: Trainers, c: Client) -> None:
-    try:
-        trainers.check(c)
-    except AssertionError as e:
-        extra = -c.pull("t", torch.arange(ROWS)).numpy().astype(np.int64) - trainers.counts[:, None]
-        dense = -c.pull_dense("w")[0].numpy().astype(np.int64) - trainers.dense_pushes
-        if min(extra.min(), dense.min()) >= 0 and max(extra.max(), dense.max()) <= len(trainers.threads):
-            raise KnownRace(f"{e}: over, by at most one push per client") from e
-        raise  # pushes lost, or applied more than the race can: a failure
-
-
-# Only the known race's mark is an expected failure: anything else (a push lost, a crash, a timeout) fails the test.
-@pytest.mark.xfail(strict=False, raises=KnownRace, reason=(
-    "known race, docs/resharding.md#known-issue: under load (two CI runs of three; 0 of 26 runs alone) a push that a "
-    "shard leaving the cluster applied is also applied by the new owner of its rows: the client plans a removed "
-    "shard's unanswered calls again with new sequence numbers"))
 def test_two_three_four_two_shards_under_two_training_clients_keep_exact_counts(tmp_path):
     """shardps cluster, then shardps reshard --add 1, --add 1, --remove 3, --remove 2 while two clients train."""
     cluster_file = tmp_path / "cluster.json"
@@ -164,7 +143,7 @@ def test_two_three_four_two_shards_under_two_training_clients_keep_exact_counts(
         assert data["addresses"][2:] == ["", ""] and data["retired"] == [2, 3], data
         with Client.from_file(str(cluster_file)) as c:
             assert c.shard_info()[2:] == [None, None]
-            _exact_counts_or_known_race(trainers, c)
+            trainers.check(c)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -617,3 +596,45 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
             for info in c.shard_info():
                 assert SlotMap.from_json(json.loads(info.slots.map_json)).slot_counts().tolist() == [5462, 5461, 5461]
         calls.close()
+
+
+@pytest.mark.parametrize("restart", ["replaying the log", "from a checkpoint"])
+def test_a_push_a_leaving_shard_applied_unanswered_is_not_applied_again_where_its_rows_went(tmp_path, restart):
+    """docs/resharding.md#exactly-once-across-shards: a push shard 2 applied, whose answer its client never got, is
+    planned again by the client once shard 2 has left (its slots moved to shards 0 and 1), naming shard 2 and its
+    seq there. The new owners got shard 2's records of applied pushes with the slots, kept them across a kill -9
+    (through their log, or a checkpoint), and answer the push as a duplicate: its rows hold it once. Planned again
+    without naming shard 2, the same push applies a second time (what the test would catch)."""
+    from shardps_client import planner
+
+    with _two_shards_and_a_third_joining(tmp_path) as (cluster, two, driver):
+        driver.run([0, 1, 2])
+        with Client(cluster.addresses, retry_timeout=60) as c:
+            session = c._session
+            ids = np.arange(ROWS)
+            rows = ids[session.slots.owner_of(ids) == 2][:64]
+            calls = planner.push_plan(session.catalog.table("t"), rows, np.ones((rows.size, 4), np.float32),
+                                      session.slots, pb.FLOAT32, session.max_message_bytes, None, session.client_id,
+                                      session.next_seq)
+            assert [call[0] for call in calls] == [2]
+            assert not session.transport.submit(*calls[0]).result(timeout=30).duplicate  # applied by shard 2 ...
+            driver.run([0, 1])  # ... which then leaves, its answer (as far as the client knows) lost
+            if restart == "from a checkpoint":
+                c.checkpoint()
+            for i in (0, 1):
+                cluster.kill(i)
+                cluster.restart(i)
+            again = session.replan(calls[0], None, True)
+            assert {call[0] for call in again} <= {0, 1} and again
+            assert all(wire.decode_push(wire.unframe(call[2])[1], dense=False).origins ==
+                       ((2, wire.decode_push(wire.unframe(calls[0][2])[1], dense=False).seq),) for call in again)
+            answers = [session.transport.submit(*call).result(timeout=60) for call in again]
+            assert all(a.duplicate for a in answers), answers
+            assert torch.equal(c.pull("t", torch.from_numpy(rows)), -torch.ones(rows.size, 4))
+            for call in session.replan(calls[0], None, False):  # without the origin: applied once more
+                assert not session.transport.submit(*call).result(timeout=60).duplicate
+            assert torch.equal(c.pull("t", torch.from_numpy(rows)), -2 * torch.ones(rows.size, 4))
+        from shardps.core.errors import ShardError
+
+        with pytest.raises(ShardError, match="applied_json is not records of applied pushes"):
+            driver.calls.migrate(0, "in_prepare", move_id="m", applied_json='{"2": {"c": [1]}}')

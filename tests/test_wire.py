@@ -51,6 +51,29 @@ def test_push_requests_match_protobuf(dense, with_optional):
         assert d.shard_map == kw["shard_map"] and d.sync == kw["sync"]
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_origins_of_a_push_planned_again_match_protobuf_and_bad_ones_are_refused(dense):
+    """PushRequest.origins (its one repeated field): written as protobuf writes it, read back in order; an entry
+    with another wire type, or one protobuf cannot parse, is refused."""
+    grads = RNG.standard_normal((2, 3)).astype(np.float32)
+    origins = [(2, 41), (0, 2**40), (7, 1)]
+    if dense:
+        ours = wire.encode_push("w", grads, pb.FLOAT32, row_start=4, client_id="c", seq=3, origins=origins)
+        msg = pb.PushDenseRequest(name="w", row_start=4, grads=codec.encode(grads), client_id="c", seq=3)
+    else:
+        ids = np.array([1, 5], np.int64)
+        ours = wire.encode_push("t", grads, pb.FLOAT32, ids=ids, client_id="c", seq=3, origins=origins)
+        msg = pb.PushRequest(table="t", ids=codec.encode(ids), grads=codec.encode(grads), client_id="c", seq=3)
+    msg.origins.extend(pb.PushOrigin(shard=a, seq=b) for a, b in origins)
+    assert ours == msg.SerializeToString()
+    assert wire.decode_push(ours, dense).origins == tuple(origins)
+    assert wire.decode_push(wire.encode_push("t", grads, pb.FLOAT32, ids=np.array([1, 5])), False).origins == ()
+    with pytest.raises(InvalidArgument, match="field 9 has a wire type other than 2"):
+        wire.decode_push(ours + bytes([0x48, 0x01]), dense)  # field 9 as a varint
+    with pytest.raises(InvalidArgument, match="malformed origins"):
+        wire.decode_push(ours + bytes([0x4A, 0x02, 0x08, 0x80]), dense)  # an entry cut inside its varint
+
+
 @pytest.mark.parametrize("frame", [0, 1])
 @pytest.mark.parametrize("wire_dtype", [pb.FLOAT32, pb.BFLOAT16])
 def test_push_encoder_matches_protobuf(frame, wire_dtype):

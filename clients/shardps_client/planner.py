@@ -174,8 +174,8 @@ def assemble_dense(specs: dict[str, DenseSpec],
 
 def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, slots: SlotMap, wire_code: int,
               max_bytes: int, pulled: Optional[dict[int, int]], client_id: str, next_seq: Callable[[int], int],
-              sync_step: int = 0, rank: int = 0) -> list[Call]:
-    """Framed Push calls for the summed gradients of sorted unique ids.
+              sync_step: int = 0, rank: int = 0, origins: tuple[tuple[int, int], ...] = ()) -> list[Call]:
+    """Framed Push calls for the summed gradients of sorted unique ids (``origins``: a push planned again's).
 
     A synchronous worker (``sync_step``) sends every shard its part of the step, even an empty one.
     """
@@ -193,7 +193,7 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, slots: Slot
                 pulled_version=pulled.get(s) if pulled is not None else None, client_id=client_id,
                 seq=next_seq(s), shard_map=shard_map(s, slots),
                 sync=pb.SyncPart(step=sync_step, rank=rank, part=k, parts=len(parts)) if sync_step else None,
-                frame=protocol.stream_field("Push"),
+                frame=protocol.stream_field("Push"), origins=origins,
             )
             calls.append((s, "Push", req))
     return calls
@@ -306,7 +306,7 @@ def pushes_of(call: Call) -> list[tuple[bool, wire.DecodedPush]]:
 
 
 def replan_push(d: wire.DecodedPush, spec: TableSpec | DenseSpec, slots: SlotMap, max_bytes: int,
-                next_seq: Callable[[int], int]) -> list[Call]:
+                next_seq: Callable[[int], int], origins: tuple[tuple[int, int], ...] = ()) -> list[Call]:
     """A push a shard refused (its slots moved) planned again by ``slots``: the same gradients (float32 on the
     wire), new sequence numbers on the shards they now go to, and no pulled version (its staleness is not
     measured: the version it carried was another shard's). A row push's ids are sorted and unique: planned as
@@ -315,7 +315,8 @@ def replan_push(d: wire.DecodedPush, spec: TableSpec | DenseSpec, slots: SlotMap
     grads = np.asarray(d.grads, dtype=np.float32)
     if isinstance(spec, TableSpec):
         assert d.ids is not None
-        return push_plan(spec, d.ids, grads, slots, pb.FLOAT32, max_bytes, None, d.client_id, next_seq)
+        return push_plan(spec, d.ids, grads, slots, pb.FLOAT32, max_bytes, None, d.client_id, next_seq,
+                         origins=origins)
     calls: list[Call] = []
     lo, hi = d.row_start, d.row_start + grads.shape[0]
     for s, a, b in dense_pieces(spec, slots, max_bytes, pb.FLOAT32):
@@ -324,5 +325,6 @@ def replan_push(d: wire.DecodedPush, spec: TableSpec | DenseSpec, slots: SlotMap
             calls.append((s, "PushDense", wire.encode_push(d.name, grads[a - lo:b - lo], pb.FLOAT32, row_start=a,
                                                            client_id=d.client_id, seq=next_seq(s),
                                                            shard_map=shard_map(s, slots),
-                                                           frame=protocol.stream_field("PushDense"))))
+                                                           frame=protocol.stream_field("PushDense"),
+                                                           origins=origins)))
     return calls

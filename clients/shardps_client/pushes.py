@@ -129,7 +129,7 @@ class PushPipeline:
         self.sync_reports: collections.deque = collections.deque(maxlen=1000)
         #: A refused push call planned again by a refreshed slot map (the session's ``replan``); runs off the lanes'
         #: threads (``run_async``: the client's pool).
-        self.replan: Optional[Callable[[planner.Call, Optional[list[int]]], list[planner.Call]]] = None
+        self.replan: Optional[Callable[[planner.Call, Optional[list[int]], bool], list[planner.Call]]] = None
         self.run_async: Callable[..., Any] = lambda fn, *args: threading.Thread(target=fn, args=args,
                                                                                 daemon=True).start()
 
@@ -251,7 +251,9 @@ class PushPipeline:
                 return
         if isinstance(e, (SlotMovedError, ShardRemovedError)) and self.replan is not None \
                 and attempt < self.MAX_REROUTES:
-            self.run_async(self._reroute, outer, call, attempt + 1)
+            # A shard that left may have applied the call before its answer was lost: the new owners are told
+            # where it went (PushRequest.origins) and answer it as a duplicate if that shard applied it.
+            self.run_async(self._reroute, outer, call, attempt + 1, None, None, isinstance(e, ShardRemovedError))
             return
         if e is not None:
             outer.set_exception(e)
@@ -267,12 +269,13 @@ class PushPipeline:
                                              f"({self.MAX_REROUTES} reroutes)"))
 
     def _reroute(self, outer: Future, call: planner.Call, attempt: int, only: Optional[list[int]] = None,
-                 reply: Any = None) -> None:
+                 reply: Any = None, unanswered: bool = False) -> None:
         """Plan a refused call again (``only`` those of its pushes: a batch's that were not applied, ``reply`` its
-        answer) and send its parts; ``outer`` resolves once every part has."""
+        answer; ``unanswered``: its shard left the cluster without answering) and send its parts; ``outer``
+        resolves once every part has."""
         try:
             assert self.replan is not None
-            calls = self.replan(call, only)
+            calls = self.replan(call, only, unanswered)
         except BaseException as e:  # noqa: BLE001
             outer.set_exception(e)
             return

@@ -138,9 +138,11 @@ class Session:
                     time.sleep(delay)
                     delay = min(delay * 2, 0.5)
 
-    def replan(self, call: planner.Call, only: Optional[list[int]] = None) -> list[planner.Call]:
+    def replan(self, call: planner.Call, only: Optional[list[int]] = None, unanswered: bool = False) -> list[planner.Call]:
         """A push call a shard refused because its slots moved (``only``: those of its pushes, by position, a
-        batch's answer marked moved), planned again by a refreshed map."""
+        batch's answer marked moved), planned again by a refreshed map. ``unanswered``: the shard left the cluster
+        without answering, so it may have applied the call: each push names it and its seq there among its
+        ``origins``, which its new owners check against the records of applied pushes that came with the slots."""
         pushes = planner.pushes_of(call)
         if only is not None:
             pushes = [pushes[k] for k in only]
@@ -149,7 +151,8 @@ class Session:
         out: list[planner.Call] = []
         for dense, d in pushes:
             spec = self.catalog.dense(d.name) if dense else self.catalog.table(d.name)
-            out += planner.replan_push(d, spec, slots, self.max_message_bytes, self.next_seq)
+            origins = d.origins + ((call[0], d.seq),) if unanswered and d.client_id and d.seq else d.origins
+            out += planner.replan_push(d, spec, slots, self.max_message_bytes, self.next_seq, origins)
         return out
 
     def next_seq(self, shard: int) -> int:

@@ -13,7 +13,7 @@ protobuf implementation can talk to the shards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -39,6 +39,7 @@ _P_CLIENT_ID = pb.PushRequest.CLIENT_ID_FIELD_NUMBER
 _P_SEQ = pb.PushRequest.SEQ_FIELD_NUMBER
 _P_SHARD_MAP = pb.PushRequest.SHARD_MAP_FIELD_NUMBER
 _P_SYNC = pb.PushRequest.SYNC_FIELD_NUMBER
+_P_ORIGINS = pb.PushRequest.ORIGINS_FIELD_NUMBER
 
 
 def _encode_varint(n: int) -> bytes:
@@ -132,8 +133,10 @@ def encode_push(
     name: str, grads: np.ndarray, wire_dtype: int, *, ids: Optional[np.ndarray] = None, row_start: int = 0,
     pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
     shard_map: Optional[pb.ShardMap] = None, sync: Optional[pb.SyncPart] = None, frame: int = 0,
+    origins: Sequence[tuple[int, int]] = (),
 ) -> bytes:
-    """A serialized PushRequest (with ``ids``) or PushDenseRequest (with ``row_start``).
+    """A serialized PushRequest (with ``ids``) or PushDenseRequest (with ``row_start``); ``origins``: the (shard,
+    seq) pairs of a push planned again (PushRequest.origins).
 
     With ``frame``, the message is field ``frame`` of an enclosing message (built in
     the same pass, no extra copy): field 1 or 2 frames it both as a StreamRequest and
@@ -152,6 +155,8 @@ def encode_push(
         parts += [_tag(_P_SEQ, _VARINT), _varint(seq)]
     parts += _msg_field(_P_SHARD_MAP, shard_map)
     parts += _msg_field(_P_SYNC, sync)
+    for shard, origin_seq in origins:
+        parts += _msg_field(_P_ORIGINS, pb.PushOrigin(shard=shard, seq=origin_seq))
     return b"".join(_len_field(frame, parts) if frame else parts)
 
 
@@ -323,6 +328,7 @@ class DecodedPush:
     seq: int = 0
     shard_map: Optional[pb.ShardMap] = None
     sync: Optional[pb.SyncPart] = None
+    origins: tuple[tuple[int, int], ...] = ()  # (shard, seq) where a push planned again was sent before
 
 
 # Field -> wire type of PushRequest and PushDenseRequest (field 2: ids or row_start).
@@ -353,8 +359,16 @@ def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
     Strict (see ``_fields`` and ``_singular``): what this accepts, protobuf's own
     parser reads the same way, so the write-ahead log may hold the raw request.
     """
-    f = _singular(_fields(_view(buf)), _PUSH_DENSE if dense else _PUSH, "push")
+    fields = _fields(_view(buf))
+    origins = [(wt, value) for field, wt, value in fields if field == _P_ORIGINS]  # (its one repeated field)
+    f = _singular([x for x in fields if x[0] != _P_ORIGINS] if origins else fields,
+                  _PUSH_DENSE if dense else _PUSH, "push")
     out = DecodedPush()
+    if origins:
+        if any(wt != _LEN for wt, _ in origins):
+            raise InvalidArgument(f"malformed message: push field {_P_ORIGINS} has a wire type other than {_LEN}")
+        parsed = [parse(pb.PushOrigin, v, "origins") for _, v in origins]  # type: ignore[arg-type]
+        out.origins = tuple((int(o.shard), int(o.seq)) for o in parsed)
     if _P_NAME in f:
         out.name = _string(f[_P_NAME], "the table name")
     if _P_IDS in f:

@@ -361,7 +361,7 @@ class PullResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[Tensor, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("table", "ids", "grads", "pulled_version", "client_id", "seq", "shard_map", "sync")
+    __slots__ = ("table", "ids", "grads", "pulled_version", "client_id", "seq", "shard_map", "sync", "origins")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class PushRequest(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    ORIGINS_FIELD_NUMBER: _ClassVar[int]
     table: str
     ids: Tensor
     grads: Tensor
@@ -378,7 +379,16 @@ class PushRequest(_message.Message):
     seq: int
     shard_map: ShardMap
     sync: SyncPart
-    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ...) -> None: ...
+    origins: _containers.RepeatedCompositeFieldContainer[PushOrigin]
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ..., origins: _Optional[_Iterable[_Union[PushOrigin, _Mapping]]] = ...) -> None: ...
+
+class PushOrigin(_message.Message):
+    __slots__ = ("shard", "seq")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    seq: int
+    def __init__(self, shard: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "staleness", "duplicate", "late", "missing_ranks", "moved")
@@ -457,7 +467,7 @@ class PullDenseRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ..., wire_dtype: _Optional[_Union[DType, str]] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ...) -> None: ...
 
 class PushDenseRequest(_message.Message):
-    __slots__ = ("name", "row_start", "grads", "pulled_version", "client_id", "seq", "shard_map", "sync")
+    __slots__ = ("name", "row_start", "grads", "pulled_version", "client_id", "seq", "shard_map", "sync", "origins")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +476,7 @@ class PushDenseRequest(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    ORIGINS_FIELD_NUMBER: _ClassVar[int]
     name: str
     row_start: int
     grads: Tensor
@@ -474,7 +485,8 @@ class PushDenseRequest(_message.Message):
     seq: int
     shard_map: ShardMap
     sync: SyncPart
-    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ...) -> None: ...
+    origins: _containers.RepeatedCompositeFieldContainer[PushOrigin]
+    def __init__(self, name: _Optional[str] = ..., row_start: _Optional[int] = ..., grads: _Optional[_Union[Tensor, _Mapping]] = ..., pulled_version: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., sync: _Optional[_Union[SyncPart, _Mapping]] = ..., origins: _Optional[_Iterable[_Union[PushOrigin, _Mapping]]] = ...) -> None: ...
 
 class PullBatchRequest(_message.Message):
     __slots__ = ("pulls", "dense")
@@ -911,7 +923,7 @@ class MoveInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., peer: _Optional[int] = ..., slots: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("op", "move_id", "move_json", "table", "since", "offset", "limit", "ids", "arrays", "map_json", "epoch")
+    __slots__ = ("op", "move_id", "move_json", "table", "since", "offset", "limit", "ids", "arrays", "map_json", "epoch", "applied_json")
     class ArraysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -930,6 +942,7 @@ class MigrateRequest(_message.Message):
     ARRAYS_FIELD_NUMBER: _ClassVar[int]
     MAP_JSON_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_JSON_FIELD_NUMBER: _ClassVar[int]
     op: str
     move_id: str
     move_json: str
@@ -941,10 +954,11 @@ class MigrateRequest(_message.Message):
     arrays: _containers.MessageMap[str, Tensor]
     map_json: str
     epoch: int
-    def __init__(self, op: _Optional[str] = ..., move_id: _Optional[str] = ..., move_json: _Optional[str] = ..., table: _Optional[str] = ..., since: _Optional[int] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., arrays: _Optional[_Mapping[str, Tensor]] = ..., map_json: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    applied_json: str
+    def __init__(self, op: _Optional[str] = ..., move_id: _Optional[str] = ..., move_json: _Optional[str] = ..., table: _Optional[str] = ..., since: _Optional[int] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., arrays: _Optional[_Mapping[str, Tensor]] = ..., map_json: _Optional[str] = ..., epoch: _Optional[int] = ..., applied_json: _Optional[str] = ...) -> None: ...
 
 class MigrateResponse(_message.Message):
-    __slots__ = ("version", "ids", "total", "arrays", "state")
+    __slots__ = ("version", "ids", "total", "arrays", "state", "applied_json")
     class ArraysEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -957,9 +971,11 @@ class MigrateResponse(_message.Message):
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     ARRAYS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_JSON_FIELD_NUMBER: _ClassVar[int]
     version: int
     ids: Tensor
     total: int
     arrays: _containers.MessageMap[str, Tensor]
     state: str
-    def __init__(self, version: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., total: _Optional[int] = ..., arrays: _Optional[_Mapping[str, Tensor]] = ..., state: _Optional[str] = ...) -> None: ...
+    applied_json: str
+    def __init__(self, version: _Optional[int] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ..., total: _Optional[int] = ..., arrays: _Optional[_Mapping[str, Tensor]] = ..., state: _Optional[str] = ..., applied_json: _Optional[str] = ...) -> None: ...

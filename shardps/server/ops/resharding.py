@@ -306,7 +306,9 @@ class Resharder:
             self.at("copied", move)
             self.publish_epoch(new.epoch)
             t_hold = time.monotonic()
-            self.calls.migrate(S, "out_handover", move_id=move.id)
+            # (with the source's records of applied pushes: a push it applied whose answer its client never got
+            # is then applied once where its rows go, docs/resharding.md#exactly-once-across-shards)
+            applied = self.calls.migrate(S, "out_handover", move_id=move.id).applied_json
             self.at("handed_over", move)
             for spec in specs:
                 self._copy(move.id, S, T, spec, since)
@@ -314,7 +316,7 @@ class Resharder:
                 gone = np.setdiff1d(sent[spec.name], present, assume_unique=True)
                 if gone.size:
                     self.calls.migrate(T, "in_drop", move_id=move.id, table=spec.name, ids=codec.encode(gone))
-            self.calls.migrate(T, "in_prepare", move_id=move.id)
+            self.calls.migrate(T, "in_prepare", move_id=move.id, applied_json=applied)
             self.at("prepared", move)
         except ShardError:
             self._roll_back(move)

@@ -89,6 +89,8 @@ class DataPath:
         assert d.grads is not None
         if d.client_id and self.shard.updates.seen.contains(d.client_id, d.seq):
             return None, None, d
+        if d.client_id and d.origins and self.shard.updates.elsewhere.applied(d.client_id, d.origins):
+            return None, None, d  # planned again after a shard left unanswering: that shard applied it
         if dense:
             t, ids = self.shard.validate_push_dense(d.name, d.row_start, d.grads, convert.sync_part(d.sync))
         else:

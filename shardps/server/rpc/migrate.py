@@ -36,6 +36,26 @@ def _move(request: pb.MigrateRequest) -> Move:
     return move
 
 
+def _applied(text: str) -> dict:
+    """in_prepare's records of applied pushes (MigrateRequest.applied_json), checked: {shard index: {client id:
+    [low, [seqs above]]}} ("" for none)."""
+    if not text:
+        return {}
+    try:
+        records = json.loads(text)
+        ok = isinstance(records, dict) and all(
+            str(shard).isdigit() and isinstance(seen, dict) and all(
+                isinstance(c, str) and isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
+                and isinstance(v[1], list) and all(isinstance(x, int) for x in v[1]) for c, v in seen.items())
+            for shard, seen in records.items())
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InvalidArgument("Migrate in_prepare: applied_json is not records of applied pushes "
+                              "({shard: {client id: [low, [seqs]]}})")
+    return records
+
+
 # Integer arrays travel as int64 (the wire's one integer type); a row keeps them narrower.
 _NARROW = {"steps": np.int32, "meta.last_time": np.uint32, "meta.touches": np.int32}
 
@@ -75,7 +95,8 @@ def handle(shard: Shard, request: pb.MigrateRequest) -> pb.MigrateResponse:
         for k, v in arrays.items():
             out.arrays[k].CopyFrom(codec.encode(np.ascontiguousarray(v)))
     elif op == "out_handover":
-        out.version = m.out_handover(mid)
+        version, applied = m.out_handover(mid)
+        out.version, out.applied_json = version, json.dumps(applied)
     elif op == "out_commit":
         m.out_commit(mid)
     elif op == "out_abort":
@@ -87,7 +108,7 @@ def handle(shard: Shard, request: pb.MigrateRequest) -> pb.MigrateResponse:
     elif op == "in_drop":
         m.in_drop(mid, request.table, convert.ids(request.ids))
     elif op == "in_prepare":
-        m.in_prepare(mid)
+        m.in_prepare(mid, _applied(request.applied_json))
     elif op == "in_activate":
         m.in_activate(mid)
     elif op == "in_abort":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -74,14 +75,16 @@ class Arrivals(MoveBase):
             if self.shard.durability.wants_schema else (0, b"")
         self.shard.updates.write(t, lambda stamp: moves.drop(t, ids, stamp), record)
 
-    def in_prepare(self, move_id: str) -> None:
-        """Everything received is durable; requests for the slots wait here for the outcome."""
+    def in_prepare(self, move_id: str, applied: Optional[dict] = None) -> None:
+        """Everything received is durable, with the source's records of applied pushes (``applied``: its
+        ``out_handover``'s); requests for the slots wait here for the outcome."""
         with self.shard.checkpointer.lock, self.lock:  # never inside a cluster-wide cut
             i = self._get_in(move_id, "receiving", "prepared")
             if i.state == "receiving" and not self.shard.gate.is_open:
                 raise Unavailable(f"shard {self.shard.index}: a checkpoint or export is being cut; retry")
             if i.state == "receiving":
-                self._log({"op": "prepared", "id": move_id})
+                self._log({"op": "prepared", "id": move_id, "applied": applied or {}})
+                self.shard.updates.elsewhere.merge(applied or {})
                 self._arriving(i.move, True)
                 i.state = "prepared"
 

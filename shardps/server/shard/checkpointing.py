@@ -117,7 +117,8 @@ class Checkpointer:
         with self.all_locked() as (tables, t0):
             meta: dict[str, Any] = {
                 "shard_index": self.index, "num_shards": self.num_shards, "version": self.updates.version,
-                "seen": self.updates.seen.to_json(), "tables": [], "wal_segment": self.durability.cut(),
+                "seen": self.updates.seen.to_json(), "seen_elsewhere": self.updates.elsewhere.others_json(),
+                "tables": [], "wal_segment": self.durability.cut(),
             }
             if isinstance(self.durability, ReplicatedLog):  # a replica group's member: where its log ends
                 meta["lsn"], meta["epochs"] = self.durability.lsn, self.durability.history

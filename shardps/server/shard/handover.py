@@ -78,13 +78,15 @@ class Handovers(MoveBase):
         with t.lock:
             return moves.read_state(t, ids)
 
-    def out_handover(self, move_id: str) -> int:
-        """Hold writes to the move's slots (reads go on) and make every change before durable; the version the
-        handover starts at (rows changed after the copy's start and up to it are read again)."""
+    def out_handover(self, move_id: str) -> tuple[int, dict]:
+        """Hold writes to the move's slots (reads go on) and make every change before durable: the version the
+        handover starts at (rows changed after the copy's start and up to it are read again), and this shard's
+        records of applied pushes (its own and those it received), taken once every write to the slots is done,
+        for the target (``in_prepare``)."""
         with self.shard.checkpointer.lock, self.lock:  # never inside a cluster-wide cut
             o = self._get_out(move_id, "copying", "frozen")
             if o.state == "frozen":
-                return self.shard.version
+                return self.shard.version, self.shard.updates.elsewhere.to_json()
             if not self.shard.gate.is_open:
                 raise Unavailable(f"shard {self.shard.index}: a checkpoint or export is being cut; retry the handover")
             slots = self.slots
@@ -100,7 +102,7 @@ class Handovers(MoveBase):
             o.timer.daemon = True
             o.timer.start()
         self._log({"op": "handover", "id": move_id})  # fsyncs every change before it
-        return self.shard.version
+        return self.shard.version, self.shard.updates.elsewhere.to_json()
 
     def _expire(self, move_id: str) -> None:
         """A handover nobody committed within ``hold_s``: given up, the writes it held go on here."""

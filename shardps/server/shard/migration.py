@@ -8,8 +8,10 @@ both keep serving. ``shardps reshard`` drives it (``shardps.server.ops.reshardin
    written on the target (``in_rows``, logged there): the source keeps serving meanwhile.
 3. ``out_handover`` on the source: writes to the slots wait from now on (reads go on), every change before is
    made durable, and the rows changed since the copy began are read again and written on the target, and the
-   ones gone since removed there (``in_drop``).
-4. ``in_prepare`` on the target (durable): it holds everything; requests for the slots wait there.
+   ones gone since removed there (``in_drop``). It answers with the source's records of applied pushes, its
+   own and those it received with slots before.
+4. ``in_prepare`` on the target (durable): it holds everything, those records too; requests for the slots wait
+   there.
 5. ``out_commit`` on the source: a durable record gives the slots to the target, the source drops their rows and
    answers requests for them with ``Moved``. This record is the move's one commit point.
 6. ``in_activate`` on the target (durable): it owns the slots and serves them.
@@ -20,7 +22,10 @@ the source did not commit). A crash after (5) loses nothing either: the target h
 activates once the driver (``--resume``) or its own question to the source (``rpc.migrations``) finds the commit.
 A push the source applied before the handover and resends after it is found by the source's exactly-once record
 (checked before ownership), so it never applies twice; one refused with ``Moved`` was not applied, and the
-client sends it again under its new map.
+client sends it again under its new map. One the source applied but whose answer never reached its client (the
+source left the cluster first) is planned again by the client naming the source and its seq there
+(``PushRequest.origins``); the new owner finds it in the source's records it received, and answers it as a
+duplicate.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class Migrations(Handovers, Arrivals):
             move = Move.from_json(change["move"])
             self.into.setdefault(move.id, _In(move))
         elif op == "prepared":
+            self.shard.updates.elsewhere.merge(change.get("applied", {}))
             i = self.into.get(change["id"])
             if i is not None:
                 i.state = "prepared"

@@ -203,6 +203,7 @@ def load_state(shard: Replayable, meta: dict[str, Any], arrays: dict[str, np.nda
                 t.hot.restore(registry.tiers.checkpoint_root / tier)
         shard.updates.version = int(meta["version"])
         shard.updates.seen.load_json(meta.get("seen", {}))
+        shard.updates.elsewhere.load_others(meta.get("seen_elsewhere", {}))
         shard.migrations.load_meta(meta.get("slots"))
         for t in registry.tables():
             t.restart_history(shard.updates.version)

@@ -143,6 +143,69 @@ class SeenPushes:
             self._clients = {c: (int(v[0]), set(int(s) for s in v[1])) for c, v in d.items()}
             self._in_flight = {}
 
+    def merge_json(self, d: dict[str, list]) -> None:
+        """Add the applied pushes of ``d`` (``to_json``'s form) to these: per client, the union of both."""
+        with self._lock:
+            for c, v in d.items():
+                low, above = int(v[0]), {int(s) for s in v[1]}
+                old_low, old_above = self._clients.get(c, (0, set()))
+                new_low = max(low, old_low)
+                rest = {s for s in above | old_above if s > new_low}
+                while new_low + 1 in rest:  # (seqs right above the low mark join it)
+                    new_low += 1
+                    rest.discard(new_low)
+                self._clients[c] = (new_low, rest)
+            while len(self._clients) > self._max_clients:
+                self._clients.pop(next(iter(self._clients)))
+
+
+class PushesAppliedElsewhere:
+    """Other shards' records of applied pushes, received with the slots they handed over (``in_prepare``), by
+    shard index; with this shard's own (``own``), what a handover gives the target in turn.
+
+    A push the client planned again after a shard left the cluster without answering names that shard and the seq
+    it had there (``PushRequest.origins``, one per such shard): if any of them applied it, its rows came here with
+    the update in them, and the push is answered as a duplicate (docs/resharding.md#exactly-once-across-shards)."""
+
+    def __init__(self, own: SeenPushes, index: int) -> None:
+        self.own, self.index = own, index
+        self._lock = threading.Lock()
+        self._others: dict[int, SeenPushes] = {}
+
+    def applied(self, client: str, origins: tuple[tuple[int, int], ...]) -> bool:
+        """Whether one of the shards in ``origins`` applied the push (client, its seq there)."""
+        for shard, seq in origins:
+            with self._lock:
+                records = self.own if shard == self.index else self._others.get(shard)
+            if records is not None and records.contains(client, seq):
+                return True
+        return False
+
+    def merge(self, records: dict[str, dict[str, list]]) -> None:
+        """Records received with slots (``to_json``'s form); this shard's own index among them is skipped (its own
+        records hold them already)."""
+        for shard, seen in records.items():
+            if int(shard) == self.index:
+                continue
+            with self._lock:
+                mine = self._others.setdefault(int(shard), SeenPushes())
+            mine.merge_json(seen)
+
+    def others_json(self) -> dict[str, dict[str, list]]:
+        """The records received from other shards (a checkpoint's)."""
+        with self._lock:
+            others = dict(self._others)
+        return {str(k): v.to_json() for k, v in others.items()}
+
+    def load_others(self, records: dict[str, dict[str, list]]) -> None:
+        with self._lock:
+            self._others = {}
+        self.merge(records)
+
+    def to_json(self) -> dict[str, dict[str, list]]:
+        """Every record this shard holds, its own under its index: what a handover gives the target."""
+        return {**self.others_json(), str(self.index): self.own.to_json()}
+
 
 @dataclass
 class Counters:
@@ -217,6 +280,7 @@ class UpdatePath:
         self.version = 0
         self._vlock = threading.Lock()  # after Table.lock, before the durability's own
         self.seen = SeenPushes()
+        self.elsewhere = PushesAppliedElsewhere(self.seen, shard_index)
         self.stats = Stats()
 
     def once(self, client_id: str, seq: int) -> bool:
