@@ -222,6 +222,8 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
     torch.manual_seed(args.seed)
     torch.set_num_threads(worker_threads(addresses, world))
     device = worker_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL and CUDA's default stream on this worker's GPU, not GPU 0
     ids, dense, labels, _ = click_log(args.train // world, args.rows, args.seed, stream=1 + rank)
     ssp = args.ssp_bound if args.mode == "ssp" else None
     ddp = args.dense == "ddp"
