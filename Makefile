@@ -26,7 +26,7 @@ demo: $(STAMP)
 # Two workers: the suite's processes wait on one another much of the time (RPCs, process starts, image builds),
 # and the container test's builds overlap the rest. `pytest -q` alone runs it on one.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal
 
 # The GPU tests (marked gpu; the suite skips them where torch sees no CUDA device), failing instead where it sees
 # none. The venv holds torch's CPU wheel: on a GPU machine, name a Python whose torch is a CUDA build and that has

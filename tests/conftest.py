@@ -16,7 +16,7 @@ from shardps.server.shard.facade import ShardConfig
 
 def pytest_collection_modifyitems(items: list) -> None:
     """The longest tests first (the container test, then the other multi-process ``slow`` ones): with ``make
-    test``'s two xdist workers, the container test's image builds overlap the rest of the suite instead of
+    test``'s xdist workers, the container test's image builds overlap the rest of the suite instead of
     ending it."""
     items.sort(key=lambda item: (0 if "test_containers" in item.nodeid else 1 if item.get_closest_marker("slow")
                                  else 2))
