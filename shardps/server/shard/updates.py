@@ -58,19 +58,26 @@ class SeenPushes:
                 return False
             above.add(seq)
             self._in_flight.setdefault(client, set()).add(seq)
-            while low + 1 in above:
-                low += 1
-                above.discard(low)
-            if len(above) > self._max_pending:
-                low = sorted(above)[len(above) // 2]
-                above = {s for s in above if s > low}
-            self._clients[client] = (low, above)
-            if len(self._clients) > self._max_clients:
-                gone = next(iter(self._clients))
-                del self._clients[gone]
-                if self._in_flight.pop(gone, None):
-                    self._settled.notify_all()
+            self._keep(client, low, above)
             return True
+
+    def _keep(self, client: str, low: int, above: set[int]) -> None:
+        """Store a client's applied seqs (the lock held) as its most recently seen: seqs right above ``low`` folded
+        into it, at most ``max_pending`` above it (the lower half of more folded in), and the least recently seen
+        clients dropped beyond ``max_clients``."""
+        while low + 1 in above:
+            low += 1
+            above.discard(low)
+        if len(above) > self._max_pending:
+            low = sorted(above)[len(above) // 2]
+            above = {s for s in above if s > low}
+        self._clients.pop(client, None)
+        self._clients[client] = (low, above)
+        while len(self._clients) > self._max_clients:
+            gone = next(iter(self._clients))
+            del self._clients[gone]
+            if self._in_flight.pop(gone, None):
+                self._settled.notify_all()
 
     def contains(self, client: str, seq: int) -> bool:
         """Whether (client, seq) was applied. A claim still in flight (its push waits at a handover or for a sync
@@ -150,13 +157,7 @@ class SeenPushes:
                 low, above = int(v[0]), {int(s) for s in v[1]}
                 old_low, old_above = self._clients.get(c, (0, set()))
                 new_low = max(low, old_low)
-                rest = {s for s in above | old_above if s > new_low}
-                while new_low + 1 in rest:  # (seqs right above the low mark join it)
-                    new_low += 1
-                    rest.discard(new_low)
-                self._clients[c] = (new_low, rest)
-            while len(self._clients) > self._max_clients:
-                self._clients.pop(next(iter(self._clients)))
+                self._keep(c, new_low, {s for s in above | old_above if s > new_low})
 
 
 class PushesAppliedElsewhere:
