@@ -309,17 +309,30 @@ def test_a_prefetched_collection_reads_the_same_rows_without_a_pull_of_its_own()
                                        rtol=0, atol=0)
 
 
+EC_CONFIGS = [EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="ea", feature_names=["f1", "f2"],
+                              optimizer=SGD(lr=1.0)),
+              EmbeddingConfig(num_embeddings=10, embedding_dim=2, name="eb", feature_names=["f3"],
+                              optimizer=SGD(lr=1.0))]
+
+
+def _ec_kjt() -> KeyedJaggedTensor:
+    """Unpooled lookups of EC_CONFIGS' features, keys out of the configs' order, one bag empty."""
+    return KeyedJaggedTensor.from_lengths_sync(["f3", "f1", "f2"], torch.tensor([1, 9, 9, 3, 3, 29, 0]),
+                                               torch.tensor([2, 1, 0, 2, 1, 1]))
+
+
+def _rows(c: Client, configs: list) -> dict[str, torch.Tensor]:
+    """Every row of each config's table, as the shards hold it now."""
+    return {cfg.name: c.pull(cfg.name, torch.arange(cfg.num_embeddings)) for cfg in configs}
+
+
 def test_embedding_collection_matches_nn_embedding_per_feature():
-    configs = [EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="ea", feature_names=["f1", "f2"],
-                               optimizer=SGD(lr=1.0)),
-               EmbeddingConfig(num_embeddings=10, embedding_dim=2, name="eb", feature_names=["f3"],
-                               optimizer=SGD(lr=1.0))]
+    configs = EC_CONFIGS
     with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
         ec = RemoteEmbeddingCollection(configs, c)
         refs = _references(c, configs)
-        before = {cfg.name: c.pull(cfg.name, torch.arange(cfg.num_embeddings)) for cfg in configs}
-        kjt = KeyedJaggedTensor.from_lengths_sync(["f3", "f1", "f2"], torch.tensor([1, 9, 9, 3, 3, 29, 0]),
-                                                  torch.tensor([2, 1, 0, 2, 1, 1]))
+        before = _rows(c, configs)
+        kjt = _ec_kjt()
         out = ec(kjt)
         loss = torch.zeros(())
         ref_loss = torch.zeros(())

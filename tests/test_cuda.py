@@ -16,7 +16,6 @@ from shardps_client import (
     SGD,
     Client,
     EmbeddingBagConfig,
-    EmbeddingConfig,
     KeyedJaggedTensor,
     Prefetcher,
     RemoteEmbeddingBagCollection,
@@ -27,16 +26,12 @@ from torch import nn
 
 from shardps.core.specs import Initializer
 from tests.conftest import running_cluster
-from tests.test_collection import CASES, CONFIGS, _kjt, _ref_forward, _references
+from tests.test_collection import CASES, CONFIGS, EC_CONFIGS, _ec_kjt, _kjt, _ref_forward, _references, _rows
 from tests.test_examples import EXAMPLES, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _rows(c: Client, configs: list) -> dict[str, torch.Tensor]:
-    return {cfg.name: c.pull(cfg.name, torch.arange(cfg.num_embeddings)) for cfg in configs}
 
 
 @pytest.mark.parametrize("input_on", ["cpu", "cuda"])
@@ -81,16 +76,12 @@ def test_weighted_bags_on_cuda_match_per_sample_weights():
 
 
 def test_embedding_collection_on_cuda_matches_nn_embedding():
-    configs = [EmbeddingConfig(num_embeddings=30, embedding_dim=4, name="ea", feature_names=["f1", "f2"],
-                               optimizer=SGD(lr=1.0)),
-               EmbeddingConfig(num_embeddings=10, embedding_dim=2, name="eb", feature_names=["f3"],
-                               optimizer=SGD(lr=1.0))]
+    configs = EC_CONFIGS
     with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
         ec = RemoteEmbeddingCollection(configs, c, device="cuda")
         refs = _references(c, configs)
         before = _rows(c, configs)
-        kjt = KeyedJaggedTensor.from_lengths_sync(["f3", "f1", "f2"], torch.tensor([1, 9, 9, 3, 3, 29, 0]),
-                                                  torch.tensor([2, 1, 0, 2, 1, 1]))
+        kjt = _ec_kjt()
         out = ec(kjt.to("cuda"))
         loss, ref_loss = torch.zeros((), device="cuda"), torch.zeros(())
         gen = torch.Generator().manual_seed(2)
