@@ -184,6 +184,25 @@ def test_coalesce() -> None:
         bits_equal(*both(lambda ids=ids, grads=grads: coalesce(ids, grads[:, ::2])))  # not contiguous
 
 
+def test_rows_into_and_out_of_messages() -> None:
+    """Rows gathered into a push's message and scattered out of a pull's answer (``gather_rows``, ``scatter_rows``)
+    as numpy's take and fancy assignment, also into and out of views at odd offsets of a buffer, read-only ones."""
+    rng = np.random.default_rng(6)
+    src = rng.standard_normal((50, 7)).astype(np.float32)
+    src[3, 2] = np.nan
+    idx = rng.permutation(50)[:31]
+    raw = np.zeros(31 * 7 * 4 + 3, np.uint8)
+    for dst in (np.zeros((31, 7), np.float32), raw[3:].view(np.float32).reshape(31, 7)):
+        loops.gather_rows(src, idx, dst)
+        bits_equal(dst, np.take(src, idx, axis=0))
+        received = dst.view()
+        received.setflags(write=False)
+        out, want = np.zeros((50, 7), np.float32), np.zeros((50, 7), np.float32)
+        loops.scatter_rows(out, idx, received)
+        want[idx] = dst
+        bits_equal(out, want)
+
+
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=120)

@@ -93,6 +93,27 @@ def test_push_encoder_matches_protobuf(frame, wire_dtype):
         assert enc.encode(ids, grads, wire_dtype, pv, seq) == want
 
 
+@pytest.mark.parametrize("wire_dtype", [pb.FLOAT32, pb.FLOAT16])
+def test_pushes_gathering_their_rows_into_the_message_match_protobuf(wire_dtype):
+    """``rows=``: a push of ``grads[rows]`` gathered straight into its message (float32) writes what protobuf writes
+    for the gathered array, also through the encoder, for no rows, and for gradients numpy must copy first."""
+    grads = RNG.standard_normal((9, 5)).astype(np.float32)
+    smap = pb.ShardMap(shard_index=0, num_shards=2)
+    enc = wire.PushEncoder("t", "c-1", smap, frame=1)
+    for rows, g in [(np.array([8, 0, 3, 3]), grads), (np.zeros(0, np.int64), grads), (np.array([1, 2]), grads[:, ::2]),
+                    (np.array([4]), grads.astype(np.float64))]:
+        ids = np.arange(rows.shape[0], dtype=np.int64) * 7
+        msg = pb.PushRequest(table="t", ids=codec.encode(ids), grads=codec.encode(g[rows], wire_dtype), client_id="c-1",
+                             seq=5, shard_map=smap)
+        got = wire.encode_push("t", g, wire_dtype, ids=ids, rows=rows, client_id="c-1", seq=5, shard_map=smap)
+        assert bytes(got) == msg.SerializeToString()
+        framed = pb.StreamRequest(push=msg).SerializeToString()
+        assert bytes(wire.encode_push("t", g, wire_dtype, ids=ids, rows=rows, client_id="c-1", seq=5, shard_map=smap,
+                                      frame=1)) == framed
+        assert bytes(enc.encode(ids, g, wire_dtype, None, 5, rows=rows)) == framed
+        np.testing.assert_array_equal(wire.decode_push(got, False).grads, codec.decode(msg.grads, "g"))
+
+
 def test_decoding_skips_unknown_fields_and_rejects_garbage():
     msg = pb.PullResponse(rows=codec.encode(np.ones((2, 2), np.float32)), version=3).SerializeToString()
     extra = msg + bytes([0x78, 0x05])  # field 15, varint 5: unknown, skipped

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
-from shardps.core import codec, protocol, wire
+from shardps.core import codec, kernels, protocol, wire
 from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.v1 import shardps_pb2 as pb
@@ -150,8 +150,14 @@ def assemble_rows(items: list[tuple[TableSpec, np.ndarray]],
     """Rows of each item's unique ids, in their order, and the lowest version read per shard."""
     outs = [np.empty((u.shape[0], spec.dim), dtype=np.float32) for spec, u in items]
     versions: list[dict[int, int]] = [{} for _ in items]
+    jit = kernels.jit()
     for s, k, part, rows, version in blocks:
-        outs[k][part] = rows
+        out = outs[k]
+        if jit is not None and rows.dtype == np.float32 and rows.shape == (part.shape[0], out.shape[1]) \
+                and rows.flags.c_contiguous:
+            jit.scatter_rows(out, part, rows)  # (the same as below, in one pass without numpy's set-up)
+        else:
+            out[part] = rows
         versions[k][s] = min(version, versions[k].get(s, version))
     return list(zip(outs, versions))
 
@@ -180,6 +186,7 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, slots: Slot
     A synchronous worker (``sync_step``) sends every shard its part of the step, even an empty one.
     """
     step = rows_per_message(max_bytes, spec.dim, wire_code)
+    summed = summed.reshape(-1, spec.dim)
     by_shard: list[list[np.ndarray]] = [[] for _ in range(slots.num_shards)]
     for s, part in id_pieces(uniq, slots, step):
         by_shard[s].append(part)
@@ -189,7 +196,7 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, slots: Slot
             parts = [np.zeros(0, np.int64)]
         for k, part in enumerate(parts):
             req = wire.encode_push(
-                spec.name, summed[part].reshape(len(part), spec.dim), wire_code, ids=uniq[part],
+                spec.name, summed, wire_code, ids=uniq[part], rows=part,
                 pulled_version=pulled.get(s) if pulled is not None else None, client_id=client_id,
                 seq=next_seq(s), shard_map=shard_map(s, slots),
                 sync=pb.SyncPart(step=sync_step, rank=rank, part=k, parts=len(parts)) if sync_step else None,
@@ -205,8 +212,8 @@ def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, 
                    next_seq: Callable[[int], int]) -> list[tuple[str, list[Call]]]:
     """``push_plan`` of several tables of one width at once (no synchronous step): ``uniq`` the sorted unique
     ids of each table, ``grads`` their summed gradients stacked in the same order. The ids of every table are
-    split by shard in one pass, each shard's rows gathered in one copy; then one framed Push per table and
-    shard (more above the size limit), made by ``encoder(table, shard)``."""
+    split by shard in one pass; then one framed Push per table and shard (more above the size limit), made by
+    ``encoder(table, shard)``, each gathering its rows straight into its message."""
     counts = np.fromiter((u.shape[0] for u in uniq), dtype=np.int64, count=len(uniq))
     ids = np.concatenate(uniq) if uniq else np.zeros(0, np.int64)
     table_of = np.repeat(np.arange(len(uniq), dtype=np.int64), counts)
@@ -217,14 +224,14 @@ def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, 
         idx = order[bounds[s] : bounds[s + 1]]
         if not idx.shape[0]:
             continue
-        ids_s, grads_s = ids[idx], grads[idx]
+        ids_s = ids[idx]
         cuts = np.searchsorted(table_of[idx], np.arange(len(uniq) + 1)).tolist()
         for t in range(len(uniq)):
             for a in range(cuts[t], cuts[t + 1], step):
                 b = min(a + step, cuts[t + 1])
                 v = pulled[t]
-                req = encoder(names[t], s).encode(ids_s[a:b], grads_s[a:b], wire_code,
-                                                  v.get(s) if v is not None else None, next_seq(s))
+                req = encoder(names[t], s).encode(ids_s[a:b], grads, wire_code,  # (rows gathered into the message)
+                                                  v.get(s) if v is not None else None, next_seq(s), rows=idx[a:b])
                 calls[t].append((s, "Push", req))
     return [(name, c) for name, c in zip(names, calls) if c]
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from shardps.core import codec
+from shardps.core import codec, kernels
 from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
@@ -87,6 +87,59 @@ def _tensor_parts(array: np.ndarray, dtype: int) -> list:
     return parts
 
 
+class _Rows:
+    """Rows ``src[idx]`` of a float32 array as the data of a float32 Tensor in a message being encoded: gathered
+    straight into the message's buffer (``_join``) instead of copied out first and then joined."""
+
+    __slots__ = ("src", "idx", "nbytes")
+
+    def __init__(self, src: np.ndarray, idx: np.ndarray) -> None:
+        self.src, self.idx = src, idx
+        self.nbytes = idx.shape[0] * src.shape[1] * 4
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def write(self, buf: np.ndarray) -> None:
+        """Into ``buf`` (uint8, ``nbytes`` long, at any offset of the message)."""
+        dst = buf.view(np.float32).reshape(self.idx.shape[0], self.src.shape[1])
+        k = kernels.jit()
+        if k is not None:
+            k.gather_rows(self.src, self.idx, dst)
+        else:
+            np.take(self.src, self.idx, axis=0, out=dst)
+
+
+def _join(parts: list) -> Union[bytes, bytearray]:
+    """``b"".join(parts)``, with a ``_Rows`` part gathered into the result (a bytearray then)."""
+    if not any(type(p) is _Rows for p in parts):
+        return b"".join(parts)
+    out = bytearray(sum(map(len, parts)))
+    view = np.frombuffer(out, np.uint8)
+    at = 0
+    for p in parts:
+        n = len(p)
+        if type(p) is _Rows:
+            p.write(view[at : at + n])
+        else:
+            out[at : at + n] = p
+        at += n
+    return out
+
+
+def _rows_parts(src: np.ndarray, idx: np.ndarray, dtype: int) -> list:
+    """``_tensor_parts(src[idx], dtype)``, the rows gathered into the message when they go as float32."""
+    if dtype != pb.FLOAT32 or src.dtype != np.float32 or src.ndim != 2 or not src.flags.c_contiguous:
+        return _tensor_parts(src[idx], dtype)
+    rows = _Rows(src, idx)
+    parts: list = [_tag(_T_DTYPE, _VARINT), _varint(dtype)]
+    packed = _varint(idx.shape[0]) + _varint(src.shape[1])
+    parts += [_tag(_T_SHAPE, _LEN), _varint(len(packed)), packed]
+    if rows.nbytes:
+        parts += [_tag(_T_DATA, _LEN), _varint(rows.nbytes), rows]
+    return parts
+
+
 def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0) -> bytes:
     """A serialized PullResponse{rows, version} (``frame``: as that field of an enclosing message)."""
     parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype))
@@ -133,21 +186,23 @@ def encode_push(
     name: str, grads: np.ndarray, wire_dtype: int, *, ids: Optional[np.ndarray] = None, row_start: int = 0,
     pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
     shard_map: Optional[pb.ShardMap] = None, sync: Optional[pb.SyncPart] = None, frame: int = 0,
-    origins: Sequence[tuple[int, int]] = (),
-) -> bytes:
+    origins: Sequence[tuple[int, int]] = (), rows: Optional[np.ndarray] = None,
+) -> Union[bytes, bytearray]:
     """A serialized PushRequest (with ``ids``) or PushDenseRequest (with ``row_start``); ``origins``: the (shard,
     seq) pairs of a push planned again (PushRequest.origins).
 
     With ``frame``, the message is field ``frame`` of an enclosing message (built in
     the same pass, no extra copy): field 1 or 2 frames it both as a StreamRequest and
-    as an entry of a PushBatchRequest.
+    as an entry of a PushBatchRequest. With ``rows`` (positions in ``grads``), the gradients are
+    ``grads[rows]``, gathered straight into the message (a bytearray then) when they go as float32.
     """
     parts = _string_field(_P_NAME, name)
     if ids is not None:
         parts += _len_field(_P_IDS, _tensor_parts(ids, pb.INT64))
     elif row_start:
         parts += [_tag(_P_ROW_START, _VARINT), _varint(row_start)]
-    parts += _len_field(_P_GRADS, _tensor_parts(grads, wire_dtype))
+    parts += _len_field(_P_GRADS, _tensor_parts(grads, wire_dtype) if rows is None else
+                        _rows_parts(grads, rows, wire_dtype))
     if pulled_version is not None:
         parts += [_tag(_P_PULLED_VERSION, _VARINT), _varint(pulled_version)]
     parts += _string_field(_P_CLIENT_ID, client_id)
@@ -157,7 +212,7 @@ def encode_push(
     parts += _msg_field(_P_SYNC, sync)
     for shard, origin_seq in origins:
         parts += _msg_field(_P_ORIGINS, pb.PushOrigin(shard=shard, seq=origin_seq))
-    return b"".join(_len_field(frame, parts) if frame else parts)
+    return _join(_len_field(frame, parts) if frame else parts)
 
 
 class PushEncoder:
@@ -171,9 +226,11 @@ class PushEncoder:
         self._frame = _tag(frame, _LEN) if frame else b""
 
     def encode(self, ids: np.ndarray, grads: np.ndarray, wire_dtype: int, pulled_version: Optional[int],
-               seq: int) -> bytes:
+               seq: int, rows: Optional[np.ndarray] = None) -> Union[bytes, bytearray]:
+        """``rows``: as ``encode_push`` takes it."""
         parts = [self._head, *_len_field(_P_IDS, _tensor_parts(ids, pb.INT64)),
-                 *_len_field(_P_GRADS, _tensor_parts(grads, wire_dtype))]
+                 *_len_field(_P_GRADS, _tensor_parts(grads, wire_dtype) if rows is None else
+                             _rows_parts(grads, rows, wire_dtype))]
         if pulled_version is not None:
             parts += [_tag(_P_PULLED_VERSION, _VARINT), _varint(pulled_version)]
         parts.append(self._client_id)
@@ -182,7 +239,7 @@ class PushEncoder:
         parts.append(self._tail)
         if self._frame:
             parts[:0] = [self._frame, _varint(sum(map(len, parts)))]
-        return b"".join(parts)
+        return _join(parts)
 
 
 # ---- decoding -------------------------------------------------------------------------------

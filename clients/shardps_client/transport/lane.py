@@ -300,7 +300,8 @@ class Lane:
 
 
 def _request_bytes(item: _Item) -> bytes:
-    return item.request
+    r = item.request  # (a push whose rows were gathered into it is a bytearray: grpc sends bytes)
+    return r if type(r) is bytes else bytes(r)
 
 
 def removed_error(address: str, what: str) -> ShardpsError:

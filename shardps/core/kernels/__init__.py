@@ -105,3 +105,12 @@ def warm_up() -> None:
     k.adam_apply(rows, rows.copy(), rows.copy(), ids, np.ones(4, np.float32), np.ones(4, np.float32), g, False,
                  0.0, f32, f32, f32, f32)
     k.sum_runs(g, ids, np.array([0, 2], np.int64))
+    # Rows into and out of messages: their views sit at any offset of a buffer (numba types those unaligned).
+    raw = np.zeros(4 * 3 * 4 + 1, np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(4, 3)
+    for view in (rows, unaligned):
+        k.gather_rows(g, ids, view)
+        k.scatter_rows(rows, ids, view)
+        received = view.view()
+        received.setflags(write=False)  # a view of a received message is read-only
+        k.scatter_rows(rows, ids, received)

@@ -406,3 +406,26 @@ def sum_runs(grads: np.ndarray, order: np.ndarray, starts: np.ndarray) -> np.nda
     return out
 
 
+
+
+# ---- moving rows between a message and a client's arrays (planner.assemble_rows, wire.encode_push) ---------------
+
+
+@_njit
+def gather_rows(src: np.ndarray, idx: np.ndarray, dst: np.ndarray) -> None:
+    """``dst[i] = src[idx[i]]`` (numpy: ``np.take(src, idx, axis=0, out=dst)``) for 2-D float32 arrays; ``dst`` may
+    be a view of a message's buffer at any offset."""
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        for j in range(src.shape[1]):
+            dst[i, j] = src[r, j]
+
+
+@_njit
+def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
+    """``dst[idx[i]] = src[i]`` (numpy: ``dst[idx] = src``) for 2-D float32 arrays; ``src`` may be a view of a
+    received message at any offset."""
+    for i in range(idx.shape[0]):
+        r = idx[i]
+        for j in range(src.shape[1]):
+            dst[r, j] = src[i, j]
