@@ -3,7 +3,9 @@
 Every kernel (in ``shardps.core.kernels.loops``) has a plain-numpy reference, the
 readable definition, next to the code that calls it: ``routing.shard_of_ids``
 and ``split_by_shard``, ``HashIndex.lookup`` and ``insert``,
-``Initializer.rows``, each optimizer's ``step``, ``ids.coalesce``.
+``Initializer.rows``, each optimizer's ``step``, ``ids.coalesce``, and the rows a client
+moves into a push's message and out of a pull's answer (``wire._Rows.write``,
+``planner.assemble_rows``: numpy's take and fancy assignment).
 Constants both sides share are in ``constants``.
 ``tests/test_kernels.py`` checks that each pair agrees bit for bit. Callers
 ask ``kernels.jit()`` for the compiled module, which is None when the
