@@ -112,6 +112,9 @@ def test_pushes_gathering_their_rows_into_the_message_match_protobuf(wire_dtype)
                                       frame=1)) == framed
         assert bytes(enc.encode(ids, g, wire_dtype, None, 5, rows=rows)) == framed
         np.testing.assert_array_equal(wire.decode_push(got, False).grads, codec.decode(msg.grads, "g"))
+    for bad in ([0, 9], [-1]):  # rows the array does not have: refused, never read
+        with pytest.raises(IndexError, match="of an array of 9"):
+            wire.encode_push("t", grads, pb.FLOAT32, ids=np.arange(len(bad)), rows=np.array(bad))
 
 
 def test_decoding_skips_unknown_fields_and_rejects_garbage():

@@ -94,6 +94,8 @@ class _Rows:
     __slots__ = ("src", "idx", "nbytes")
 
     def __init__(self, src: np.ndarray, idx: np.ndarray) -> None:
+        if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= src.shape[0]):  # (the kernel reads unchecked)
+            raise IndexError(f"rows {int(idx.min())}..{int(idx.max())} of an array of {src.shape[0]}")
         self.src, self.idx = src, idx
         self.nbytes = idx.shape[0] * src.shape[1] * 4
 
