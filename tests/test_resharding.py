@@ -367,7 +367,9 @@ def test_a_push_batch_caught_by_a_handover_applies_each_push_exactly_once(tmp_pa
         done: list[BaseException | None] = []
 
         def at(phase: str, move: Move) -> None:
-            if phase != "handed_over" or done or move.source != 0:
+            # Once: ``expected`` is set by the first call (``done`` only once the batch is answered, which on a busy
+            # machine came after the plan's next handover, a dense chunk's with no slots).
+            if phase != "handed_over" or expected or move.source != 0:
                 return
             old = client._session.slots
             ids = np.arange(ROWS)
