@@ -75,6 +75,42 @@ def test_push_plan_sums_nothing_itself_and_a_sync_worker_sends_every_shard_a_par
     assert sorted(wire.decode_push(wire.unframe(c[2])[1], dense=False).seq for c in calls) == [1, 2, 3]
 
 
+@pytest.mark.parametrize("max_bytes", [64 << 20, 100_000])
+def test_push_plans_send_each_ids_gradient_to_its_owner_once(max_bytes):
+    """``push_plan`` and ``push_plan_many``, with messages large enough to gather their rows in place and small ones
+    (a narrow table, and pieces cut by the size limit): every id's gradient row reaches its owner once, as given."""
+    rng = np.random.default_rng(3)
+    slots = SlotMap.uniform(2)
+    uniq = [np.unique(rng.integers(0, 10**6, n)) for n in (3000, 40, 900)]  # ~190 KB, 5 KB, 58 KB of 32-wide rows
+    grads = rng.standard_normal((sum(u.shape[0] for u in uniq), 32)).astype(np.float32)
+    starts = np.cumsum([0] + [u.shape[0] for u in uniq])
+    want = {(f"t{t}", int(i)): grads[starts[t] + k] for t, u in enumerate(uniq) for k, i in enumerate(u)}
+    seqs = itertools.count(1)
+    encoders: dict = {}
+
+    def encoder(table: str, shard: int) -> wire.PushEncoder:
+        return encoders.setdefault((table, shard), wire.PushEncoder(table, "c", planner.shard_map(shard, slots),
+                                                                    frame=1))
+
+    many = planner.push_plan_many([f"t{t}" for t in range(3)], uniq, grads, slots, F32, max_bytes, [None] * 3,
+                                  encoder, lambda s: next(seqs))
+    one = [(f"t{t}", planner.push_plan(TableSpec(name=f"t{t}", dim=32, optimizer=SGD()), u, grads[starts[t]:starts[t + 1]],
+                                       slots, F32, max_bytes, None, "c", lambda s: next(seqs)))
+           for t, u in enumerate(uniq)]
+    for plan in (many, one):
+        got: dict = {}
+        for table, calls in plan:
+            for s, method, framed in calls:
+                d = wire.decode_push(wire.unframe(framed)[1], dense=False)
+                assert method == "Push" and d.name == table and len(framed) <= max_bytes + 64
+                assert (slots.owner_of(d.ids) == s).all()
+                for i, row in zip(d.ids.tolist(), d.grads):
+                    assert (table, i) not in got
+                    got[(table, i)] = row
+        assert got.keys() == want.keys()
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
 def test_dense_pieces_cover_every_row_once():
     spec = DenseSpec(name="w", shape=(1000, 16), optimizer=SGD(), chunk_rows=64)
     rows = []

@@ -95,13 +95,17 @@ def test_push_encoder_matches_protobuf(frame, wire_dtype):
 
 @pytest.mark.parametrize("wire_dtype", [pb.FLOAT32, pb.FLOAT16])
 def test_pushes_gathering_their_rows_into_the_message_match_protobuf(wire_dtype):
-    """``rows=``: a push of ``grads[rows]`` gathered straight into its message (float32) writes what protobuf writes
-    for the gathered array, also through the encoder, for no rows, and for gradients numpy must copy first."""
-    grads = RNG.standard_normal((9, 5)).astype(np.float32)
+    """``rows=``: a push of ``grads[rows]``, gathered straight into its message when large (float32), writes what
+    protobuf writes for the gathered array, also through the encoder, for small and no rows, and for gradients
+    numpy must copy first."""
+    grads = RNG.standard_normal((700, 32)).astype(np.float32)
+    big = RNG.permutation(700)[:600]
+    big[:3] = [699, 0, 0]
+    assert big.shape[0] * 32 * 4 >= wire.ROWS_IN_PLACE_BYTES  # gathered into the message
     smap = pb.ShardMap(shard_index=0, num_shards=2)
     enc = wire.PushEncoder("t", "c-1", smap, frame=1)
-    for rows, g in [(np.array([8, 0, 3, 3]), grads), (np.zeros(0, np.int64), grads), (np.array([1, 2]), grads[:, ::2]),
-                    (np.array([4]), grads.astype(np.float64))]:
+    for rows, g in [(big, grads), (np.array([8, 0, 3, 3]), grads), (np.zeros(0, np.int64), grads),
+                    (big, grads[:, ::2]), (big, grads.astype(np.float64))]:
         ids = np.arange(rows.shape[0], dtype=np.int64) * 7
         msg = pb.PushRequest(table="t", ids=codec.encode(ids), grads=codec.encode(g[rows], wire_dtype), client_id="c-1",
                              seq=5, shard_map=smap)
@@ -112,9 +116,11 @@ def test_pushes_gathering_their_rows_into_the_message_match_protobuf(wire_dtype)
                                       frame=1)) == framed
         assert bytes(enc.encode(ids, g, wire_dtype, None, 5, rows=rows)) == framed
         np.testing.assert_array_equal(wire.decode_push(got, False).grads, codec.decode(msg.grads, "g"))
-    for bad in ([0, 9], [-1]):  # rows the array does not have: refused, never read
-        with pytest.raises(IndexError, match="of an array of 9"):
-            wire.encode_push("t", grads, pb.FLOAT32, ids=np.arange(len(bad)), rows=np.array(bad))
+    for bad, value in ((0, 700), (5, -1)):  # rows the array does not have: refused, never read
+        rows = big.copy()
+        rows[bad] = value
+        with pytest.raises(IndexError, match="of an array of 700"):
+            wire.encode_push("t", grads, pb.FLOAT32, ids=np.arange(600), rows=rows)
 
 
 def test_decoding_skips_unknown_fields_and_rejects_garbage():

@@ -213,25 +213,33 @@ def push_plan_many(names: list[str], uniq: list[np.ndarray], grads: np.ndarray, 
     """``push_plan`` of several tables of one width at once (no synchronous step): ``uniq`` the sorted unique
     ids of each table, ``grads`` their summed gradients stacked in the same order. The ids of every table are
     split by shard in one pass; then one framed Push per table and shard (more above the size limit), made by
-    ``encoder(table, shard)``, each gathering its rows straight into its message."""
+    ``encoder(table, shard)``: a large one gathers its rows straight into its message, small ones take slices of
+    their shard's rows gathered in one copy."""
     counts = np.fromiter((u.shape[0] for u in uniq), dtype=np.int64, count=len(uniq))
     ids = np.concatenate(uniq) if uniq else np.zeros(0, np.int64)
     table_of = np.repeat(np.arange(len(uniq), dtype=np.int64), counts)
     order, bounds = slots.split(ids)  # (each shard's ids in their order: table after table)
     step = rows_per_message(max_bytes, grads.shape[1] if grads.ndim == 2 else 1, wire_code)
+    row_bytes = (grads.shape[1] if grads.ndim == 2 else 1) * 4
     calls: list[list[Call]] = [[] for _ in uniq]
     for s in range(slots.num_shards):
         idx = order[bounds[s] : bounds[s + 1]]
         if not idx.shape[0]:
             continue
-        ids_s = ids[idx]
+        ids_s, grads_s = ids[idx], None
         cuts = np.searchsorted(table_of[idx], np.arange(len(uniq) + 1)).tolist()
         for t in range(len(uniq)):
             for a in range(cuts[t], cuts[t + 1], step):
                 b = min(a + step, cuts[t + 1])
                 v = pulled[t]
-                req = encoder(names[t], s).encode(ids_s[a:b], grads, wire_code,  # (rows gathered into the message)
-                                                  v.get(s) if v is not None else None, next_seq(s), rows=idx[a:b])
+                version = v.get(s) if v is not None else None
+                if (b - a) * row_bytes >= wire.ROWS_IN_PLACE_BYTES:  # gathered straight into the message
+                    req = encoder(names[t], s).encode(ids_s[a:b], grads, wire_code, version, next_seq(s),
+                                                      rows=idx[a:b])
+                else:  # small: the shard's rows gathered once, each table's a slice of them
+                    if grads_s is None:
+                        grads_s = grads[idx]
+                    req = encoder(names[t], s).encode(ids_s[a:b], grads_s[a:b], wire_code, version, next_seq(s))
                 calls[t].append((s, "Push", req))
     return [(name, c) for name, c in zip(names, calls) if c]
 

@@ -113,25 +113,27 @@ class _Rows:
 
 
 def _join(parts: list) -> Union[bytes, bytearray]:
-    """``b"".join(parts)``, with a ``_Rows`` part gathered into the result (a bytearray then)."""
-    if not any(type(p) is _Rows for p in parts):
+    """``b"".join(parts)``, with a ``_Rows`` part (at most one) gathered into the result (a bytearray then)."""
+    rows = next((i for i, p in enumerate(parts) if type(p) is _Rows), None)
+    if rows is None:
         return b"".join(parts)
-    out = bytearray(sum(map(len, parts)))
-    view = np.frombuffer(out, np.uint8)
-    at = 0
-    for p in parts:
-        n = len(p)
-        if type(p) is _Rows:
-            p.write(view[at : at + n])
-        else:
-            out[at : at + n] = p
-        at += n
+    head, part, tail = b"".join(parts[:rows]), parts[rows], b"".join(parts[rows + 1:])
+    out = bytearray(len(head) + part.nbytes + len(tail))
+    out[: len(head)] = head
+    out[len(head) + part.nbytes :] = tail
+    part.write(np.frombuffer(out, np.uint8, part.nbytes, len(head)))
     return out
+
+
+# Rows gathered straight into a message from this size on; below it numpy's gather and a join cost less than the
+# set-up of the compiled one (a collection's pushes of a few hundred 16-wide rows: 197 against 358 us a step).
+ROWS_IN_PLACE_BYTES = 64 << 10
 
 
 def _rows_parts(src: np.ndarray, idx: np.ndarray, dtype: int) -> list:
     """``_tensor_parts(src[idx], dtype)``, the rows gathered into the message when they go as float32."""
-    if dtype != pb.FLOAT32 or src.dtype != np.float32 or src.ndim != 2 or not src.flags.c_contiguous:
+    if (dtype != pb.FLOAT32 or src.dtype != np.float32 or src.ndim != 2 or not src.flags.c_contiguous
+            or idx.shape[0] * src.shape[1] * 4 < ROWS_IN_PLACE_BYTES):
         return _tensor_parts(src[idx], dtype)
     rows = _Rows(src, idx)
     parts: list = [_tag(_T_DTYPE, _VARINT), _varint(dtype)]
