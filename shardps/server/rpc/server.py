@@ -356,7 +356,9 @@ class ShardServer:
 def serve(shard_config: ShardConfig, server_config: ServerConfig, ready_file: Optional[str] = None) -> int:
     """Run a shard until SIGTERM or SIGINT; returns the process exit code."""
     # The compiled kernels load (or compile, with an empty cache) before the shard listens: the first request
-    # is then as fast as the others, and a shard that is serving has its memory already.
+    # is then as fast as the others, and a shard that is serving has its memory already. (numba's BLAS probe
+    # is skipped: see kernels.without_scipy.)
+    kernels.without_scipy()
     kernels.warm_up()
     server = ShardServer(shard_config, server_config).start()
     print(f"shardps shard {shard_config.shard_index}/{shard_config.num_shards} listening on {server.address} "
