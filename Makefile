@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m clients.examples.dlrm $(ARGS)
 
-# Two workers: the suite's processes wait on one another much of the time (RPCs, process starts, image builds),
-# and the container test's builds overlap the rest. `pytest -q` alone runs it on one.
+# Three workers: the container test's image builds overlap the rest, and on 2 cores a third worker fills the moments
+# two leave idle (docs/development.md). `pytest -q` alone runs it on one.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal
 

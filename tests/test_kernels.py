@@ -211,7 +211,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_a_shard_loads_its_kernels_without_scipy() -> None:
     """``shardps serve``'s start (``without_scipy`` then ``warm_up``): the kernels load and compute without numba's
     BLAS probe importing scipy (0.26 s of each shard's start where scipy is installed)."""
-    code = ("import sys, numpy as np; from shardps.core import kernels; kernels.without_scipy(); kernels.warm_up(); "
+    code = ("import sys, numpy as np; from shardps.core import kernels; kernels.without_scipy(); kernels.warm_up(client=False); "
             "order, bounds = kernels.jit().split_by_shard(np.arange(100, dtype=np.int64), 3, np.uint64(7)); "
             "print(sorted(order.tolist()) == list(range(100)), bounds.tolist()[-1], "
             "any(m.split('.')[0] == 'scipy' and sys.modules[m] is not None for m in sys.modules))")

@@ -76,14 +76,19 @@ def _len_field(field: int, parts: list) -> list:
 def _tensor_parts(array: np.ndarray, dtype: int) -> list:
     """Fields of a Tensor message (dtype, packed shape, data) around the array's own buffer."""
     data = codec.wire_elements(array, dtype)
+    return _tensor_fields(dtype, array.shape, memoryview(data.reshape(-1)).cast("B"))
+
+
+def _tensor_fields(dtype: int, shape: Sequence[int], data: Any) -> list:
+    """Fields of a Tensor message: ``data`` is its bytes (a byte view, or ``_Rows`` gathered into the message)."""
     parts: list = []
     if dtype:
         parts += [_tag(_T_DTYPE, _VARINT), _varint(dtype)]
-    if array.shape:
-        packed = b"".join(_varint(int(s)) for s in array.shape)
+    if shape:
+        packed = b"".join(_varint(int(s)) for s in shape)
         parts += [_tag(_T_SHAPE, _LEN), _varint(len(packed)), packed]
-    if data.nbytes:
-        parts += [_tag(_T_DATA, _LEN), _varint(data.nbytes), memoryview(data.reshape(-1)).cast("B")]
+    if len(data):
+        parts += [_tag(_T_DATA, _LEN), _varint(len(data)), data]
     return parts
 
 
@@ -135,13 +140,7 @@ def _rows_parts(src: np.ndarray, idx: np.ndarray, dtype: int) -> list:
     if (dtype != pb.FLOAT32 or src.dtype != np.float32 or src.ndim != 2 or not src.flags.c_contiguous
             or idx.shape[0] * src.shape[1] * 4 < ROWS_IN_PLACE_BYTES):
         return _tensor_parts(src[idx], dtype)
-    rows = _Rows(src, idx)
-    parts: list = [_tag(_T_DTYPE, _VARINT), _varint(dtype)]
-    packed = _varint(idx.shape[0]) + _varint(src.shape[1])
-    parts += [_tag(_T_SHAPE, _LEN), _varint(len(packed)), packed]
-    if rows.nbytes:
-        parts += [_tag(_T_DATA, _LEN), _varint(rows.nbytes), rows]
-    return parts
+    return _tensor_fields(dtype, (idx.shape[0], src.shape[1]), _Rows(src, idx))
 
 
 def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0) -> bytes:

@@ -88,8 +88,9 @@ from shardps.core.kernels.constants import ZIG_ATTEMPTS, ZIG_F, ZIG_K, ZIG_W, ZI
 # ---- ahead-of-time compilation -------------------------------------------------------
 
 
-def warm_up() -> None:
-    """Compile (or load from the cache) every kernel for the types the callers pass."""
+def warm_up(client: bool = True) -> None:
+    """Compile (or load from the cache) every kernel for the types the callers pass; without ``client``, those a
+    shard uses (a shard's start leaves out the client's moves of rows into and out of messages)."""
     k = jit()
     if k is None:
         return
@@ -117,6 +118,8 @@ def warm_up() -> None:
     k.adam_apply(rows, rows.copy(), rows.copy(), ids, np.ones(4, np.float32), np.ones(4, np.float32), g, False,
                  0.0, f32, f32, f32, f32)
     k.sum_runs(g, ids, np.array([0, 2], np.int64))
+    if not client:
+        return
     # Rows into and out of messages: their views sit at any offset of a buffer (numba types those unaligned).
     raw = np.zeros(4 * 3 * 4 + 1, np.uint8)
     unaligned = raw[1:].view(np.float32).reshape(4, 3)

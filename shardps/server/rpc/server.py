@@ -359,7 +359,7 @@ def serve(shard_config: ShardConfig, server_config: ServerConfig, ready_file: Op
     # is then as fast as the others, and a shard that is serving has its memory already. (numba's BLAS probe
     # is skipped: see kernels.without_scipy.)
     kernels.without_scipy()
-    kernels.warm_up()
+    kernels.warm_up(client=False)
     server = ShardServer(shard_config, server_config).start()
     print(f"shardps shard {shard_config.shard_index}/{shard_config.num_shards} listening on {server.address} "
           f"(kernels: {kernels.describe()})", flush=True)
