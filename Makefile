@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e '.[test]'
-	$(BIN)/python -m shardps.core.kernels  # compile the numba kernels once, into their on-disk cache
+	$(BIN)/python -m shardps.core.kernels  # the kernels compiled ahead of time (with a C compiler) and numba's cache
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -26,6 +26,7 @@ demo: $(STAMP)
 # Three workers: the container test's image builds overlap the rest, and on 2 cores a third worker fills the moments
 # two leave idle (docs/development.md). `pytest -q` alone runs it on one.
 test: $(STAMP)
+	$(BIN)/python -m shardps.core.kernels --if-stale  # the kernels compiled ahead of time: rebuilt after an edit
 	$(BIN)/python -m pytest -q -n 3 --dist worksteal
 
 # The GPU tests (marked gpu; the suite skips them where torch sees no CUDA device), failing instead where it sees

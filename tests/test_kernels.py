@@ -1,9 +1,10 @@
 """The compiled kernels against their plain-numpy references, bit for bit.
 
 Each test runs the same public operation (routing, the hash index, a table's
-pushes, the initializer, coalescing) twice, once with the numba kernels and
-once with ``kernels.jit`` returning None (the references), and compares the
-results with ``np.array_equal`` on the raw float32 bits.
+pushes, the initializer, coalescing) with the numba kernels, with the same
+kernels compiled ahead of time (``kernels.aot``, where built) and with
+``kernels.jit`` returning None (the references), and compares the results with
+``np.array_equal`` on the raw float32 bits.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -19,18 +22,21 @@ import pytest
 
 from shardps.core import kernels
 from shardps.core.ids import coalesce
-from shardps.core.kernels import loops
+from shardps.core.kernels import aot, loops
 from shardps.core.optim import SGD, Adagrad, Adam
 from shardps.core.routing import shard_of_ids, split_by_shard
 from shardps.core.specs import Eviction, Initializer, TableSpec
 from shardps.server.storage.index import HashIndex
 from shardps.server.storage.table import Table
 
+AOT, AOT_MISSING = aot.load(lambda: loops)
+COMPILED = [loops] + ([AOT] if AOT is not None else [])
+
 
 @contextlib.contextmanager
-def _kernels(on: bool) -> Iterator[None]:
+def _kernels(k: object) -> Iterator[None]:
     saved = kernels.jit
-    kernels.jit = (lambda: loops) if on else (lambda: None)  # type: ignore[assignment]
+    kernels.jit = lambda: k  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -38,11 +44,17 @@ def _kernels(on: bool) -> Iterator[None]:
 
 
 def both(fn: Callable[[], object]) -> tuple[object, object]:
-    with _kernels(True):
-        a = fn()
-    with _kernels(False):
+    """(the compiled kernels' result, the references'); the numba kernels' and the ahead-of-time module's results
+    are checked equal first."""
+    results = []
+    for k in COMPILED:
+        with _kernels(k):
+            results.append(fn())
+    for other in results[1:]:
+        bits_equal(results[0], other)
+    with _kernels(None):
         b = fn()
-    return a, b
+    return results[0], b
 
 
 def bits_equal(a: object, b: object) -> None:
@@ -80,17 +92,16 @@ def test_hash_index_lookups_agree_whichever_side_built_the_table() -> None:
     rng = np.random.default_rng(1)
     present = np.unique(_ids(rng, 30000))
     absent = np.setdiff1d(_ids(rng, 5000), present)
-    indexes = {}
-    for on in (True, False):
-        with _kernels(on):
+    indexes = []
+    for k in [*COMPILED, None]:
+        with _kernels(k):
             idx = HashIndex(16)
             start = 0
             for part in np.array_split(rng.permutation(present), 7):  # several inserts, several rehashes
                 idx.insert(part, np.arange(start, start + part.shape[0]))
                 start += part.shape[0]
-            indexes[on] = idx
-    for built in (True, False):
-        idx = indexes[built]
+            indexes.append(idx)
+    for idx in indexes:
         probe = np.concatenate([present, absent, present[:100]])
         found, ref = both(lambda idx=idx, probe=probe: idx.lookup(probe))
         bits_equal(found, ref)
@@ -191,16 +202,18 @@ def test_rows_into_and_out_of_messages() -> None:
     src = rng.standard_normal((50, 7)).astype(np.float32)
     src[3, 2] = np.nan
     idx = rng.permutation(50)[:31]
-    raw = np.zeros(31 * 7 * 4 + 3, np.uint8)
-    for dst in (np.zeros((31, 7), np.float32), raw[3:].view(np.float32).reshape(31, 7)):
-        loops.gather_rows(src, idx, dst)
-        bits_equal(dst, np.take(src, idx, axis=0))
-        received = dst.view()
-        received.setflags(write=False)
-        out, want = np.zeros((50, 7), np.float32), np.zeros((50, 7), np.float32)
-        loops.scatter_rows(out, idx, received)
-        want[idx] = dst
-        bits_equal(out, want)
+    for k in COMPILED:
+        raw = np.zeros(31 * 7 * 4 + 3, np.uint8)
+        for dst in (np.zeros((31, 7), np.float32), raw[3:].view(np.float32).reshape(31, 7),
+                    raw[:-3].view(np.float32).reshape(31, 7)):
+            k.gather_rows(src, idx, dst)
+            bits_equal(dst, np.take(src, idx, axis=0))
+            received = dst.view()
+            received.setflags(write=False)
+            out, want = np.zeros((50, 7), np.float32), np.zeros((50, 7), np.float32)
+            k.scatter_rows(out, idx, received)
+            want[idx] = dst
+            bits_equal(out, want)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -225,12 +238,140 @@ def test_the_environment_picks_the_implementation() -> None:
     assert out.stdout.split()[:2] == ["False", "True"] and "SHARDPS_KERNELS=numpy" in out.stdout
     out = _python(code, SHARDPS_KERNELS="numba")
     assert out.stdout.split()[:3] == ["True", "False", "numba"], out.stderr
+    out = _python(code, SHARDPS_KERNELS="auto")
+    assert out.stdout.split()[:3] == ["True", "False", "compiled" if AOT is not None else "numba"], out.stderr
     out = _python("import shardps.core.kernels", SHARDPS_KERNELS="fast")
-    assert out.returncode != 0 and "SHARDPS_KERNELS must be numba, numpy or auto, got 'fast'" in out.stderr
+    assert out.returncode != 0 and "SHARDPS_KERNELS must be auto, aot, numba or numpy, got 'fast'" in out.stderr
 
 
-def test_command_line_tools_do_not_import_numba() -> None:
-    """The health probe and the other command-line tools start without paying for numba's import."""
-    out = _python("import sys, shardps.server.ops.cli, shardps.core.routing, shardps.core.specs; "
-                  "print('numba' in sys.modules)")
-    assert out.stdout.strip() == "False", out.stderr
+# ---- the ahead-of-time module ----------------------------------------------------------------------------------------
+
+
+needs_aot = pytest.mark.skipif(AOT is None and aot.compiler() is None,
+                               reason=f"no C compiler to build the ahead-of-time kernels ({AOT_MISSING})")
+
+
+@needs_aot
+def test_the_ahead_of_time_module_is_built_and_current() -> None:
+    """Where a C compiler is installed, ``make setup`` (``python -m shardps.core.kernels``) built it from these
+    sources: the other tests here then run every operation through it too."""
+    assert AOT is not None, f"{AOT_MISSING}: run python -m shardps.core.kernels"
+
+
+@needs_aot
+def test_a_shard_starts_without_importing_numba() -> None:
+    """``shardps serve``'s start loads the ahead-of-time kernels alone: numba's import and cache (0.5 s of CPU a
+    shard) are left out, and the kernels compute."""
+    code = ("import sys, numpy as np; from shardps.core import kernels; kernels.without_scipy(); "
+            "kernels.warm_up(client=False); "
+            "order, bounds = kernels.jit().split_by_shard(np.arange(100, dtype=np.int64), 3, np.uint64(7)); "
+            "print(sorted(order.tolist()) == list(range(100)), bounds.tolist()[-1], 'numba' in sys.modules, "
+            "kernels.describe())")
+    out = _python(code, SHARDPS_KERNELS="aot")
+    assert out.stdout.split()[:4] == ["True", "100", "False", "compiled"], out.stderr
+
+
+class _Counting:
+    """numba's kernels, counting the calls the ahead-of-time module hands them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(loops, name)
+
+        def call(*args: object) -> object:
+            self.calls.append(name)
+            return fn(*args)
+
+        return call
+
+
+@needs_aot
+def test_ahead_of_time_calls_with_other_types_run_the_numba_kernels() -> None:
+    """The compiled entry points trust their arguments' types: every call with types they were not compiled for
+    (another dtype, a Fortran-ordered or read-only array the kernel writes into, a scalar numba types otherwise)
+    goes to numba's kernel, with the same result; an array the kernel only reads is copied to C order instead."""
+    assert AOT is not None
+    numba_side = _Counting()
+    k = aot.Kernels(AOT.compiled, lambda: numba_side)
+    seed = np.uint64(7)
+    ids = np.arange(40, dtype=np.int64) * 7919
+
+    def same(name: str, *args: object, handed: bool) -> None:
+        before = len(numba_side.calls)
+        got = getattr(k, name)(*args)
+        assert (len(numba_side.calls) > before) == handed, (name, handed)
+        bits_equal(got, getattr(loops, name)(*args))
+
+    same("shard_of_ids", ids, 3, seed, handed=False)
+    same("shard_of_ids", ids[::2], 3, seed, handed=False)  # read only: copied to C order
+    same("shard_of_ids", ids.astype(np.int32), 3, seed, handed=True)
+    same("shard_of_ids", ids, np.int32(3), seed, handed=True)
+    same("shard_of_ids", ids, 3, 7, handed=True)  # a Python int seed: numba types it int64
+    same("sum_runs", np.ones((6, 4), np.float64), np.arange(6), np.array([0, 2]), handed=True)
+
+    slots = np.array([1, 3], np.int64)
+    grads = np.ones((2, 4), np.float32)
+
+    def adagrad(rows: np.ndarray, acc: np.ndarray, handed: bool) -> None:
+        before = len(numba_side.calls)
+        k.adagrad_apply(rows, acc, slots, np.full(2, 0.5, np.float32), grads, False, 0.0, np.float32(1e-10))
+        assert (len(numba_side.calls) > before) == handed
+        want, want_acc = np.zeros((5, 4), np.float32), np.zeros((5, 4), np.float32)
+        loops.adagrad_apply(want, want_acc, slots, np.full(2, 0.5, np.float32), grads, False, 0.0, np.float32(1e-10))
+        bits_equal(rows, want)
+        bits_equal(acc, want_acc)
+
+    adagrad(np.zeros((5, 4), np.float32), np.zeros((5, 4), np.float32), handed=False)
+    adagrad(np.zeros((5, 4), np.float32, order="F"), np.zeros((5, 4), np.float32), handed=True)
+    read_only = np.zeros((5, 4), np.float32)
+    read_only.setflags(write=False)
+    with pytest.raises(Exception, match="readonly|read-only"):  # numba refuses to write into it, as without the module
+        k.adagrad_apply(read_only, np.zeros((5, 4), np.float32), slots, np.full(2, 0.5, np.float32), grads, False,
+                        0.0, np.float32(1e-10))
+    assert numba_side.calls[-1] == "adagrad_apply"
+
+
+@needs_aot
+def test_ahead_of_time_kernels_keep_numpys_error_model() -> None:
+    """A float division by zero gives NaN or inf, as numba's kernels (``error_model="numpy"``) and numpy do, not
+    Python's ZeroDivisionError: Adagrad with eps=0 on a zero row and a zero gradient divides 0 by 0."""
+    assert AOT is not None
+    slots = np.array([0, 2], np.int64)
+    out = []
+    for k in COMPILED:
+        rows, acc = np.zeros((3, 2), np.float32), np.zeros((3, 2), np.float32)
+        k.adagrad_apply(rows, acc, slots, np.ones(2, np.float32), np.zeros((2, 2), np.float32), False, 0.0,
+                        np.float32(0.0))
+        out.append(rows)
+    assert np.isnan(out[1][[0, 2]]).all() and (out[1][1] == 0).all()
+    bits_equal(out[0], out[1])
+
+
+@needs_aot
+def test_ahead_of_time_kernels_release_the_gil() -> None:
+    """As numba's (``nogil``): inside a long kernel call in one thread, the others run Python. The main thread notes
+    the time at each turn of a loop (half a millisecond's sleep, then Python) while another draws 25.6M initial values in one call; some turns must fall well
+    inside that call (with the GIL held, none can: the interpreter switches threads only between bytecodes, so at
+    most within one switch interval of the call's start)."""
+    assert AOT is not None
+    ids = np.arange(400_000, dtype=np.int64)
+    window: list[float] = []
+
+    def worker() -> None:
+        window.append(time.perf_counter())
+        AOT.normal_rows(ids, 64, np.uint64(1), np.uint64(2), 0.0, 1.0, kernels.ZIG_K, kernels.ZIG_W, kernels.ZIG_F)
+        window.append(time.perf_counter())
+
+    turns: list[float] = []
+    t = threading.Thread(target=worker)
+    t.start()
+    while t.is_alive():
+        time.sleep(0.0005)  # then back to Python: it needs the GIL
+        turns.append(time.perf_counter())
+    t.join()
+    start, end = window
+    margin = 10 * sys.getswitchinterval()
+    assert end - start > 2 * margin, f"the call took {end - start:.3f} s: too short to tell"
+    assert any(start + margin < x < end for x in turns), (end - start, len(turns))

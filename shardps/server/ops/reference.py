@@ -33,8 +33,10 @@ DEFAULT_PATH = os.path.join("docs", "configuration.md")
 ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Every process", "Shards, clients and the command-line tools.", [
         ("SHARDPS_KERNELS", "`shardps.core.kernels` (shards, clients, `shardps reshard`)",
-         "which code runs the per-row loops: `auto` (default: the numba kernels when numba is installed, "
-         "else the numpy references), `numba` (the kernels; an error when numba is missing) or `numpy` "
+         "which code runs the per-row loops: `auto` (default: the kernels compiled ahead of time where "
+         "`python -m shardps.core.kernels` built them, else numba's; the numpy references when numba is missing), "
+         "`aot` (the ahead-of-time module; an error when it is not built or stale), `numba` (numba's kernels, "
+         "compiled or loaded from its cache at run time; an error when numba is missing) or `numpy` "
          "(the plain-numpy references)"),
         ("SHARDPS_TUNE_MALLOC", "`shardps serve`, `Client` (`shardps.core.memory.tune_malloc`)",
          "`0` leaves glibc's malloc settings alone; otherwise M_MMAP_THRESHOLD is raised to 32 MiB and "
