@@ -28,10 +28,15 @@ def test_digits_convnet_reaches_95_percent_with_two_workers(mode):
     assert f"({mode}, 2 workers" in out
 
 
+# The local baseline with one torch thread: with its default two, on 2 cores the rest of the suite keeps busy, its
+# OpenMP threads wait on each other at every parallel region (one suite run's local baseline ran at 1,772 samples/s
+# against 99,000 alone and the test went past its 120 s; beside 3 busy processes: 3,260 samples/s with 2 threads,
+# 34,378 with 1). The AUC compared is the same.
+@pytest.mark.timeout(300)
 def test_dlrm_async_two_workers_converges(tmp_path):
     result = tmp_path / "dlrm.json"
     _run(["-m", f"{EXAMPLES}.dlrm", "--workers", "2", "--rows", "200000", "--train", "120000", "--test", "30000",
-          "--json", str(result)])
+          "--local-threads", "1", "--json", str(result)])
     r = json.loads(result.read_text())
     best, ours, local = r["best_auc"], r["shardps"]["auc"], r["local"]["auc"]
     assert ours > 0.72 and ours > best - 0.1, r  # learned most of the planted signal

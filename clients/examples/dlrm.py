@@ -367,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model computes (rows are pulled to it)")
     p.add_argument("--no-local", action="store_true", help="skip the local torch.optim baseline")
+    p.add_argument("--local-threads", type=int, default=0,
+                   help="torch's threads for the local baseline (default 0: one per core)")
     p.add_argument("--local-one-thread", action="store_true",
                    help="also train locally with one torch thread: a trainer's like for like in forward + backward "
                         "CPU (a worker beside local shards gets one thread)")
@@ -411,7 +413,7 @@ def main() -> int:
                     "shards_cpu_s_per_1k": shards_cpu / samples * 1e3},
     }
     if not args.no_local:
-        results["local"] = train_local(args)
+        results["local"] = train_local(args, threads=args.local_threads)
         if args.local_one_thread:
             results["local_one_thread"] = train_local(args, threads=1)
     if args.dense == "ddp":
