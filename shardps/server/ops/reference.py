@@ -82,6 +82,9 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("SHARDPS_ROWS", "Compose's trainer", "the DLRM run's `--rows` (default 1000000)"),
         ("SHARDPS_TRAIN", "Compose's trainer", "the DLRM run's `--train` samples (default 400000)"),
         ("SHARDPS_TEST", "Compose's trainer", "the DLRM run's `--test` samples (default 100000)"),
+        ("SHARDPS_LOCAL_THREADS", "Compose's trainer",
+         "torch threads of the DLRM run's local baseline, `--local-threads` (default 0: one per core; 1 where "
+         "the shards share the trainer's cores, whose OpenMP threads otherwise wait on each other)"),
         ("SHARDPS_SECRETS", "`docker/compose.tls.yaml`",
          "directory of TLS files and tokens mounted at `/run/secrets` (default `docker/secrets`)"),
         ("SHARDPS_TRAINER_TOKEN", "`docker/compose.tls.yaml`",
