@@ -20,15 +20,17 @@ references serve.
 - ``aot``: the same functions compiled ahead of time into an extension module,
   so a process (a shard) that runs them never imports numba: 0.5 s of CPU less
   at each start. Calls with types it was not compiled for run numba's kernel.
-- numba is imported on first use, not at import, so the command-line tools
-  (``shardps health``) start without it.
+- The kernels (and numba, where its kernels serve) are loaded on first use,
+  not at import, so the command-line tools (``shardps health``) start without
+  them.
 - Kernels release the GIL (``nogil``), so a shard's other gRPC threads decode
   and encode while one applies a push.
 - Machine code is cached on disk (numba's ``cache=True``): in ``__pycache__``
   next to ``loops.py``, or under ``NUMBA_CACHE_DIR`` / the user's cache
   directory where that is read-only. ``python -m shardps.core.kernels``
-  compiles them all ahead of time (the Docker images do it at build time):
-  about 6 s with an empty cache, 0.5 s to load them from it.
+  builds the ahead-of-time module (about 10 s) and fills that cache (the
+  Docker images do at build time): about 6 s with an empty cache, 0.5 s of
+  CPU to load the kernels from it in each process.
 - Floating-point code keeps the reference's operation order and precision
   (float64 where the reference rounds once to float32, float32 elsewhere) and
   no fast-math, so results are the reference's to the bit.

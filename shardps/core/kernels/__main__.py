@@ -14,7 +14,8 @@ parser.add_argument("--if-stale", action="store_true",
                     help="do nothing when the ahead-of-time module is built and current (without importing numba)")
 opts = parser.parse_args()
 if not kernels.ENABLED:
-    raise SystemExit(f"shardps kernels: {kernels.describe()}: nothing to compile")
+    print(f"shardps kernels: {kernels.describe()}: nothing to compile")
+    raise SystemExit(0)
 t0 = time.perf_counter()
 current = aot.load(kernels.numba_kernels)[0] is not None
 if opts.if_stale and current:
