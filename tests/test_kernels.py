@@ -271,6 +271,21 @@ def test_a_shard_starts_without_importing_numba() -> None:
     assert out.stdout.split()[:4] == ["True", "100", "False", "compiled"], out.stderr
 
 
+@needs_aot
+def test_a_trainers_pulls_and_pushes_import_no_numba() -> None:
+    """A client's pulls and pushes (split by shard, rows into a push's message and out of a pull's answer, at any
+    offset of the message) run on the ahead-of-time module alone: a trainer does not pay numba's import either."""
+    code = ("import sys, torch; from shardps_client import Client, SGD; from tests.conftest import running_cluster\n"
+            "with running_cluster(2) as servers, Client([s.address for s in servers]) as c:\n"
+            "    c.create_table('t', dim=64, num_embeddings=100000, optimizer=SGD(lr=0.1))\n"
+            "    for step in range(3):\n"
+            "        ids = torch.randint(0, 100000, (4096,))\n"
+            "        c.push('t', ids, c.pull('t', ids) * 0.1, wait=True)\n"
+            "print('numba' in sys.modules)")
+    out = _python(code, SHARDPS_KERNELS="aot")
+    assert out.stdout.split() == ["False"], out.stdout + out.stderr
+
+
 class _Counting:
     """numba's kernels, counting the calls the ahead-of-time module hands them."""
 
@@ -306,6 +321,10 @@ def test_ahead_of_time_calls_with_other_types_run_the_numba_kernels() -> None:
 
     same("shard_of_ids", ids, 3, seed, handed=False)
     same("shard_of_ids", ids[::2], 3, seed, handed=False)  # read only: copied to C order
+    # Another descriptor object of the same dtype (numpy makes them; a trainer's arrays from torch had them).
+    other = ids.view(np.dtype(np.int64, copy=True))
+    assert other.dtype is not ids.dtype
+    same("shard_of_ids", other, 3, seed, handed=False)
     same("shard_of_ids", ids.astype(np.int32), 3, seed, handed=True)
     same("shard_of_ids", ids, np.int32(3), seed, handed=True)
     same("shard_of_ids", ids, 3, 7, handed=True)  # a Python int seed: numba types it int64
@@ -322,6 +341,18 @@ def test_ahead_of_time_calls_with_other_types_run_the_numba_kernels() -> None:
         loops.adagrad_apply(want, want_acc, slots, np.full(2, 0.5, np.float32), grads, False, 0.0, np.float32(1e-10))
         bits_equal(rows, want)
         bits_equal(acc, want_acc)
+
+    # Rows and ids at an odd offset of a message's buffer: the arrays a kernel reads (and a push's message it writes
+    # rows into) are compiled for any alignment; the arrays of a table it writes into are not.
+    raw = np.zeros(2 * 4 * 4 + 1, np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(2, 4)
+    assert not unaligned.flags.aligned
+    same("gather_rows", grads, np.array([1, 0]), unaligned, handed=False)
+    same("scatter_rows", np.zeros((3, 4), np.float32), np.array([2, 0]), unaligned, handed=False)
+    same("sum_runs", unaligned, np.array([0, 1]), np.array([0]), handed=False)
+    same("shard_of_ids", np.zeros(8 * 2 + 1, np.uint8)[1:].view(np.int64), 3, seed, handed=False)
+    same("apply_moves", np.zeros(4 * 4 * 4 + 1, np.uint8)[1:].view(np.float32).reshape(4, 4),
+         np.array([[3, 0]]), handed=True)
 
     adagrad(np.zeros((5, 4), np.float32), np.zeros((5, 4), np.float32), handed=False)
     adagrad(np.zeros((5, 4), np.float32, order="F"), np.zeros((5, 4), np.float32), handed=True)

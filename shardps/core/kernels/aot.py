@@ -8,7 +8,7 @@ where a C compiler is installed; elsewhere (the Docker images) the kernels run f
 
 A compiled entry point trusts its arguments' types: handed an int32 array where it was compiled for int64, it reads
 past the array. So each kernel here is a Python function that calls the compiled code only when every argument is
-exactly of an exported type (dtype, number of dimensions, C order, aligned, writeable where the kernel writes,
+of an exported type (dtype, number of dimensions, C order, aligned, writeable where the kernel writes,
 scalars of the type numba would infer), and otherwise the numba kernel, imported then (what ``SHARDPS_KERNELS=numba``
 always runs): the two agree for every input, to the bit. An array the kernel only reads is copied to C order first
 where it is not (the result is the same).
@@ -39,7 +39,9 @@ _HERE = pathlib.Path(__file__).resolve().parent
 MODULE = "_aot"
 
 # The argument types each kernel is compiled for (numba's type names; arrays C-ordered). These are the types the
-# callers pass (``warm_up`` calls each once); a call with any other types runs the numba kernel instead.
+# callers pass (``warm_up`` calls each once); a call with any other types runs the numba kernel instead. Arrays a
+# kernel only reads are compiled for any alignment: ids and gradients are views at any offset of a received message,
+# a push's rows gathered into one at any offset (``gather_rows``'s destination, which it writes, is the same).
 _IDS, _ROWS = "int64[::1]", "float32[:, ::1]"
 EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "shard_of_ids": [(_IDS, "int64", "uint64")],
@@ -86,6 +88,11 @@ def _cpu() -> bytes:
         return f"{platform.machine()} {platform.processor()}".encode()
 
 
+def _unaligned(name: str, position: int) -> bool:
+    """Whether the kernel's argument is compiled for any alignment: those it only reads, and a message's buffer."""
+    return position not in WRITES.get(name, ()) or (name, position) == ("gather_rows", 2)
+
+
 def fingerprint() -> int:
     """What the compiled module must have been built from and for: the kernels' source, ``EXPORTS``, numpy's version
     and this machine's processor (it is compiled for this CPU, as numba compiles)."""
@@ -112,7 +119,7 @@ def build() -> pathlib.Path:
     meanwhile sees the old one or the new one). Needs numba and a C compiler; about 10 s."""
     if compiler() is None:
         raise RuntimeError("no C compiler (cc) found: the kernels run from numba's cache instead")
-    from numba.core import sigutils
+    from numba.core import sigutils, types
     from numba.pycc import CC
     from numba.pycc import compiler as pycc_compiler
 
@@ -142,6 +149,9 @@ def build() -> pathlib.Path:
             dispatcher = getattr(loops, name)
             for i, args in enumerate(variants):
                 argtypes, _ = sigutils.normalize_signature(f"void({', '.join(args)})")
+                argtypes = tuple(types.Array(t.dtype, t.ndim, t.layout, aligned=False)
+                                 if isinstance(t, types.Array) and _unaligned(name, p) else t
+                                 for p, t in enumerate(argtypes))
                 dispatcher.compile(argtypes)  # the return type, as numba infers it
                 sig = dispatcher.overloads[argtypes].signature
                 cc.export(f"{name}__{i}", sig)(dispatcher.py_func)
@@ -160,12 +170,14 @@ def build() -> pathlib.Path:
 # ---- calling it ----------------------------------------------------------------------------------------------------
 
 
-def _array_check(arg: str, code: str, written: bool) -> tuple[str, str]:
-    """(condition, expression to pass) for one array argument of numba type ``code`` (like ``float32[:, ::1]``)."""
+def _array_check(arg: str, code: str, written: bool, unaligned: bool) -> tuple[str, str]:
+    """(condition, expression to pass) for one array argument of numba type ``code`` (like ``float32[:, ::1]``).
+    dtypes compare with ``==``: numpy has more than one descriptor object of a dtype (torch's arrays bring theirs)."""
     dtype, dims = code.split("[", 1)
     ndim = dims.count(",") + 1
-    cond = (f"type({arg}) is _ndarray and {arg}.dtype is _dt_{dtype} and {arg}.ndim == {ndim} "
-            f"and {arg}.flags.aligned")
+    cond = f"type({arg}) is _ndarray and {arg}.dtype == _dt_{dtype} and {arg}.ndim == {ndim}"
+    if not unaligned:
+        cond += f" and {arg}.flags.aligned"
     if written:
         return cond + f" and {arg}.flags.c_contiguous and {arg}.flags.writeable", arg
     return cond, f"({arg} if {arg}.flags.c_contiguous else _copy_c({arg}))"
@@ -192,7 +204,7 @@ def _dispatcher_source(name: str) -> str:
         for i, code in enumerate(types):
             a = f"a{i}"
             if "[" in code:
-                cond, expr = _array_check(a, code, i in WRITES.get(name, ()))
+                cond, expr = _array_check(a, code, i in WRITES.get(name, ()), _unaligned(name, i))
             else:
                 cond, expr = _SCALARS[code].format(a=a), a
             conds.append(cond)
