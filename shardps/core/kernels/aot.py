@@ -8,10 +8,10 @@ where a C compiler is installed; elsewhere (the Docker images) the kernels run f
 
 A compiled entry point trusts its arguments' types: handed an int32 array where it was compiled for int64, it reads
 past the array. So each kernel here is a Python function that calls the compiled code only when every argument is
-of an exported type (dtype, number of dimensions, C order, aligned, writeable where the kernel writes,
-scalars of the type numba would infer), and otherwise the numba kernel, imported then (what ``SHARDPS_KERNELS=numba``
-always runs): the two agree for every input, to the bit. An array the kernel only reads is copied to C order first
-where it is not (the result is the same).
+of an exported type (dtype, number of dimensions, C order, aligned and writeable where the kernel writes, scalars
+of the type numba would infer), and otherwise the numba kernel, imported then (what ``SHARDPS_KERNELS=numba`` always
+runs): the two agree for every input, to the bit. An array the kernel only reads is compiled for any alignment and
+copied to C order first where it is not (the result is the same).
 
 The module is built with the kernels' own options: the GIL released during each call (``nogil``) and numpy's error
 model (a float division by zero gives inf or NaN, not an exception), for this machine's CPU as numba compiles.
