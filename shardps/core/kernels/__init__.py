@@ -59,6 +59,7 @@ _module: Optional[Any] = None
 _numba: Optional[ModuleType] = None
 _aot_missing = ""  # why the ahead-of-time module does not serve ("" when it does or was not asked for)
 _lock = threading.Lock()
+_load_lock = threading.Lock()  # jit()'s (numba_kernels, which it may call, takes _lock)
 
 
 def numba_kernels() -> ModuleType:
@@ -80,14 +81,16 @@ def jit() -> Optional[Any]:
     if not ENABLED:
         return None
     if _module is None:
-        module: Optional[Any] = None
-        if _MODE != "numba":
-            from shardps.core.kernels import aot
+        with _load_lock:
+            if _module is None:
+                module: Optional[Any] = None
+                if _MODE != "numba":
+                    from shardps.core.kernels import aot
 
-            module, _aot_missing = aot.load(numba_kernels)
-            if module is None and _MODE == "aot":
-                raise ImportError(f"SHARDPS_KERNELS=aot, but {_aot_missing}")
-        _module = module if module is not None else numba_kernels()
+                    module, _aot_missing = aot.load(numba_kernels)
+                    if module is None and _MODE == "aot":
+                        raise ImportError(f"SHARDPS_KERNELS=aot, but {_aot_missing}")
+                _module = module if module is not None else numba_kernels()
     return _module
 
 

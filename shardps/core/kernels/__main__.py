@@ -25,7 +25,10 @@ if not opts.no_aot and not current:
     if aot.compiler() is None:
         print("shardps kernels: no C compiler (cc): not compiled ahead of time; numba's cache serves")
     else:
-        print(f"shardps kernels: built {aot.build().name} in {time.perf_counter() - t0:.1f} s")
+        try:
+            print(f"shardps kernels: built {aot.build().name} in {time.perf_counter() - t0:.1f} s")
+        except Exception as e:  # noqa: BLE001 - pycc gone from numba, no Python.h, a read-only package: numba serves
+            print(f"shardps kernels: not compiled ahead of time ({type(e).__name__}: {e}); numba's cache serves")
 t1 = time.perf_counter()
 kernels.warm_up(k=kernels.numba_kernels())
 print(f"shardps kernels: numba's cache filled in {time.perf_counter() - t1:.1f} s")

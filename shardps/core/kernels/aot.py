@@ -11,11 +11,13 @@ past the array. So each kernel here is a Python function that calls the compiled
 of an exported type (dtype, number of dimensions, C order, aligned and writeable where the kernel writes, scalars
 of the type numba would infer), and otherwise the numba kernel, imported then (what ``SHARDPS_KERNELS=numba`` always
 runs): the two agree for every input, to the bit. An array the kernel only reads is compiled for any alignment and
-copied to C order first where it is not (the result is the same).
+copied to C order first where it is not (the same result, unless it were a strided view of an array the same call
+writes: no caller passes one).
 
 The module is built with the kernels' own options: the GIL released during each call (``nogil``) and numpy's error
 model (a float division by zero gives inf or NaN, not an exception), for this machine's CPU as numba compiles.
-``fingerprint`` (a hash of the kernels' source, of ``EXPORTS``, of numpy's version and of the CPU's model and flags)
+``fingerprint`` (a hash of the kernels' source, of ``EXPORTS``, of numpy's, numba's and llvmlite's versions and of
+the CPU's model and flags)
 is compiled into it, and ``load`` refuses a module built from other sources or for another CPU: edit ``loops.py``
 (or copy the environment to another machine) and numba's kernels serve until the next build.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import os
 import pathlib
 import platform
@@ -94,12 +97,17 @@ def _unaligned(name: str, position: int) -> bool:
 
 
 def fingerprint() -> int:
-    """What the compiled module must have been built from and for: the kernels' source, ``EXPORTS``, numpy's version
-    and this machine's processor (it is compiled for this CPU, as numba compiles)."""
+    """What the compiled module must have been built from and for: the kernels' source, ``EXPORTS``, numpy's, numba's
+    and llvmlite's versions and this machine's processor (it is compiled for this CPU, as numba compiles)."""
     h = hashlib.sha256()
     for name in ("loops.py", "constants.py", "aot.py"):
         h.update((_HERE / name).read_bytes())
     h.update(np.__version__.encode())
+    for dist in ("numba", "llvmlite"):  # the compiler (read from the installed metadata: numba is not imported)
+        try:
+            h.update(f"{dist} {importlib.metadata.version(dist)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            pass
     h.update(_cpu())
     return int(h.hexdigest()[:15], 16)
 
@@ -119,13 +127,12 @@ def build() -> pathlib.Path:
     meanwhile sees the old one or the new one). Needs numba and a C compiler; about 10 s."""
     if compiler() is None:
         raise RuntimeError("no C compiler (cc) found: the kernels run from numba's cache instead")
-    from numba.core import sigutils, types
+    stamp = fingerprint()  # before the kernels are imported: an edit in between fails safe (a stale stamp)
+    from numba.core import codegen, sigutils, types
     from numba.pycc import CC
     from numba.pycc import compiler as pycc_compiler
 
     from shardps.core.kernels import loops
-
-    stamp = fingerprint()
 
     def kernels_fingerprint() -> int:
         return stamp
@@ -156,12 +163,15 @@ def build() -> pathlib.Path:
                 sig = dispatcher.overloads[argtypes].signature
                 cc.export(f"{name}__{i}", sig)(dispatcher.py_func)
         cc.export("fingerprint", "int64()")(kernels_fingerprint)
-        saved = pycc_compiler.Flags
+        saved = pycc_compiler.Flags, codegen.AOTCPUCodegen._customize_tm_features
         pycc_compiler.Flags = KernelFlags  # type: ignore[misc]
+        # The host CPU's features as LLVM detects them, as numba's JIT uses: pycc names the CPU model only, which
+        # implies features a virtual machine may hide (AVX-512 masked by a hypervisor: SIGILL, not an exception).
+        codegen.AOTCPUCodegen._customize_tm_features = codegen.CPUCodegen._get_host_cpu_features  # type: ignore
         try:
             cc.compile()
         finally:
-            pycc_compiler.Flags = saved  # type: ignore[misc]
+            pycc_compiler.Flags, codegen.AOTCPUCodegen._customize_tm_features = saved  # type: ignore[misc, method-assign]
         built = pathlib.Path(tmp) / path().name
         os.replace(built, path())
     return path()
