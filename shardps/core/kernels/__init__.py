@@ -58,8 +58,7 @@ ENABLED = HAVE_NUMBA and _MODE != "numpy"
 _module: Optional[Any] = None
 _numba: Optional[ModuleType] = None
 _aot_missing = ""  # why the ahead-of-time module does not serve ("" when it does or was not asked for)
-_lock = threading.Lock()
-_load_lock = threading.Lock()  # jit()'s (numba_kernels, which it may call, takes _lock)
+_lock = threading.RLock()  # re-entered: jit() holds it while it may call numba_kernels()
 
 
 def numba_kernels() -> ModuleType:
@@ -81,7 +80,7 @@ def jit() -> Optional[Any]:
     if not ENABLED:
         return None
     if _module is None:
-        with _load_lock:
+        with _lock:
             if _module is None:
                 module: Optional[Any] = None
                 if _MODE != "numba":
