@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import numpy as np
 import pytest
 
-from shardps.core import kernels
+from shardps.core import codec, kernels
 from shardps.core.ids import coalesce
 from shardps.core.kernels import aot, loops
 from shardps.core.optim import SGD, Adagrad, Adam
@@ -225,6 +225,30 @@ def test_rows_into_and_out_of_messages() -> None:
             k.scatter_rows(out, idx, received)
             want[idx] = dst
             bits_equal(out, want)
+
+
+def test_all_finite_finds_every_nan_and_infinity() -> None:
+    """``codec.all_finite`` (a push's check on client and shard) as numpy's ``isfinite().all()``: each kind of
+    non-finite value in each position of a row, in the first and last rows, in views at odd offsets and strided."""
+    rng = np.random.default_rng(7)
+    values = rng.standard_normal((40, 67)).astype(np.float32) * np.float32(1e38)
+    cases = [values, values[:0], values[:, :0], np.full((3, 5), np.finfo(np.float32).max, np.float32)]
+    for bad in (np.nan, np.inf, -np.inf, np.float32(np.nan) * -1):
+        for i, j in ((0, 0), (39, 66), (17, 31), (5, 64)):
+            v = values.copy()
+            v[i, j] = bad
+            cases += [v, v[:, ::2], v.T]
+            raw = np.zeros(v.nbytes + 1, np.uint8)
+            odd = raw[1:].view(np.float32).reshape(v.shape)  # a view of a received message at an odd offset
+            odd[:] = v
+            odd.setflags(write=False)
+            cases.append(odd)
+    cases.append(values.astype(np.float64))  # not float32: numpy's check
+    for case in cases:
+        want = bool(np.isfinite(case).all())
+        for k in COMPILED + [None]:
+            with _kernels(k):
+                assert codec.all_finite(case) is want, (k, case.shape)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

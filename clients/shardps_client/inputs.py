@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 import torch
 
+from shardps.core.codec import all_finite
 from shardps.core.ids import is_sorted_unique
 from shardps.core.specs import TableSpec
 from shardps_client import planner
@@ -77,5 +78,5 @@ def check_grads(arr: np.ndarray, name: str, noun: str, shape: tuple, shape_words
     if tuple(arr.shape) != tuple(shape):
         words = f" ({shape_words})" if shape_words else ""
         raise InvalidArgumentError(f"{name}: {noun} must have shape {list(shape)}{words}, got {list(arr.shape)}")
-    if not allow_nonfinite and not np.isfinite(arr).all():
+    if not allow_nonfinite and not all_finite(arr):
         raise InvalidArgumentError(f"{name}: gradient contains NaN or Inf; push rejected")

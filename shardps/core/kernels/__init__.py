@@ -150,6 +150,7 @@ def warm_up(client: bool = True, k: Optional[Any] = None) -> None:
     k.adam_apply(rows, rows.copy(), rows.copy(), ids, np.ones(4, np.float32), np.ones(4, np.float32), g, False,
                  0.0, f32, f32, f32, f32)
     k.sum_runs(g, ids, np.array([0, 2], np.int64))
+    k.all_finite(g)
     if not client:
         return
     # Rows into and out of messages: their views sit at any offset of a buffer (numba types those unaligned).

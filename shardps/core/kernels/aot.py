@@ -67,6 +67,7 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "sum_runs": [(_ROWS, _IDS, _IDS)],
     "gather_rows": [(_ROWS, _IDS, _ROWS)],
     "scatter_rows": [(_ROWS, _IDS, _ROWS)],
+    "all_finite": [(_ROWS,)],
 }
 # The arguments each kernel writes into (by position): these must be writeable and are never copied.
 WRITES: dict[str, tuple[int, ...]] = {

@@ -429,3 +429,19 @@ def scatter_rows(dst: np.ndarray, idx: np.ndarray, src: np.ndarray) -> None:
         r = idx[i]
         for j in range(src.shape[1]):
             dst[r, j] = src[i, j]
+
+
+# ---- checks of pushed values (inputs.check_grads on a client, storage.checks.grads on a shard) -------------------
+
+
+@_njit
+def all_finite(values: np.ndarray) -> bool:
+    """Whether no value of a 2-D float32 array is NaN or infinite (numpy: ``np.isfinite(values).all()``), in one
+    pass without numpy's temporary array of flags; it stops at the end of the first row holding one."""
+    for i in range(values.shape[0]):
+        ok = True
+        for j in range(values.shape[1]):
+            ok &= np.isfinite(values[i, j])
+        if not ok:
+            return False
+    return True

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from shardps.core.codec import all_finite
 from shardps.core.errors import InvalidArgument, OutOfRange, WrongShard
 
 
@@ -36,5 +37,5 @@ def grads(table: str, dim: int, allow_nonfinite: bool, ids: np.ndarray, values: 
         raise InvalidArgument(
             f"{table}: grads must have shape [{ids.shape[0]}, {dim}] (ids x dim), got {list(values.shape)}"
         )
-    if not allow_nonfinite and not np.isfinite(values).all():
+    if not allow_nonfinite and not all_finite(values):
         raise InvalidArgument(f"{table}: gradient contains NaN or Inf; push rejected")
