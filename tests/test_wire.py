@@ -1,9 +1,13 @@
 """The hand-written wire codec is byte-identical to protobuf and decodes what protobuf encodes."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from shardps.core import codec, wire
+from shardps.core import codec, wire, zmsg
 from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
@@ -111,6 +115,8 @@ def test_pushes_gathering_their_rows_into_the_message_match_protobuf(wire_dtype)
                              seq=5, shard_map=smap)
         got = wire.encode_push("t", g, wire_dtype, ids=ids, rows=rows, client_id="c-1", seq=5, shard_map=smap)
         assert bytes(got) == msg.SerializeToString()
+        if zmsg.available():  # a message of 64 KB or more is built in libzmq's memory (sent from it, no copy)
+            assert (zmsg.owner(got) is not None) == (len(got) >= zmsg.MIN_BYTES)
         framed = pb.StreamRequest(push=msg).SerializeToString()
         assert bytes(wire.encode_push("t", g, wire_dtype, ids=ids, rows=rows, client_id="c-1", seq=5, shard_map=smap,
                                       frame=1)) == framed
@@ -121,6 +127,75 @@ def test_pushes_gathering_their_rows_into_the_message_match_protobuf(wire_dtype)
         rows[bad] = value
         with pytest.raises(IndexError, match="of an array of 700"):
             wire.encode_push("t", grads, pb.FLOAT32, ids=np.arange(600), rows=rows)
+
+
+@pytest.mark.skipif(not zmsg.available(), reason="libzmq's functions cannot be reached here")
+def test_large_messages_live_in_libzmq_memory_until_their_last_view_goes():
+    """``zmsg``: a large push is built in a libzmq message, sent from it twice (a call resent on a new connection)
+    and arrives whole each time; where a send would block it is refused (``zmq.Again``) and stays sendable; it is
+    freed once no view of it is left. A shard's data-plane thread (``answer_in_place``) builds its large pull answers
+    there too; any other thread's are bytes (gRPC sends only bytes)."""
+    import gc
+    import threading
+    import weakref
+
+    import zmq
+
+    grads = RNG.standard_normal((1000, 64)).astype(np.float32)
+    rows = RNG.permutation(1000)[:900]
+    msg = wire.encode_push("t", grads, pb.FLOAT32, ids=rows.astype(np.int64), rows=rows, client_id="c", seq=1,
+                           frame=1)
+    own = zmsg.owner(msg)
+    assert own is not None and zmsg.owner(msg[1:]) is None and zmsg.owner(bytes(msg)) is None
+    want = bytes(msg)
+    ctx = zmq.Context()
+    router, dealer, lonely = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        router.bind("inproc://zmsg-test")
+        dealer.connect("inproc://zmsg-test")
+        for _ in range(2):
+            zmsg.send_multipart(dealer, [b"rid", msg])
+            assert router.recv_multipart()[1:] == [b"rid", want]
+        lonely.setsockopt(zmq.SNDHWM, 1)
+        lonely.connect("inproc://zmsg-nobody")  # nobody binds it: the first message queues, the next would block
+        zmsg.send_multipart(lonely, [msg], zmq.NOBLOCK)
+        with pytest.raises(zmq.Again):
+            zmsg.send_multipart(lonely, [msg], zmq.NOBLOCK)
+        assert bytes(msg) == want
+        push = wire.decode_push(wire.unframe(msg)[1], False)  # views of the message keep it alive
+        gone = weakref.ref(own)
+        del own, msg
+        gc.collect()
+        assert gone() is not None
+        np.testing.assert_array_equal(push.grads, grads[rows])
+        del push
+        gc.collect()
+        assert gone() is None
+    finally:
+        for sock in (router, dealer, lonely):
+            sock.close(0)
+        ctx.term()
+
+    pulled = RNG.standard_normal((600, 64)).astype(np.float32)
+    PULL = pb.StreamResponse.PULL_FIELD_NUMBER
+    expected = pb.StreamResponse(pull=pb.PullResponse(rows=codec.encode(pulled, pb.FLOAT32), version=9))
+    here = wire.encode_pull_response(pulled, pb.FLOAT32, 9, frame=PULL)
+    assert type(here) is bytes and here == expected.SerializeToString()
+    answered: list = []
+
+    def data_plane_thread() -> None:
+        zmsg.answer_in_place()
+        answered.append(wire.encode_pull_response(pulled, pb.FLOAT32, 9, frame=PULL))
+        answered.append(wire.encode_pull_response(pulled[:3], pb.FLOAT32, 9, frame=PULL))  # small: bytes
+
+    t = threading.Thread(target=data_plane_thread)
+    t.start()
+    t.join()
+    assert zmsg.owner(answered[0]) is not None and bytes(answered[0]) == here
+    assert type(answered[1]) is bytes
+    off = subprocess.run([sys.executable, "-c", "from shardps.core import zmsg; print(zmsg.available())"],
+                         env={**os.environ, "SHARDPS_ZMQ_IN_PLACE": "0"}, capture_output=True, text=True, check=True)
+    assert off.stdout.strip() == "False"  # SHARDPS_ZMQ_IN_PLACE=0: Python buffers, copied at each send
 
 
 def test_decoding_skips_unknown_fields_and_rejects_garbage():

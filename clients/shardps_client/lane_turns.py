@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
-from shardps.core import protocol, wire
+from shardps.core import protocol, wire, zmsg
 from shardps.core.seal import HELLO_AAD, Seal, SealError
 from shardps.core.wake import WakePipe
 from shardps.v1 import shardps_pb2 as pb
@@ -138,11 +138,12 @@ class SocketTurns:
     def _send_item(self, sock: zmq.Socket, item: Item, flags: int) -> None:
         """Send a call (under ``_io``), sealed as it leaves when the connection is. Copied into libzmq's message
         rather than zero-copy: pyzmq releases a zero-copy frame through its garbage-collector thread, a Python
-        thread woken per message that contends for the GIL (as the shard's answers, ``data_plane._send``)."""
+        thread woken per message that contends for the GIL (as the shard's answers, ``data_plane._send``). A large
+        push was built in a libzmq message (``zmsg``) and goes from it, no copy; it stays the call's to resend."""
         if self._seal is None:
-            sock.send_multipart([item.rid, item.request], flags)
+            zmsg.send_multipart(sock, [item.rid, item.request], flags)
         else:
-            sock.send_multipart([item.rid, *self._seal.seal(item.request, item.rid)], flags)
+            zmsg.send_multipart(sock, [item.rid, *self._seal.seal(item.request, item.rid)], flags)
 
     def _receive_all(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list) -> Optional[str]:
         """Take every answer the socket holds (under ``_io``); "broken" when the connection must be made again.

@@ -23,9 +23,12 @@ from typing import Any
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from shardps.core import zmsg
+
 KEY_BYTES = 32  # AES-256
 SESSION_ID_BYTES = 16
 COUNTER_BYTES = 8
+TAG_BYTES = 16  # AES-GCM's authentication tag, after the ciphertext
 TO_SHARD = b"c>s\x00"  # the nonce's direction labels: one key, two directions, never the same nonce
 TO_CLIENT = b"s>c\x00"
 HELLO_AAD = b"shardps data-plane hello"
@@ -53,10 +56,15 @@ class Seal:
         self._counter = itertools.count(1)
         self._received = 0
 
-    def seal(self, data: Any, aad: bytes) -> tuple[bytes, bytes]:
-        """(counter, sealed bytes) of ``data`` (any buffer), bound to ``aad``."""
+    def seal(self, data: Any, aad: bytes) -> tuple[bytes, Any]:
+        """(counter, sealed bytes) of ``data`` (any buffer), bound to ``aad``; a large message is sealed straight into
+        a libzmq message (``zmsg``), sent from it without a copy."""
         counter = next(self._counter).to_bytes(COUNTER_BYTES, "little")
-        return counter, self._aead.encrypt(self._sending + counter, data, aad)
+        out = zmsg.outgoing(len(data) + TAG_BYTES)
+        if out is None:
+            return counter, self._aead.encrypt(self._sending + counter, data, aad)
+        self._aead.encrypt_into(self._sending + counter, data, aad, out)
+        return counter, out
 
     def open(self, counter: Any, sealed: Any, aad: bytes) -> bytes:
         """The plaintext of a message sealed by the other side; raises SealError if it is not its next one."""

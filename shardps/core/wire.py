@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from shardps.core import codec, kernels
+from shardps.core import codec, kernels, zmsg
 from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
@@ -117,16 +117,27 @@ class _Rows:
             np.take(self.src, self.idx, axis=0, out=dst)
 
 
-def _join(parts: list) -> Union[bytes, bytearray]:
-    """``b"".join(parts)``, with a ``_Rows`` part (at most one) gathered into the result (a bytearray then)."""
+def _join(parts: list, outgoing: bool = False) -> Buffer:
+    """``b"".join(parts)``, with a ``_Rows`` part (at most one) gathered into the result (a bytearray then); with
+    ``outgoing``, a message of ``zmsg.MIN_BYTES`` or more is built in a libzmq message (a writable memoryview of
+    it, sent without a copy on the data plane) where it can be."""
     rows = next((i for i, p in enumerate(parts) if type(p) is _Rows), None)
-    if rows is None:
+    if rows is None and not outgoing:
         return b"".join(parts)
-    head, part, tail = b"".join(parts[:rows]), parts[rows], b"".join(parts[rows + 1:])
-    out = bytearray(len(head) + part.nbytes + len(tail))
-    out[: len(head)] = head
-    out[len(head) + part.nbytes :] = tail
-    part.write(np.frombuffer(out, np.uint8, part.nbytes, len(head)))
+    n = sum(map(len, parts))
+    out: Optional[Union[bytearray, memoryview]] = zmsg.outgoing(n) if outgoing else None
+    if out is None:
+        if rows is None:
+            return b"".join(parts)
+        out = bytearray(n)
+    pos = 0
+    for p in parts:
+        size = len(p)
+        if type(p) is _Rows:
+            p.write(np.frombuffer(out, np.uint8, size, pos))
+        else:
+            out[pos : pos + size] = p
+        pos += size
     return out
 
 
@@ -143,12 +154,14 @@ def _rows_parts(src: np.ndarray, idx: np.ndarray, dtype: int) -> list:
     return _tensor_fields(dtype, (idx.shape[0], src.shape[1]), _Rows(src, idx))
 
 
-def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0) -> bytes:
+def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0) -> Buffer:
     """A serialized PullResponse{rows, version} (``frame``: as that field of an enclosing message)."""
     parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype))
     if version:
         parts += [_tag(_R_VERSION, _VARINT), _varint(version)]
-    return b"".join(_len_field(frame, parts) if frame else parts)
+    if frame:  # a whole StreamResponse: in a libzmq message on a data-plane thread
+        return _join(_len_field(frame, parts), zmsg.answering_here())
+    return b"".join(parts)
 
 
 def frame(field: int, *messages: Buffer) -> bytes:
@@ -190,7 +203,7 @@ def encode_push(
     pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
     shard_map: Optional[pb.ShardMap] = None, sync: Optional[pb.SyncPart] = None, frame: int = 0,
     origins: Sequence[tuple[int, int]] = (), rows: Optional[np.ndarray] = None,
-) -> Union[bytes, bytearray]:
+) -> Buffer:
     """A serialized PushRequest (with ``ids``) or PushDenseRequest (with ``row_start``); ``origins``: the (shard,
     seq) pairs of a push planned again (PushRequest.origins).
 
@@ -215,7 +228,7 @@ def encode_push(
     parts += _msg_field(_P_SYNC, sync)
     for shard, origin_seq in origins:
         parts += _msg_field(_P_ORIGINS, pb.PushOrigin(shard=shard, seq=origin_seq))
-    return _join(_len_field(frame, parts) if frame else parts)
+    return _join(_len_field(frame, parts) if frame else parts, outgoing=True)
 
 
 class PushEncoder:
@@ -229,7 +242,7 @@ class PushEncoder:
         self._frame = _tag(frame, _LEN) if frame else b""
 
     def encode(self, ids: np.ndarray, grads: np.ndarray, wire_dtype: int, pulled_version: Optional[int],
-               seq: int, rows: Optional[np.ndarray] = None) -> Union[bytes, bytearray]:
+               seq: int, rows: Optional[np.ndarray] = None) -> Buffer:
         """``rows``: as ``encode_push`` takes it."""
         parts = [self._head, *_len_field(_P_IDS, _tensor_parts(ids, pb.INT64)),
                  *_len_field(_P_GRADS, _tensor_parts(grads, wire_dtype) if rows is None else
@@ -242,7 +255,7 @@ class PushEncoder:
         parts.append(self._tail)
         if self._frame:
             parts[:0] = [self._frame, _varint(sum(map(len, parts)))]
-        return _join(parts)
+        return _join(parts, outgoing=True)
 
 
 # ---- decoding -------------------------------------------------------------------------------
@@ -454,7 +467,7 @@ def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
     return out
 
 
-def encode_repeated(groups: list[tuple[int, list[bytes]]], frame: int = 0) -> bytes:
+def encode_repeated(groups: Sequence[tuple[int, Sequence[Buffer]]], frame: int = 0) -> Buffer:
     """A message of repeated length-delimited fields: [(field, [serialized message, ...]), ...].
 
     With ``frame``, the message is field ``frame`` of an enclosing message.
@@ -463,7 +476,9 @@ def encode_repeated(groups: list[tuple[int, list[bytes]]], frame: int = 0) -> by
     for field, items in groups:
         for item in items:
             parts += _len_field(field, [item])
-    return b"".join(_len_field(frame, parts) if frame else parts)
+    if frame:  # a whole StreamResponse: in a libzmq message on a data-plane thread
+        return _join(_len_field(frame, parts), zmsg.answering_here())
+    return b"".join(parts)
 
 
 def decode_repeated(buf: Buffer, fields: Optional[tuple[int, ...]] = None) -> dict[int, list[memoryview]]:

@@ -42,6 +42,10 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
          "`0` leaves glibc's malloc settings alone; otherwise M_MMAP_THRESHOLD is raised to 32 MiB and "
          "M_TRIM_THRESHOLD set to 16 MiB at start, so message-sized buffers stay in the heap "
          "(see [performance](performance.md#performance-notes))"),
+        ("SHARDPS_ZMQ_IN_PLACE", "`shardps serve`, `Client` (`shardps.core.zmsg`)",
+         "`0` builds every data-plane message as a Python buffer copied into libzmq's at each send; otherwise "
+         "(the default) messages of 64 KB or more (a push's rows, a pull's answer) are built in libzmq's own "
+         "message memory and sent from it without a copy (see [performance](performance.md#the-data-plane-zeromq-against-grpc-streams))"),
     ]),
     ("Clients and client-side tools", "Read when the code or the command line gives no value.", [
         ("SHARDPS_TLS_CA", "`Client` (when `tls=None`), `shardps-health`, `shardps health`, `stats`, `export` "

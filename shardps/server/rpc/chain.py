@@ -92,8 +92,8 @@ class CallChain:
         self._measure(name, started, len(request), _size(result))
         return result
 
-    def frame(self, frames: dict[str, Callable[[memoryview, int], bytes]], request: bytes, role: Optional[str],
-              key: str, weight: float, peer: str, transport: str = "grpc-stream") -> bytes:
+    def frame(self, frames: dict[str, Callable[[memoryview, int], wire.Buffer]], request: wire.Buffer,
+              role: Optional[str], key: str, weight: float, peer: str, transport: str = "grpc-stream") -> wire.Buffer:
         """One stream frame of a caller (``key``, its fair-share weight; ``peer``, its connection), answered; a
         refused frame is answered with a StreamError and the stream goes on. ``transport``: what carried it
         ("grpc-stream" or "zmq", the data plane)."""

@@ -20,7 +20,7 @@ class DataPath:
     def __init__(self, shard: Shard) -> None:
         self.shard = shard
         # How a stream frame of each method is served: (view, field) -> the reply framed as that field.
-        self.frames: dict[str, Callable[[memoryview, int], bytes]] = {
+        self.frames: dict[str, Callable[[memoryview, int], wire.Buffer]] = {
             "Push": lambda view, field: wire.frame(field, self.push(view, dense=False).SerializeToString()),
             "PushDense": lambda view, field: wire.frame(field, self.push(view, dense=True).SerializeToString()),
             "PushBatch": lambda view, field: wire.frame(field, self.push_batch(view)),
@@ -36,13 +36,13 @@ class DataPath:
 
     # ---- pulls -------------------------------------------------------------------------
 
-    def pull(self, request: pb.PullRequest, frame: int = 0) -> bytes:
+    def pull(self, request: pb.PullRequest, frame: int = 0) -> wire.Buffer:
         self.check_map(request.shard_map)
         dtype = convert.wire_dtype(request.wire_dtype)
         rows, version = self.shard.pull(request.table, convert.ids(request.ids), codec.NP_DTYPES[dtype].itemsize)
         return wire.encode_pull_response(rows, dtype, version, frame)
 
-    def pull_dense(self, request: pb.PullDenseRequest, frame: int = 0) -> bytes:
+    def pull_dense(self, request: pb.PullDenseRequest, frame: int = 0) -> wire.Buffer:
         return self._read_dense(self._validated_pull_dense(request), frame)
 
     def _validated_pull_dense(self, request: pb.PullDenseRequest) -> tuple[Any, Any, int]:
@@ -53,14 +53,14 @@ class DataPath:
         self.shard.check_reply(t, ids.shape[0], codec.NP_DTYPES[dtype].itemsize)
         return t, ids, dtype
 
-    def _read_dense(self, pull: tuple[Any, Any, int], frame: int = 0) -> bytes:
+    def _read_dense(self, pull: tuple[Any, Any, int], frame: int = 0) -> wire.Buffer:
         t, ids, dtype = pull
         rows, version = self.shard.read_rows(t, ids)
         return wire.encode_pull_response(rows, dtype, version, frame)
 
-    def pull_batch(self, request: pb.PullBatchRequest, frame: int = 0) -> bytes:
-        replies: list[bytes] = []
-        dense: list[bytes] = []
+    def pull_batch(self, request: pb.PullBatchRequest, frame: int = 0) -> wire.Buffer:
+        replies: list[wire.Buffer] = []
+        dense: list[wire.Buffer] = []
         total = 0
         limit = self.shard.limits.max_message_bytes
         for out, read, reqs in ((replies, self.pull, request.pulls), (dense, self.pull_dense, request.dense)):

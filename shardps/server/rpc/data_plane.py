@@ -49,7 +49,7 @@ from typing import Any, Optional
 import grpc
 import zmq
 
-from shardps.core import protocol
+from shardps.core import protocol, zmsg
 from shardps.core.errors import ResourceExhausted, SessionUnknown, Unauthenticated
 from shardps.core.seal import HELLO_AAD, SESSION_ID_BYTES, TO_CLIENT, TO_SHARD, Seal, SealError, new_key
 from shardps.core.tokens import bearer
@@ -252,6 +252,7 @@ class DataPlane:
         """Serve ``st``'s socket until the shard stops or this thread hands the socket over (a call it serves
         is about to wait: the call finishes here, its answer goes back through the socket's next leader)."""
         st.leader = threading.current_thread()
+        zmsg.answer_in_place()  # large answers made on this thread go out of libzmq's memory without a copy
         try:
             self._lead_until_handed_over(st)
         except Exception as e:  # noqa: BLE001 - the socket has no server now: health says so (NOT_SERVING)
@@ -452,10 +453,10 @@ def _send(st: _SocketState, answer: _Answer, flags: int = 0) -> None:
         else:  # the hello's answer: b"ok", or b"error" and its StreamError
             what = reply[2]
             reply = [rid, b"", what, *seal.seal(body if what != b"ok" else b"", HELLO_AAD + what)]
-    # Copied into libzmq's message (a 565 KB reply: about 0.03 ms more a send), not sent zero-copy: pyzmq frees a zero-copy
-    # frame through its garbage-collector thread, a Python thread woken per message that takes the GIL from
-    # the thread serving calls (the pull/push loop ran 6-8% faster with both ends copying, docs/performance.md).
-    st.sock.send_multipart(reply, flags, copy=True)
+    # A large answer was built in a libzmq message (``zmsg``: sent from it, no copy); the rest is copied into libzmq's
+    # messages, not sent zero-copy: pyzmq frees a zero-copy frame through its garbage-collector thread, a Python
+    # thread woken per message that takes the GIL from the thread serving calls (docs/performance.md).
+    zmsg.send_multipart(st.sock, reply, flags)
 
 
 def _bind_unix(sockets: list[zmq.Socket]) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar, cast
 
 import grpc
 
@@ -100,7 +100,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> bytes:
-        return self.data.pull(request)
+        return cast(bytes, self.data.pull(request))  # (bytes on a gRPC thread: only the data plane's are not)
 
     @_rpc
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
@@ -108,7 +108,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def PullDense(self, request: pb.PullDenseRequest, context: grpc.ServicerContext) -> bytes:
-        return self.data.pull_dense(request)
+        return cast(bytes, self.data.pull_dense(request))  # (bytes on a gRPC thread: only the data plane's are not)
 
     @_rpc
     def PushDense(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
@@ -116,7 +116,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def PullBatch(self, request: pb.PullBatchRequest, context: grpc.ServicerContext) -> bytes:
-        return self.data.pull_batch(request)
+        return cast(bytes, self.data.pull_batch(request))  # (bytes on a gRPC thread: only the data plane's are not)
 
     @_rpc
     def PushBatch(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -180,8 +180,8 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     def _stream_one(self, request: bytes, role: Optional[str] = None, key: str = "local", weight: float = 1.0,
                     peer: str = "local") -> bytes:
-        """One stream frame of a caller, answered (the chain's ``frame``)."""
-        return self.chain.frame(self.data.frames, request, role, key, weight, peer)
+        """One stream frame of a caller, answered (the chain's ``frame``; bytes on a gRPC thread)."""
+        return cast(bytes, self.chain.frame(self.data.frames, request, role, key, weight, peer))
 
     def end_streams(self) -> None:
         """Refuse new streams and cancel the open ones (shutdown); clients resend what was not answered."""
