@@ -101,6 +101,7 @@ class Outgoing:
     def __init__(self, lib: Any, nbytes: int) -> None:
         self._msg = _Msg()
         self._ref = ctypes.byref(self._msg)
+        self.nbytes = -1  # (not made: nothing to close)
         if lib.zmq_msg_init_size(self._ref, nbytes) != 0:
             raise MemoryError(f"libzmq could not allocate a message of {nbytes} bytes")
         self.nbytes = nbytes
@@ -135,7 +136,7 @@ class Outgoing:
 
     def __del__(self) -> None:
         lib = _lib
-        if lib is not None:
+        if lib is not None and self.nbytes >= 0:
             lib.zmq_msg_close(self._ref)
 
 
