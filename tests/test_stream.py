@@ -100,7 +100,8 @@ def test_stop_does_not_wait_for_idle_streams():
             c.pull("t", [1])  # the lane's stream is now open and idle
             t0 = time.monotonic()
             servers[0].stop(checkpoint=False)
-            assert time.monotonic() - t0 < 10, "stop waited out its grace period for an idle stream"
+            # (a generous bound, well under the 30 s grace: a suite run beside it once took 10.35 s)
+            assert time.monotonic() - t0 < 20, "stop waited out its grace period for an idle stream"
 
 
 def test_a_push_held_past_the_deadline_fails_with_a_timeout(tmp_path):
