@@ -18,7 +18,11 @@ from shardps.server.storage.index import DirectIndex, HashIndex
 
 INITIAL_ROWS = 1 << 20  # what a declared size may reserve before any row arrives
 INDEX_BYTES_PER_ROW = 24  # the slot's id (8) and its share of the probe table (up to 16)
-META_BYTES_PER_ROW = 16  # last push's version (8) and time (4), pushes (4)
+# A row's step count and metadata (shard version and time of its last push, pushes) as one record a row: a push
+# writes all four for each of its rows, and one record shares a cache line where four arrays took four.
+META = np.dtype([("last_version", np.int64), ("steps", np.int32), ("last_time", np.uint32), ("touches", np.int32),
+                 ("_pad", np.int32)])
+META_BYTES_PER_ROW = META.itemsize  # 24: 20 of fields, 4 of padding (records of whole 8-byte words)
 
 
 class RowStore:
@@ -45,14 +49,16 @@ class RowStore:
         self.index = self._new_index(cap)
         self.n = 0
         self.rows = zeros((cap, dim), np.float32)
-        self.steps = zeros(cap, np.int32)
+        self.meta = zeros(cap, META)  # steps, and shard version and time (now_ticks) of the last push, pushes
+        self._meta_fields()
         self.state = {k: zeros((cap, dim), np.float32) for k in state_init}
-        # Per-row metadata: shard version and time (now_ticks) of the last push, and pushes.
-        self.last_version = zeros(cap, np.int64)
-        self.last_time = zeros(cap, np.uint32)
-        self.touches = zeros(cap, np.int32)
         self.extra = {k: zeros(cap, dt) for k, dt in (extra or {}).items()}
         self._high = 0  # slots ever used (past it the arrays are still zeros)
+
+    def _meta_fields(self) -> None:
+        """The fields of ``meta`` as arrays of their own (views with a stride of one record)."""
+        self.steps, self.last_version = self.meta["steps"], self.meta["last_version"]
+        self.last_time, self.touches = self.meta["last_time"], self.meta["touches"]
 
     # ---- the index and the budget ------------------------------------------------------
 
@@ -84,7 +90,7 @@ class RowStore:
     @property
     def row_bytes(self) -> int:
         """Bytes per materialised row: value, optimizer state, step and metadata (the index holds the id)."""
-        return self.dim * 4 * (1 + len(self.state)) + 4 + META_BYTES_PER_ROW + sum(a.itemsize for a in self.extra.values())
+        return self.dim * 4 * (1 + len(self.state)) + META_BYTES_PER_ROW + sum(a.itemsize for a in self.extra.values())
 
     @property
     def ids(self) -> np.ndarray:
@@ -100,16 +106,14 @@ class RowStore:
             return
         new_cap = max(need, min(cap + cap // 2, self.max_rows))
         self.rows = grown(self.rows, new_cap)
-        self.steps = grown(self.steps, new_cap)
+        self.meta = grown(self.meta, new_cap)
+        self._meta_fields()
         self.state = {k: grown(v, new_cap) for k, v in self.state.items()}
-        self.last_version = grown(self.last_version, new_cap)
-        self.last_time = grown(self.last_time, new_cap)
-        self.touches = grown(self.touches, new_cap)
         self.extra = {k: grown(v, new_cap) for k, v in self.extra.items()}
 
     def per_row(self) -> list[np.ndarray]:
-        """Every array indexed by slot, besides the index."""
-        return [self.rows, self.steps, self.last_version, self.last_time, self.touches, *self.state.values(),
+        """Every array indexed by slot, besides the index (``meta``'s records as rows of three int64 words)."""
+        return [self.rows, self.meta.view(np.int64).reshape(self.meta.shape[0], -1), *self.state.values(),
                 *self.extra.values()]
 
     def append(self, new_ids: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -124,8 +128,7 @@ class RowStore:
         self.rows[self.n : self.n + k] = values
         used = min(self.n + k, self._high)  # slots below the high-water mark held removed rows: clear them
         if used > self.n:
-            for arr in (self.steps, self.last_version, self.last_time, self.touches, *self.state.values(),
-                        *self.extra.values()):
+            for arr in (self.meta, *self.state.values(), *self.extra.values()):
                 arr[self.n : used] = 0
         for name, arr in self.state.items():
             init = self.state_init[name]
