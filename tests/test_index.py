@@ -155,3 +155,38 @@ def test_remove_refuses_absent_or_repeated_ids_and_changes_nothing(impl):
             index.remove(np.array(bad))
     np.testing.assert_array_equal(index.ids, [10, 20, 30])
     np.testing.assert_array_equal(index.lookup(np.array([10, 20, 30])), [0, 1, 2])
+
+
+def test_row_metadata_records_follow_their_rows_through_growth_and_removal():
+    """A row's step count and metadata live in one record (``rows.META``) whose fields the store shows as arrays:
+    written through those arrays, they stay with their rows when the store grows (new records, new views) and when
+    removals move the last rows into freed slots; a snapshot carries them."""
+    from shardps.server.storage.budget import MemoryBudget
+    from shardps.server.storage.rows import RowStore
+
+    store = RowStore("t", 3, {"acc": 0.5}, None, 16, MemoryBudget(1 << 30), 10**6)
+    rng = np.random.default_rng(3)
+    model: dict[int, tuple[int, int, int, int]] = {}
+    for step in range(12):
+        new = np.setdiff1d(rng.integers(0, 10**6, 400), store.ids[: store.n])
+        slots = store.append(new, np.full((new.size, 3), step, np.float32))  # grows past 16, then again
+        store.steps[slots] = step + 1
+        store.last_version[slots] = new * 3
+        store.last_time[slots] = step * 7
+        store.touches[slots] += new % 5
+        model.update({int(i): (step + 1, int(i) * 3, step * 7, int(i) % 5) for i in new})
+        if step % 3 == 2:
+            victims = rng.choice(store.ids[: store.n], size=store.n // 5, replace=False)
+            store.remove(victims, check=False)
+            for v in victims.tolist():
+                del model[v]
+        ids = np.array(sorted(model), dtype=np.int64)
+        s = store.index.lookup(ids)
+        want = np.array([model[i] for i in ids.tolist()], dtype=np.int64)
+        got = np.stack([store.steps[s], store.last_version[s], store.last_time[s], store.touches[s]], axis=1)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(store.state["acc"][s], 0.5)
+    snap = store.snapshot()
+    order = np.argsort(snap["ids"])
+    np.testing.assert_array_equal(snap["meta.touches"][order], want[:, 3])
+    np.testing.assert_array_equal(snap["steps"][order], want[:, 0])
