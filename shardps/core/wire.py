@@ -141,6 +141,14 @@ def _join(parts: list, outgoing: bool = False) -> Buffer:
     return out
 
 
+def _answer(parts: list, frame: int) -> Buffer:
+    """A reply's ``parts`` joined, as field ``frame`` of an enclosing message when given: a whole StreamResponse then,
+    built in a libzmq message on a shard's data-plane thread (``zmsg.answer_in_place``)."""
+    if frame:
+        return _join(_len_field(frame, parts), zmsg.answering_here())
+    return b"".join(parts)
+
+
 # Rows gathered straight into a message from this size on; below it numpy's gather and a join cost less than the
 # set-up of the compiled one (a collection's pushes of a few hundred 16-wide rows: 197 against 358 us a step).
 ROWS_IN_PLACE_BYTES = 64 << 10
@@ -159,9 +167,7 @@ def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame:
     parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype))
     if version:
         parts += [_tag(_R_VERSION, _VARINT), _varint(version)]
-    if frame:  # a whole StreamResponse: in a libzmq message on a data-plane thread
-        return _join(_len_field(frame, parts), zmsg.answering_here())
-    return b"".join(parts)
+    return _answer(parts, frame)
 
 
 def frame(field: int, *messages: Buffer) -> bytes:
@@ -476,9 +482,7 @@ def encode_repeated(groups: Sequence[tuple[int, Sequence[Buffer]]], frame: int =
     for field, items in groups:
         for item in items:
             parts += _len_field(field, [item])
-    if frame:  # a whole StreamResponse: in a libzmq message on a data-plane thread
-        return _join(_len_field(frame, parts), zmsg.answering_here())
-    return b"".join(parts)
+    return _answer(parts, frame)
 
 
 def decode_repeated(buf: Buffer, fields: Optional[tuple[int, ...]] = None) -> dict[int, list[memoryview]]:
