@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from typing import Optional, Sequence
 
@@ -45,6 +46,21 @@ def check(address: str, timeout: float = 2.0, service: str = "", ca: Optional[st
         except grpc.RpcError as e:
             return "UNREACHABLE" if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else e.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+PORT_IN_USE_EXIT = 75  # EX_TEMPFAIL: ``shardps serve`` could not listen on its fixed port, held by another socket
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a listening socket could bind ``host:port`` now, with SO_REUSEADDR as gRPC binds (a closed
+    connection's TIME_WAIT does not hold the port; another socket bound to it, or an open connection's end, does)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:

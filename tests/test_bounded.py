@@ -442,19 +442,22 @@ def test_log_replay_keeps_each_rows_last_push_time_for_ttl_seconds(tmp_path):
     config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="log")
     ids = torch.arange(10) * 3
     initial = torch.from_numpy(INIT.rows(ids.numpy(), DIM))
+    # Bounds wide enough for a busy machine: a restart that takes up to 3 s still finds the rows alive, and the
+    # check 1.5 s past the ttl is 1.5 s before the replay's own ttl would end.
+    ttl, down = 6.0, 3.0
     server = ShardServer(config).start()
     try:
         with Client([server.address]) as c:
-            make_table(c, None, Eviction(ttl_seconds=2.0))
+            make_table(c, None, Eviction(ttl_seconds=ttl))
             c.push("emb", ids, torch.ones(10, DIM), wait=True)
         pushed = time.monotonic()
-        time.sleep(1.2)
+        time.sleep(down)
         server.stop(checkpoint=False)
-        server = ShardServer(config).start()  # replayed about 1.2 s after the push
+        server = ShardServer(config).start()  # replayed at least 3 s after the push
         with Client([server.address]) as c:
             assert not torch.allclose(c.pull("emb", ids), initial)  # still alive
-            time.sleep(max(0.0, pushed + 2.4 - time.monotonic()))
-            # 2.4 s after the push (1.2 s after the replay): expired, as it would have been without the restart.
+            time.sleep(max(0.0, pushed + ttl + down / 2 - time.monotonic()))
+            # 7.5 s after the push (under 4.5 s after the replay): expired, as it would have been without the restart.
             torch.testing.assert_close(c.pull("emb", ids), initial, rtol=0, atol=0)
     finally:
         server.stop(checkpoint=False)

@@ -45,6 +45,60 @@ def test_cli_cluster_trains_and_survives_sigterm_restart(tmp_path):
                 s.kill()
 
 
+def test_restart_waits_for_its_port_while_another_socket_holds_it(tmp_path, monkeypatch):
+    """A shard restarts on its own address. Another socket may take the port while it is down (in a busy
+    machine, an outgoing connection's ephemeral end): ``shardps serve`` then exits with PORT_IN_USE_EXIT naming
+    the port, and the launcher waits for the port and starts it again instead of failing the restart."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from shardps.probe import PORT_IN_USE_EXIT
+    from shardps.server.ops import launcher
+
+    ids = torch.arange(10)
+    with launcher.LocalCluster(1, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
+        with Client(cluster.addresses) as c:
+            c.create_table("emb", dim=4, num_embeddings=100)
+            c.push("emb", ids, torch.ones(10, 4), wait=True)
+            rows = c.pull("emb", ids)
+        address = cluster.addresses[0]
+        port = int(address.rsplit(":", 1)[1])
+        log = tmp_path / "logs" / "shard-0.log"
+        held = f"another socket holds port {port}"
+        for seen_free in (False, True):  # the launcher sees the port held; then it saw it free, and lost the race
+            cluster.kill(0)
+            holder = socket.socket()
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            if not seen_free:
+                out = subprocess.run([sys.executable, "-m", "shardps", "serve", "--host", "127.0.0.1", "--port",
+                                      str(port), "--shard-index", "0", "--num-shards", "1"],
+                                     capture_output=True, text=True, timeout=120)
+                assert out.returncode == PORT_IN_USE_EXIT and held in out.stderr
+                threading.Timer(1.5, holder.close).start()
+            else:
+                monkeypatch.setattr(launcher, "port_free", lambda host, port: True)
+
+                def release_once_refused(holder: socket.socket = holder) -> None:
+                    deadline = time.monotonic() + 100
+                    while held not in log.read_text() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    holder.close()
+
+                threading.Thread(target=release_once_refused, daemon=True).start()
+            cluster.restart(0, timeout=120)
+            # Waiting on the probe, the launcher never started a shard on the held port; told it was free, it did,
+            # saw it refused and started it again.
+            assert (held in log.read_text()) == seen_free
+            assert cluster.addresses == [address] and cluster.procs[0].restarts == (2 if seen_free else 1)
+            with Client(cluster.addresses) as c:
+                torch.testing.assert_close(c.pull("emb", ids), rows, rtol=0, atol=0)
+
+
 def test_cli_flags_from_environment(tmp_path):
     shard = start_shard(
         0, 1, tmp_path, extra=[], env={"SHARDPS_NUM_SHARDS": "1", "SHARDPS_WORKERS": "2"},

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from shardps.probe import PORT_IN_USE_EXIT, port_free
 from shardps.probe import check as check_health
 from shardps.server.ops.certs import DevCerts, make_dev_certs
 from shardps.server.ops.etcd import LocalEtcd
@@ -241,10 +242,22 @@ class LocalCluster:
             old.popen.kill()
             old.popen.wait()
         port = int(old.address.rsplit(":", 1)[1])
-        new = self._spawn(old.index, port, old.member)
-        new.restarts = old.restarts + 1
-        self.procs[index] = new
-        self._await_ready(new, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            # The port went back to the system with the process: until the new one listens, another socket (an
+            # outgoing connection's end, given the same ephemeral port) may hold it for a while.
+            while not port_free(self.host, port) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            new = self._spawn(old.index, port, old.member)
+            new.restarts = old.restarts + 1
+            self.procs[index] = new
+            try:
+                self._await_ready(new, deadline)
+                return
+            except RuntimeError:
+                if new.popen.returncode != PORT_IN_USE_EXIT or time.monotonic() > deadline:
+                    raise
+                log.info("shard %d: port %d taken again before it listened; trying again", old.index, port)
 
     def kill(self, index: int) -> None:
         """kill -9 one shard (for fault drills)."""

@@ -12,6 +12,7 @@ import logging
 import pathlib
 import signal
 import socket
+import sys
 import threading
 import time
 from concurrent import futures
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shardps.core import kernels
 from shardps.core.errors import NotPrimary
 from shardps.core.memory import release_free_memory, tune_malloc
+from shardps.probe import PORT_IN_USE_EXIT, port_free
 from shardps.server.exports.serving import Follower
 from shardps.server.replica.member import ReplicaConfig, ReplicaMember
 from shardps.server.rpc import fair
@@ -42,6 +44,11 @@ SERVICE_NAME = "shardps.v1.Shard"
 SWEEP_INTERVAL_S = 1.0
 DATA_PLANE_WATCH_S = 1.0
 IDLE_TRIM_S = 1.0  # a shard quiet this long after traffic returns its free heap pages to the OS
+
+
+class PortInUse(OSError):
+    """The fixed port a shard was told to listen on is held by another socket (``shardps serve`` then exits with
+    ``probe.PORT_IN_USE_EXIT``, for whoever started it to try again)."""
 
 
 def _loopback(host: str) -> bool:
@@ -155,12 +162,17 @@ class ShardServer:
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         bind = f"{server_config.host}:{server_config.port}"
-        if server_config.tls is not None:
-            chain, key, client_ca = server_config.tls.read()
-            self.port = self._server.add_secure_port(bind, grpc.ssl_server_credentials(
-                [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None))
-        else:
-            self.port = self._server.add_insecure_port(bind)
+        try:
+            if server_config.tls is not None:
+                chain, key, client_ca = server_config.tls.read()
+                self.port = self._server.add_secure_port(bind, grpc.ssl_server_credentials(
+                    [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None))
+            else:
+                self.port = self._server.add_insecure_port(bind)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0 and server_config.port and not port_free(server_config.host, server_config.port):
+            raise PortInUse(f"could not bind {bind}: another socket holds port {server_config.port}")
         if not _loopback(server_config.host) and (server_config.tls is None or tokens is None):
             log.warning("shard %d listens on %s without %s: anyone who reaches the port can %s (see docs/security.md, "
                         "the threat model)", self.shard.index, bind,
@@ -360,7 +372,11 @@ def serve(shard_config: ShardConfig, server_config: ServerConfig, ready_file: Op
     # is skipped: see kernels.without_scipy.)
     kernels.without_scipy()
     kernels.warm_up(client=False)
-    server = ShardServer(shard_config, server_config).start()
+    try:
+        server = ShardServer(shard_config, server_config).start()
+    except PortInUse as e:  # for now, it may be: whoever started it (a launcher restarting it) tries again
+        print(f"shardps serve: {e}", file=sys.stderr, flush=True)
+        return PORT_IN_USE_EXIT
     print(f"shardps shard {shard_config.shard_index}/{shard_config.num_shards} listening on {server.address} "
           f"(kernels: {kernels.describe()})", flush=True)
     if server.metrics_port is not None:
