@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from shardps.probe import PORT_IN_USE_EXIT, port_free
+
 
 @dataclass
 class ShardProcess:
@@ -32,24 +34,43 @@ class ShardProcess:
 
 def start_shard(
     index: int, num_shards: int, workdir: pathlib.Path, data_dir: Optional[str] = None,
-    extra: Optional[list[str]] = None, env: Optional[dict] = None, timeout: float = 30,
+    extra: Optional[list[str]] = None, env: Optional[dict] = None, timeout: float = 30, port: int | str = 0,
 ) -> ShardProcess:
-    """Run ``shardps serve`` on 127.0.0.1 port 0 and wait until it reports its address."""
+    """Run ``shardps serve`` on 127.0.0.1 port 0 (``port``: a restarted shard's own) and wait until it reports its
+    address. A shard restarted on its port waits for it, as ``LocalCluster.restart`` does: another socket may hold
+    it for a while (``shardps serve`` exits with PORT_IN_USE_EXIT then)."""
+    deadline = time.monotonic() + max(timeout, 60.0 if int(port) else 0.0)
+    while True:
+        while int(port) and not port_free("127.0.0.1", int(port)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            return _start(index, num_shards, workdir, data_dir, extra, env, deadline, int(port))
+        except _PortTaken:
+            if time.monotonic() > deadline:
+                raise
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _start(index: int, num_shards: int, workdir: pathlib.Path, data_dir: Optional[str], extra: Optional[list[str]],
+           env: Optional[dict], deadline: float, port: int) -> ShardProcess:
     ready = workdir / f"ready-{index}-{time.monotonic_ns()}"
     log_path = workdir / f"shard-{index}-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "shardps", "serve", "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "shardps", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--shard-index", str(index), "--num-shards", str(num_shards), "--ready-file", str(ready)]
     if data_dir:
         cmd += ["--data-dir", data_dir]
     cmd += extra or []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout
     while not (ready.exists() and ready.read_text()):
         if proc.poll() is not None:
-            raise RuntimeError(f"shard {index} exited with {proc.returncode}:\n{log_path.read_text()}")
+            kind = _PortTaken if proc.returncode == PORT_IN_USE_EXIT else RuntimeError
+            raise kind(f"shard {index} exited with {proc.returncode}:\n{log_path.read_text()}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise TimeoutError(f"shard {index} did not start in {timeout}s:\n{log_path.read_text()}")
+            raise TimeoutError(f"shard {index} did not start in time:\n{log_path.read_text()}")
         time.sleep(0.05)
     return ShardProcess(proc, ready.read_text(), log_path)

@@ -252,13 +252,13 @@ def test_concurrent_pushes_pulls_checkpoints_and_sweeps_replay_to_the_same_table
 
 def test_ttl_seconds_expires_rows_and_the_sweep_frees_them():
     with running_cluster(1) as servers, Client([servers[0].address]) as c:
-        make_table(c, None, Eviction(ttl_seconds=0.3))
+        make_table(c, None, Eviction(ttl_seconds=3.0))  # (wide enough for a busy machine to pull before it ends)
         ids = torch.arange(100) * 13
         c.push("emb", ids, torch.ones(100, DIM), wait=True)
         initial = torch.from_numpy(INIT.rows(ids.numpy(), DIM))
         assert not torch.allclose(c.pull("emb", ids), initial)
         assert c.describe_table("emb")[0].num_rows == 100
-        deadline = time.monotonic() + 10  # the shard's sweeper runs each second
+        deadline = time.monotonic() + 30  # the shard's sweeper runs each second
         while c.describe_table("emb")[0].num_rows and time.monotonic() < deadline:
             time.sleep(0.1)
         (info,) = c.describe_table("emb")

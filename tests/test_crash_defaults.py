@@ -27,7 +27,7 @@ def _counter(c: Client, name: str = "cnt") -> None:
 
 def _restart(shards: list, i: int, n: int, tmp_path) -> None:
     port = shards[i].address.rsplit(":", 1)[1]
-    shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), extra=["--port", port])
+    shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), port=port)
 
 
 def test_ten_kill9s_with_default_flags_lose_nothing_and_apply_nothing_twice(tmp_path):

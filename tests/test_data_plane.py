@@ -432,7 +432,7 @@ def test_kill9_of_shards_under_a_data_plane_client_loses_nothing_and_applies_not
             i = k % n
             port = shards[i].address.rsplit(":", 1)[1]
             shards[i].kill()
-            shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), extra=["--port", port])
+            shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), port=port)
         stop.set()
         t.join(120)
         assert not errors, errors
@@ -456,16 +456,17 @@ def test_each_lost_connection_gets_its_own_retry_window(tmp_path):
     data = str(tmp_path / "d")
     shard = start_shard(0, 1, tmp_path, data)
     try:
-        with Client([shard.address], timeout=10, retry_timeout=6, data_plane="zmq") as c:
+        # (retry_timeout: the time a busy machine may take to start the shard again, with room to spare)
+        with Client([shard.address], timeout=10, retry_timeout=12, data_plane="zmq") as c:
             c.create_table("t", dim=2, num_embeddings=4, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
             for k in range(2):
                 if k:
-                    time.sleep(6.5)  # used past retry_timeout since the first loss
+                    time.sleep(12.5)  # used past retry_timeout since the first loss
                 shard.proc.send_signal(signal.SIGSTOP)  # a push in flight when the shard goes
                 c.push("t", torch.arange(4), torch.ones(4, 2))
                 port = shard.address.rsplit(":", 1)[1]
                 shard.kill()
-                shard = start_shard(0, 1, tmp_path, data, extra=["--port", port])
+                shard = start_shard(0, 1, tmp_path, data, port=port)
                 c.flush()  # resent to the new process and answered (before the fix, the second loss failed it)
             assert c.transport.data_planes() == ["zmq-ipc"]
             torch.testing.assert_close(c.pull("t", torch.arange(4)), -2 * torch.ones(4, 2), rtol=0, atol=0)
@@ -544,7 +545,11 @@ def test_a_call_waiting_off_the_socket_when_the_shard_stops_still_gets_its_answe
 
             waiting = threading.Thread(target=push, daemon=True)
             waiting.start()
-            time.sleep(0.8)
+            with Client([shard.address]) as look:  # the push waits off the socket's thread (seen, not slept on)
+                deadline = time.monotonic() + 30
+                while not look.shard_info()[0].data_plane_handoffs:
+                    assert time.monotonic() < deadline and not outcome, outcome or "the push never waited"
+                    time.sleep(0.02)
             assert not outcome and c.transport.data_planes() == ["zmq-ipc"]
             shard.proc.send_signal(signal.SIGTERM)
             waiting.join(30)

@@ -187,7 +187,7 @@ def test_kill9_mid_training_restarts_with_every_acknowledged_push(tmp_path):
             i = kill % n
             port = shards[i].address.rsplit(":", 1)[1]
             shards[i].kill()
-            shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), extra=["--port", port])
+            shards[i] = start_shard(i, n, tmp_path, str(tmp_path / f"d{i}"), port=port)
         stop.set()
         thread.join(120)
         assert not errors, errors

@@ -272,7 +272,7 @@ def test_shard_killed_during_training_job_is_restarted_and_job_completes(tmp_pat
         port = shards[1].address.rsplit(":", 1)[1]
         shards[1].kill()
         time.sleep(0.5)  # the job now retries against a dead shard
-        shards[1] = start_shard(1, 2, tmp_path, str(data / "shard-1"), extra=["--durability", "log", "--port", port])
+        shards[1] = start_shard(1, 2, tmp_path, str(data / "shard-1"), extra=["--durability", "log"], port=port)
         out, _ = job.communicate(timeout=120)
         assert job.returncode == 0, out
         assert progress.read_text() == f"done {steps}"

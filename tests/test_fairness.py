@@ -126,26 +126,35 @@ def test_per_token_limits_refuse_calls_and_streams_over_them(tmp_path):
         heartbeat = channel.unary_unary("/shardps.v1.Shard/Heartbeat",
                                         request_serializer=pb.HeartbeatRequest.SerializeToString,
                                         response_deserializer=pb.HeartbeatResponse.FromString)
-        wait = pb.HeartbeatRequest(rank=0, world_size=2, clock=0, wait_min_clock=1 << 40, wait_s=3)
-        held = [heartbeat.future(wait, metadata=bearer(trainer), timeout=10) for _ in range(2)]
-        time.sleep(0.5)
-        with pytest.raises(grpc.RpcError) as refused:
-            heartbeat(wait, metadata=bearer(trainer), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "token 2 (trainer) has 2 calls open" in refused.value.details()
+        # Two calls held open (each waits 6 s for a clock that never comes); a third is refused once both are in.
+        # Asked until then: nothing tells the test when they reached the shard.
+        wait = pb.HeartbeatRequest(rank=0, world_size=2, clock=0, wait_min_clock=1 << 40, wait_s=6)
+        held = [heartbeat.future(wait, metadata=bearer(trainer), timeout=30) for _ in range(2)]
+
+        def refused_once_full(call) -> grpc.RpcError:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    call()
+                except grpc.RpcError as e:
+                    return e
+                assert time.monotonic() < deadline, "the token's limit never refused a call"
+                time.sleep(0.02)
+
+        refused = refused_once_full(lambda: heartbeat(pb.HeartbeatRequest(rank=0, world_size=2),
+                                                      metadata=bearer(trainer), timeout=10))
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "token 2 (trainer) has 2 calls open" in refused.details()
         # another token is not held back by this one's limit
         heartbeat(pb.HeartbeatRequest(rank=1, world_size=2), metadata=bearer("a" * 24), timeout=10)
         for f in held:
             f.result()
         stream = channel.stream_stream("/shardps.v1.Shard/Stream")
         frames: queue.Queue = queue.Queue()
-        first = stream(iter(frames.get, None), metadata=bearer(trainer), timeout=10)
-        time.sleep(0.3)
-        second = stream(iter([]), metadata=bearer(trainer), timeout=10)
-        with pytest.raises(grpc.RpcError) as refused:
-            list(second)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "streams open" in refused.value.details()
+        first = stream(iter(frames.get, None), metadata=bearer(trainer), timeout=30)
+        refused = refused_once_full(lambda: list(stream(iter([]), metadata=bearer(trainer), timeout=10)))
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "streams open" in refused.details()
         frames.put(None)
         first.cancel()
         channel.close()
@@ -167,14 +176,18 @@ def test_fair_scheduler_starts_the_light_caller_before_a_heavy_callers_queue():
             started.append(name)
         release()
 
+    def queued(n: int) -> None:  # each call waits in the scheduler before the next starts: queued in this order
+        deadline = time.monotonic() + 30
+        while sched.waited < n:
+            assert time.monotonic() < deadline, f"{sched.waited} calls waiting, expected {n}"
+            time.sleep(0.005)
+
     threads = []
-    for i in range(3):
-        threads.append(threading.Thread(target=call, args=(f"heavy-{i}", "heavy")))
+    for i, (name, caller) in enumerate([("heavy-0", "heavy"), ("heavy-1", "heavy"), ("heavy-2", "heavy"),
+                                        ("light", "light")]):
+        threads.append(threading.Thread(target=call, args=(name, caller)))
         threads[-1].start()
-        time.sleep(0.05)  # queued in this order
-    threads.append(threading.Thread(target=call, args=("light", "light")))
-    threads[-1].start()
-    time.sleep(0.05)
+        queued(i + 1)
     assert sched.waited == 4
     release()  # the holder's slot goes to the earliest start tag
     for t in threads:

@@ -210,7 +210,7 @@ def test_heartbeat_rank_and_world_size_are_bounded(shard):
 def test_heartbeat_wait_answers_before_the_deadline(shard):
     p, _ = shard
     req = pb.HeartbeatRequest(rank=0, world_size=2, wait_min_clock=10**6, wait_s=1e9).SerializeToString()
-    code, reply, _ = _call(p.address, "Heartbeat", req, timeout=2)
+    code, reply, _ = _call(p.address, "Heartbeat", req, timeout=8)  # (waits 6 s: 2 s to answer in)
     assert code == grpc.StatusCode.OK and pb.HeartbeatResponse.FromString(reply).min_clock == 0
 
 

@@ -48,9 +48,9 @@ class Group:
         self.procs = [self._start(m) for m in range(replicas)]
 
     def _start(self, m: int, port: str = "0"):
-        return start_shard(0, 1, self.tmp, str(self.tmp / f"m{m}"), extra=[
+        return start_shard(0, 1, self.tmp, str(self.tmp / f"m{m}"), port=port, extra=[
             "--replicas", str(self.replicas), "--member", f"m{m}", "--etcd", self.etcd.url, "--cluster-name", "t",
-            "--ack", self.ack, "--port", port, *self.extra])
+            "--ack", self.ack, *self.extra])
 
     @property
     def addresses(self) -> str:

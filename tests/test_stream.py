@@ -94,25 +94,25 @@ def test_stream_errors_reach_the_caller_as_typed_exceptions(client2):
 
 
 def test_stop_does_not_wait_for_idle_streams():
-    with running_cluster(1, grace_s=30) as servers:
+    with running_cluster(1, grace_s=300) as servers:
         with Client([servers[0].address], timeout=10, retry_timeout=1) as c:
             c.create_table("t", dim=2, num_embeddings=10)
             c.pull("t", [1])  # the lane's stream is now open and idle
             t0 = time.monotonic()
             servers[0].stop(checkpoint=False)
-            # (a generous bound, well under the 30 s grace: a suite run beside it once took 10.35 s)
-            assert time.monotonic() - t0 < 20, "stop waited out its grace period for an idle stream"
+            # (a generous bound, well under the 300 s grace: a suite run beside it once took 10.35 s)
+            assert time.monotonic() - t0 < 120, "stop waited out its grace period for an idle stream"
 
 
 def test_a_push_held_past_the_deadline_fails_with_a_timeout(tmp_path):
     with running_cluster(1, data_dir=str(tmp_path)) as servers:
-        with Client([servers[0].address], timeout=1.0, retry_timeout=1) as c:
+        with Client([servers[0].address], timeout=3.0, retry_timeout=1) as c:
             c.create_table("t", dim=2, num_embeddings=10)
-            servers[0].shard.prepare_checkpoint(hold_s=8)  # holds pushes back, as a stalled coordinator would
+            servers[0].shard.prepare_checkpoint(hold_s=60)  # holds pushes back, as a stalled coordinator would
             t0 = time.monotonic()
             c.push("t", [1], torch.ones(1, 2))
             with pytest.raises(ShardTimeoutError, match="no answer within"):
                 c.flush()
-            assert time.monotonic() - t0 < 6
+            assert time.monotonic() - t0 < 30
             servers[0].shard.abort_checkpoint()
             c.push("t", [1], torch.ones(1, 2), wait=True)  # a new stream; the shard answers again

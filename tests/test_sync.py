@@ -88,11 +88,14 @@ def test_straggler_proceed_reports_late_worker():
             c.register_dense("p", torch.zeros(2), optimizer=SGD(lr=1.0),
                              sync=SyncPolicy(workers=2, timeout_s=0.5, on_timeout="proceed"))
         reports = {}
+        first_step_done = threading.Event()
 
         def body(c: Client, rank: int) -> None:
-            if rank == 1:
-                time.sleep(1.5)  # misses step 1
+            if rank == 1:  # misses step 1: pushes once it went ahead without it
+                assert first_step_done.wait(60), "rank 0's step never proceeded"
             c.push_dense("p", torch.full((2,), 1.0 + rank), wait=True)
+            if rank == 0:
+                first_step_done.set()
             reports[rank] = list(c.sync_reports)
 
         assert not run_workers(addresses, 2, body)
@@ -181,7 +184,7 @@ def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out
         addresses = [s.address for s in servers]
         with Client(addresses) as c:
             c.create_table("big", dim=dim, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
-                           sync=SyncPolicy(workers=2, aggregator="sum", timeout_s=20, on_timeout="fail"))
+                           sync=SyncPolicy(workers=2, aggregator="sum", timeout_s=120, on_timeout="fail"))
         ids = torch.arange(rows)
         parts_seen: list[int] = []
 
@@ -195,7 +198,7 @@ def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out
         # ~64 KB messages: each rank's 2,000 rows per shard go in 4 parts.
         assert not run_workers(addresses, 2, body, max_message_bytes=64 * 1024)
         assert min(parts_seen) >= 3
-        assert time.monotonic() - t0 < 10, "a step waited for its straggler timeout"
+        assert time.monotonic() - t0 < 60, "a step waited for its straggler timeout"
         with Client(addresses) as c:
             # Two steps, each the sum of both ranks' gradients (1 + 2), at lr 1.
             torch.testing.assert_close(c.pull("big", ids), torch.full((rows, dim), -6.0))
