@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from shardps_client import planner
 
-from shardps.core import codec, wire
+from shardps.core import codec, pushread, wire
 from shardps.core.optim import SGD
 from shardps.core.routing import shard_of_ids
 from shardps.core.slots import SlotMap
@@ -68,11 +68,11 @@ def test_push_plan_sums_nothing_itself_and_a_sync_worker_sends_every_shard_a_par
     assert sorted(s for s, _, _ in calls) == [0, 1, 2]
     for s, method, framed in calls:
         assert method == "Push"
-        d = wire.decode_push(wire.unframe(framed)[1], dense=False)
+        d = pushread.decode_push(wire.unframe(framed)[1], dense=False)
         owned = d.ids.size > 0
         assert owned == (int(shard_of_ids(uniq, 3)[0]) == s)
         assert (d.sync.step, d.sync.rank, d.sync.part, d.sync.parts) == (4, 1, 0, 1)
-    assert sorted(wire.decode_push(wire.unframe(c[2])[1], dense=False).seq for c in calls) == [1, 2, 3]
+    assert sorted(pushread.decode_push(wire.unframe(c[2])[1], dense=False).seq for c in calls) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("max_bytes", [64 << 20, 100_000])
@@ -101,7 +101,7 @@ def test_push_plans_send_each_ids_gradient_to_its_owner_once(max_bytes):
         got: dict = {}
         for table, calls in plan:
             for s, method, framed in calls:
-                d = wire.decode_push(wire.unframe(framed)[1], dense=False)
+                d = pushread.decode_push(wire.unframe(framed)[1], dense=False)
                 assert method == "Push" and d.name == table and len(framed) <= max_bytes + 64
                 assert (slots.owner_of(d.ids) == s).all()
                 for i, row in zip(d.ids.tolist(), d.grads):

@@ -22,7 +22,7 @@ import pytest
 import torch
 from shardps_client import SGD, Client, Initializer, SlotMovedError
 
-from shardps.core import codec, wire
+from shardps.core import codec, pushread, wire
 from shardps.core.slots import SlotMap
 from shardps.core.specs import SyncPolicy
 from shardps.server.ops.launcher import LocalCluster
@@ -628,8 +628,8 @@ def test_a_push_a_leaving_shard_applied_unanswered_is_not_applied_again_where_it
                 cluster.restart(i)
             again = session.replan(calls[0], None, True)
             assert {call[0] for call in again} <= {0, 1} and again
-            assert all(wire.decode_push(wire.unframe(call[2])[1], dense=False).origins ==
-                       ((2, wire.decode_push(wire.unframe(calls[0][2])[1], dense=False).seq),) for call in again)
+            assert all(pushread.decode_push(wire.unframe(call[2])[1], dense=False).origins ==
+                       ((2, pushread.decode_push(wire.unframe(calls[0][2])[1], dense=False).seq),) for call in again)
             answers = [session.transport.submit(*call).result(timeout=60) for call in again]
             assert all(a.duplicate for a in answers), answers
             assert torch.equal(c.pull("t", torch.from_numpy(rows)), -torch.ones(rows.size, 4))

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from shardps.core import codec, wire, zmsg
+from shardps.core import codec, pushread, wire, zmsg
 from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 
@@ -43,7 +43,7 @@ def test_push_requests_match_protobuf(dense, with_optional):
     if pv is not None:
         msg.pulled_version = pv
     assert ours == msg.SerializeToString()
-    d = wire.decode_push(ours, dense)
+    d = pushread.decode_push(ours, dense)
     assert d.name == ("w" if dense else "t") and d.pulled_version == pv
     assert (d.client_id, d.seq) == (kw.get("client_id", ""), kw.get("seq", 0))
     np.testing.assert_array_equal(d.grads, codec.decode(msg.grads, "g"))
@@ -70,12 +70,54 @@ def test_origins_of_a_push_planned_again_match_protobuf_and_bad_ones_are_refused
         msg = pb.PushRequest(table="t", ids=codec.encode(ids), grads=codec.encode(grads), client_id="c", seq=3)
     msg.origins.extend(pb.PushOrigin(shard=a, seq=b) for a, b in origins)
     assert ours == msg.SerializeToString()
-    assert wire.decode_push(ours, dense).origins == tuple(origins)
-    assert wire.decode_push(wire.encode_push("t", grads, pb.FLOAT32, ids=np.array([1, 5])), False).origins == ()
+    assert pushread.decode_push(ours, dense).origins == tuple(origins)
+    assert pushread.decode_push(wire.encode_push("t", grads, pb.FLOAT32, ids=np.array([1, 5])), False).origins == ()
     with pytest.raises(InvalidArgument, match="field 9 has a wire type other than 2"):
-        wire.decode_push(ours + bytes([0x48, 0x01]), dense)  # field 9 as a varint
+        pushread.decode_push(ours + bytes([0x48, 0x01]), dense)  # field 9 as a varint
     with pytest.raises(InvalidArgument, match="malformed origins"):
-        wire.decode_push(ours + bytes([0x4A, 0x02, 0x08, 0x80]), dense)  # an entry cut inside its varint
+        pushread.decode_push(ours + bytes([0x4A, 0x02, 0x08, 0x80]), dense)  # an entry cut inside its varint
+
+
+def test_a_canonical_push_is_read_by_protobuf_and_any_other_field_by_field():
+    """What a client writes goes the fast way (protobuf's parser); the same push written another way protobuf
+    accepts (fields out of order, a shape unpacked, an unknown field, a large push) is read field by field, to the
+    same push."""
+    ids = np.array([3, 9, 12], np.int64)
+    grads = RNG.standard_normal((3, 4)).astype(np.float32)
+    smap = pb.ShardMap(shard_index=1, num_shards=2, map_epoch=5)
+    ours = bytes(wire.encode_push("t", grads, pb.FLOAT32, ids=ids, pulled_version=0, client_id="c", seq=7,
+                                  shard_map=smap, origins=[(0, 4)]))
+    fast = pushread.canonical(ours, False)
+    assert fast is not None and fast.pulled_version == 0 and fast.origins == ((0, 4),) and fast.shard_map == smap
+
+    def same(d: pushread.DecodedPush) -> None:
+        assert (d.name, d.client_id, d.seq, d.pulled_version, d.shard_map, d.origins) == \
+            ("t", "c", 7, 0, smap, ((0, 4),))
+        np.testing.assert_array_equal(d.ids, ids)
+        np.testing.assert_array_equal(d.grads, grads)
+
+    same(pushread.decode_push(ours, False))
+    same(pushread.read_fields(ours, False))
+    t = wire._tag
+    name, rest = ours[:3], ours[3:]  # (field 1, "t") first
+    unpacked_ids = b"".join([t(1, 0), bytes([pb.INT64]), t(2, 0), b"\x03", t(3, 2), bytes([24]), ids.tobytes()])
+    others = [rest + name,  # fields out of order
+              ours + t(15, 0) + b"\x01",  # an unknown field
+              ours.replace(bytes([0x12]) + bytes([len(codec.encode(ids).SerializeToString())])
+                           + codec.encode(ids).SerializeToString(),
+                           bytes([0x12, len(unpacked_ids)]) + unpacked_ids)]  # ids' shape unpacked
+    assert others[2] != ours
+    for buf in others:
+        read = pb.PushRequest.FromString(buf)
+        read.DiscardUnknownFields()
+        assert read == pb.PushRequest.FromString(ours)  # protobuf reads each the same
+        assert pushread.canonical(buf, False) is None
+        same(pushread.decode_push(buf, False))
+    big = RNG.standard_normal((300, 64)).astype(np.float32)  # over CANONICAL_PARSE_BYTES: read field by field
+    buf = bytes(wire.encode_push("t", big, pb.FLOAT32, ids=np.arange(300), client_id="c", seq=1))
+    assert len(buf) >= pushread.CANONICAL_PARSE_BYTES
+    assert not pushread.decode_push(buf, False).grads.flags.owndata  # a view of the message itself
+    np.testing.assert_array_equal(pushread.decode_push(buf, False).grads, big)
 
 
 @pytest.mark.parametrize("frame", [0, 1])
@@ -121,7 +163,7 @@ def test_pushes_gathering_their_rows_into_the_message_match_protobuf(wire_dtype)
         assert bytes(wire.encode_push("t", g, wire_dtype, ids=ids, rows=rows, client_id="c-1", seq=5, shard_map=smap,
                                       frame=1)) == framed
         assert bytes(enc.encode(ids, g, wire_dtype, None, 5, rows=rows)) == framed
-        np.testing.assert_array_equal(wire.decode_push(got, False).grads, codec.decode(msg.grads, "g"))
+        np.testing.assert_array_equal(pushread.decode_push(got, False).grads, codec.decode(msg.grads, "g"))
     for bad, value in ((0, 700), (5, -1)):  # rows the array does not have: refused, never read
         rows = big.copy()
         rows[bad] = value
@@ -162,7 +204,7 @@ def test_large_messages_live_in_libzmq_memory_until_their_last_view_goes():
         with pytest.raises(zmq.Again):
             zmsg.send_multipart(lonely, [msg], zmq.NOBLOCK)
         assert bytes(msg) == want
-        push = wire.decode_push(wire.unframe(msg)[1], False)  # views of the message keep it alive
+        push = pushread.decode_push(wire.unframe(msg)[1], False)  # views of the message keep it alive
         gone = weakref.ref(own)
         del own, msg
         gc.collect()
@@ -207,10 +249,10 @@ def test_decoding_skips_unknown_fields_and_rejects_garbage():
         wire.decode_pull_response(msg[:-3])
     bad = wire.encode_push("t", np.ones((1, 2), np.float32), pb.FLOAT32, ids=np.zeros(1, np.int64))
     with pytest.raises(InvalidArgument, match="malformed message"):
-        wire.decode_push(bad[:-2], dense=False)
+        pushread.decode_push(bad[:-2], dense=False)
     wrong = pb.PushRequest(table="t", ids=codec.encode(np.zeros(1, np.float32)), grads=codec.encode(np.ones((1, 2), np.float32)))
     with pytest.raises(InvalidArgument, match="ids must be int64, got float32"):
-        wire.decode_push(wrong.SerializeToString(), dense=False)
+        pushread.decode_push(wrong.SerializeToString(), dense=False)
 
 
 def test_push_and_dense_push_share_field_numbers():

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from shardps.core import wire
+from shardps.core import pushread, wire
 from shardps.core.errors import InvalidArgument
 from shardps.v1 import shardps_pb2 as pb
 from tests.fuzz import data_requests, generators, mutations, oracle, regressions, values
@@ -104,17 +104,39 @@ def near_valid(cls: type) -> st.SearchStrategy[bytes]:
 # ---- the properties -----------------------------------------------------------------------
 
 
+def _reading(read: Callable[[Any, bool], Any], buf: Any, dense: bool) -> Any:
+    try:
+        d = read(buf, dense)
+    except InvalidArgument as e:
+        return ("refused", str(e))
+    if d is None:
+        return None
+    arrays = [(a.dtype.str, a.shape, a.tobytes()) if a is not None else None for a in (d.ids, d.grads)]
+    return ("read", d.name, d.row_start, d.pulled_version, d.client_id, d.seq, d.shard_map, d.sync, d.origins, arrays)
+
+
+def check_two_readers(buf: Any, dense: bool) -> None:
+    """Where protobuf's parser reads a push (``pushread.canonical``), the strict reader reads the same push, or
+    refuses it too (the words may differ: protobuf reads an enum of -1 as -1, the strict reader as 2^64 - 1)."""
+    fast = _reading(pushread.canonical, buf, dense)
+    if fast is not None:
+        strict = _reading(pushread.read_fields, buf, dense)
+        agree = fast == strict or fast[0] == strict[0] == "refused"
+        assert agree, f"the two push readers differ: {fast!r:.300} against {strict!r:.300}; input {_hex(buf)}"
+
+
 def check_push(buf: Any, dense: bool, canonical: bool = False) -> bool:
     """wire.decode_push accepts ``buf`` only if protobuf parses it to the same push; True if accepted."""
     kind = "PushDenseRequest" if dense else "PushRequest"
+    check_two_readers(buf, dense)
     try:
-        d = wire.decode_push(buf, dense=dense)
+        d = pushread.decode_push(buf, dense=dense)
     except InvalidArgument as e:
         assert not canonical, f"wire.decode_push refuses a canonical {kind} ({e}); input {_hex(buf)}"
         return False
     except Exception as e:  # noqa: BLE001
         raise AssertionError(
-            f"wire.decode_push(dense={dense}) raised {type(e).__name__}: {e} "
+            f"pushread.decode_push(dense={dense}) raised {type(e).__name__}: {e} "
             f"(refusals must be InvalidArgument); input {_hex(buf)}"
         ) from e
     cls = pb.PushDenseRequest if dense else pb.PushRequest

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
-from shardps.core import codec, kernels, protocol, wire
+from shardps.core import codec, kernels, protocol, pushread, wire
 from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.v1 import shardps_pb2 as pb
@@ -306,21 +306,21 @@ def push_batches(deferred: list[tuple[str, list[Call]]], num_shards: int, max_by
 # ---- pushes a shard refused because their slots moved -------------------------------------
 
 
-def pushes_of(call: Call) -> list[tuple[bool, wire.DecodedPush]]:
+def pushes_of(call: Call) -> list[tuple[bool, pushread.DecodedPush]]:
     """The pushes a framed push call carries: (dense, decoded push) each (a PushBatch's dense pulls left out)."""
     _, method, framed = call
     _, view = wire.unframe(framed)
     if method == "Push":
-        return [(False, wire.decode_push(view, dense=False))]
+        return [(False, pushread.decode_push(view, dense=False))]
     if method == "PushDense":
-        return [(True, wire.decode_push(view, dense=True))]
+        return [(True, pushread.decode_push(view, dense=True))]
     groups_ = wire.decode_repeated(view, (pb.PushBatchRequest.PUSHES_FIELD_NUMBER,
                                           pb.PushBatchRequest.DENSE_FIELD_NUMBER))
-    return ([(False, wire.decode_push(v, dense=False)) for v in groups_.get(pb.PushBatchRequest.PUSHES_FIELD_NUMBER, [])]
-            + [(True, wire.decode_push(v, dense=True)) for v in groups_.get(pb.PushBatchRequest.DENSE_FIELD_NUMBER, [])])
+    return ([(False, pushread.decode_push(v, dense=False)) for v in groups_.get(pb.PushBatchRequest.PUSHES_FIELD_NUMBER, [])]
+            + [(True, pushread.decode_push(v, dense=True)) for v in groups_.get(pb.PushBatchRequest.DENSE_FIELD_NUMBER, [])])
 
 
-def replan_push(d: wire.DecodedPush, spec: TableSpec | DenseSpec, slots: SlotMap, max_bytes: int,
+def replan_push(d: pushread.DecodedPush, spec: TableSpec | DenseSpec, slots: SlotMap, max_bytes: int,
                 next_seq: Callable[[int], int], origins: tuple[tuple[int, int], ...] = ()) -> list[Call]:
     """A push a shard refused (its slots moved) planned again by ``slots``: the same gradients (float32 on the
     wire), new sequence numbers on the shards they now go to, and no pulled version (its staleness is not

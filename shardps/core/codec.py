@@ -74,11 +74,14 @@ def decode_raw(dtype: int, shape: list, data: bytes | memoryview, what: str, as_
         raise InvalidArgument(f"{what}: unsupported or missing dtype {dtype}")
     if len(shape) > MAX_NDIM:
         raise InvalidArgument(f"{what}: {len(shape)} dimensions, more than {MAX_NDIM}")
-    shape_t = tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape_t):
-        raise InvalidArgument(f"{what}: negative dimension in shape {list(shape_t)}")
-    count = math.prod(shape_t)  # exact (Python ints): a product that overflows int64 must not wrap to a match
-    if math.prod(s for s in shape_t if s) * np_dtype.itemsize >= 1 << 62:  # numpy refuses such shapes even when empty
+    shape_t = tuple(map(int, shape))
+    count = 1  # exact (Python ints): a product that overflows int64 must not wrap to a match
+    for s in shape_t:
+        if s < 0:
+            raise InvalidArgument(f"{what}: negative dimension in shape {list(shape_t)}")
+        count *= s
+    # numpy refuses such shapes even when empty
+    if (count or math.prod(s for s in shape_t if s)) * np_dtype.itemsize >= 1 << 62:
         raise InvalidArgument(f"{what}: shape {list(shape_t)} is too large")
     nbytes = len(data) if not isinstance(data, memoryview) else data.nbytes
     if count * np_dtype.itemsize != nbytes:

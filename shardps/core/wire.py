@@ -12,7 +12,6 @@ protobuf implementation can talk to the shards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -305,22 +304,36 @@ def _fields(buf: memoryview) -> list[tuple[int, int, Union[int, memoryview]]]:
     Strict: field number 0 or above 2^29 - 1, groups (wire types 3 and 4), varints
     not in their shortest form or above 2^64 - 1, and fields running past the end
     are refused, so that whatever this accepts, protobuf's parser accepts too.
+    (One-byte varints, most tags and lengths, are read inline: a push's decode is mostly this loop.)
     """
-    out = []
+    out: list[tuple[int, int, Union[int, memoryview]]] = []
+    append = out.append
     pos, end = 0, len(buf)
     while pos < end:
-        key, pos = _read_varint(buf, pos)
+        key = buf[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _read_varint(buf, pos)
         field, wt = key >> 3, key & 7
         if not 1 <= field <= _MAX_FIELD:
             raise InvalidArgument(f"malformed message: field number {field} out of range")
         value: Union[int, memoryview]
-        if wt == _VARINT:
-            value, pos = _read_varint(buf, pos)
-        elif wt == _LEN:
-            n, pos = _read_varint(buf, pos)
+        if wt == _LEN:
+            if pos < end and buf[pos] < 0x80:
+                n = buf[pos]
+                pos += 1
+            else:
+                n, pos = _read_varint(buf, pos)
             if n > end - pos:
                 raise InvalidArgument("malformed message: field runs past the end")
             value, pos = buf[pos : pos + n], pos + n
+        elif wt == _VARINT:
+            if pos < end and buf[pos] < 0x80:
+                value = buf[pos]
+                pos += 1
+            else:
+                value, pos = _read_varint(buf, pos)
         elif wt in (_I64, _I32):
             size = 8 if wt == _I64 else 4
             if size > end - pos:
@@ -328,7 +341,7 @@ def _fields(buf: memoryview) -> list[tuple[int, int, Union[int, memoryview]]]:
             value, pos = int.from_bytes(buf[pos : pos + size], "little"), pos + size
         else:
             raise InvalidArgument(f"malformed message: wire type {wt} (groups are not used by this protocol)")
-        out.append((field, wt, value))
+        append((field, wt, value))
     return out
 
 
@@ -377,11 +390,16 @@ def decode_tensor(buf: memoryview, what: str, as_float32: bool = True, allowed: 
                 shape.append(_signed64(v))
         elif field == _T_SHAPE and wt == _VARINT:
             shape.append(_signed64(value))  # type: ignore[arg-type]
+    return _tensor(dtype, shape, data, what, as_float32, allowed)  # type: ignore[arg-type]
+
+
+def _tensor(dtype: int, shape: list, data: Any, what: str, as_float32: bool = True,
+            allowed: Optional[tuple] = None) -> np.ndarray:
     if allowed is not None and dtype not in allowed:
         names = [codec.DTYPE_NAMES[d] for d in allowed]
         expected = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
         raise InvalidArgument(f"{what} must be {expected}, got {codec.dtype_name(dtype)}")
-    return codec.decode_raw(dtype, shape, data, what, as_float32)  # type: ignore[arg-type]
+    return codec.decode_raw(dtype, shape, data, what, as_float32)
 
 
 _PULL_RESPONSE = {_R_ROWS: _LEN, _R_VERSION: _VARINT}
@@ -394,35 +412,6 @@ def decode_pull_response(buf: Buffer) -> tuple[np.ndarray, int]:
     return rows, int(f.get(_R_VERSION, 0))  # type: ignore[arg-type]
 
 
-@dataclass
-class DecodedPush:
-    """The fields of a PushRequest or PushDenseRequest; arrays are views of the message."""
-
-    name: str = ""
-    ids: Optional[np.ndarray] = None
-    row_start: int = 0
-    grads: Optional[np.ndarray] = None
-    pulled_version: Optional[int] = None
-    client_id: str = ""
-    seq: int = 0
-    shard_map: Optional[pb.ShardMap] = None
-    sync: Optional[pb.SyncPart] = None
-    origins: tuple[tuple[int, int], ...] = ()  # (shard, seq) where a push planned again was sent before
-
-
-# Field -> wire type of PushRequest and PushDenseRequest (field 2: ids or row_start).
-_PUSH = {_P_NAME: _LEN, _P_IDS: _LEN, _P_GRADS: _LEN, _P_PULLED_VERSION: _VARINT, _P_CLIENT_ID: _LEN,
-         _P_SEQ: _VARINT, _P_SHARD_MAP: _LEN, _P_SYNC: _LEN}
-_PUSH_DENSE = {**_PUSH, _P_ROW_START: _VARINT}
-
-
-def _string(value: Any, what: str) -> str:
-    try:
-        return bytes(value).decode()
-    except UnicodeDecodeError:
-        raise InvalidArgument(f"malformed message: {what} is not valid UTF-8") from None
-
-
 def parse(cls: Any, buf: Buffer, what: str = "") -> Any:
     """A message of generated class ``cls`` parsed by protobuf; bytes it cannot parse are the
     caller's error (InvalidArgument naming ``what``, by default the message type)."""
@@ -430,47 +419,6 @@ def parse(cls: Any, buf: Buffer, what: str = "") -> Any:
         return cls.FromString(bytes(buf))
     except DecodeError:
         raise InvalidArgument(f"malformed {what or cls.DESCRIPTOR.name}: cannot be parsed") from None
-
-
-def decode_push(buf: Buffer, dense: bool) -> DecodedPush:
-    """Parse a serialized PushRequest (``dense=False``) or PushDenseRequest.
-
-    Strict (see ``_fields`` and ``_singular``): what this accepts, protobuf's own
-    parser reads the same way, so the write-ahead log may hold the raw request.
-    """
-    fields = _fields(_view(buf))
-    origins = [(wt, value) for field, wt, value in fields if field == _P_ORIGINS]  # (its one repeated field)
-    f = _singular([x for x in fields if x[0] != _P_ORIGINS] if origins else fields,
-                  _PUSH_DENSE if dense else _PUSH, "push")
-    out = DecodedPush()
-    if origins:
-        if any(wt != _LEN for wt, _ in origins):
-            raise InvalidArgument(f"malformed message: push field {_P_ORIGINS} has a wire type other than {_LEN}")
-        parsed = [parse(pb.PushOrigin, v, "origins") for _, v in origins]  # type: ignore[arg-type]
-        out.origins = tuple((int(o.shard), int(o.seq)) for o in parsed)
-    if _P_NAME in f:
-        out.name = _string(f[_P_NAME], "the table name")
-    if _P_IDS in f:
-        if dense:
-            out.row_start = int(f[_P_ROW_START])  # type: ignore[arg-type]
-        else:
-            out.ids = decode_tensor(f[_P_IDS], "ids", allowed=(pb.INT64,))  # type: ignore[arg-type]
-    if _P_GRADS in f:
-        out.grads = decode_tensor(f[_P_GRADS], "grads", allowed=codec.WIRE_FLOAT_DTYPES)  # type: ignore[arg-type]
-    if _P_PULLED_VERSION in f:
-        out.pulled_version = int(f[_P_PULLED_VERSION])  # type: ignore[arg-type]
-    if _P_CLIENT_ID in f:
-        out.client_id = _string(f[_P_CLIENT_ID], "client_id")
-    out.seq = int(f.get(_P_SEQ, 0))  # type: ignore[arg-type]
-    if _P_SHARD_MAP in f:
-        out.shard_map = parse(pb.ShardMap, f[_P_SHARD_MAP], "shard_map")  # type: ignore[arg-type]
-    if _P_SYNC in f:
-        out.sync = parse(pb.SyncPart, f[_P_SYNC], "sync")  # type: ignore[arg-type]
-    if not dense and out.ids is None:
-        out.ids = np.zeros(0, np.int64)
-    if out.grads is None:
-        raise InvalidArgument("grads: missing")
-    return out
 
 
 def encode_repeated(groups: Sequence[tuple[int, Sequence[Buffer]]], frame: int = 0) -> Buffer:

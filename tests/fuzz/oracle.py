@@ -106,7 +106,7 @@ def replay_suspect(dense: bool, buf: bytes) -> Optional[str]:
     to something else than the live decoder did. None if it looks fine."""
     from google.protobuf.message import DecodeError
 
-    from shardps.core import wire
+    from shardps.core import pushread
 
     cls = pb.PushDenseRequest if dense else pb.PushRequest
     try:
@@ -114,7 +114,7 @@ def replay_suspect(dense: bool, buf: bytes) -> Optional[str]:
     except DecodeError as e:
         return f"protobuf cannot parse it ({e})"
     try:
-        d = wire.decode_push(buf, dense=dense)
+        d = pushread.decode_push(buf, dense=dense)
     except Exception:  # noqa: BLE001 - refused live: not what was acknowledged
         return None
     problems = compare_push(d, msg, dense)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Union
 
 import numpy as np
 
-from shardps.core import codec, wire
+from shardps.core import codec, pushread, wire
 from shardps.core.specs import (
     DenseSpec,
     TableSpec,
@@ -167,7 +167,7 @@ class Drop:
 
 @dataclass(frozen=True)
 class Push:
-    push: wire.DecodedPush  # read by the live path's own decoder: replay sees exactly what was acknowledged
+    push: pushread.DecodedPush  # read by the live path's own decoder: replay sees exactly what was acknowledged
     staleness: int
     dense: bool
     per_row: Optional[np.ndarray] = None  # per-row staleness, one per unique id in id order
@@ -234,7 +234,7 @@ def read_record(kind: int, payload: bytes) -> Change:
     if kind in (wal.PUSH, wal.PUSH_DENSE):
         staleness, per_row, ticks, body = split_staleness(payload)
         dense = kind == wal.PUSH_DENSE
-        return Push(wire.decode_push(body, dense=dense), staleness, dense, per_row, ticks)
+        return Push(pushread.decode_push(body, dense=dense), staleness, dense, per_row, ticks)
     if kind == wal.ASSIGN:
         req = pb.AssignRequest.FromString(payload)
         return Assign(req.table, codec.decode(req.ids, "ids"), codec.decode(req.values, "values"))

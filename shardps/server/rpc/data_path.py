@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from shardps.core import codec, wire
+from shardps.core import codec, pushread, wire
 from shardps.core.errors import Moved, ResourceExhausted, StaleUpdate, SyncStepFailed
 from shardps.core.wire import Buffer, parse
 from shardps.server.rpc import convert
@@ -84,7 +84,7 @@ class DataPath:
         """Decode and check a push without applying it: (table, row ids, decoded push); table None for a push this
         shard applied before (a resend: answered as a duplicate before ownership is checked, since its rows may
         have moved to another shard since, with the push in them)."""
-        d = wire.decode_push(request, dense=dense)
+        d = pushread.decode_push(request, dense=dense)
         self.check_map(d.shard_map)
         assert d.grads is not None
         if d.client_id and self.shard.updates.seen.contains(d.client_id, d.seq):
