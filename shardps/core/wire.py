@@ -304,36 +304,22 @@ def _fields(buf: memoryview) -> list[tuple[int, int, Union[int, memoryview]]]:
     Strict: field number 0 or above 2^29 - 1, groups (wire types 3 and 4), varints
     not in their shortest form or above 2^64 - 1, and fields running past the end
     are refused, so that whatever this accepts, protobuf's parser accepts too.
-    (One-byte varints, most tags and lengths, are read inline: a push's decode is mostly this loop.)
     """
     out: list[tuple[int, int, Union[int, memoryview]]] = []
-    append = out.append
     pos, end = 0, len(buf)
     while pos < end:
-        key = buf[pos]
-        if key < 0x80:
-            pos += 1
-        else:
-            key, pos = _read_varint(buf, pos)
+        key, pos = _read_varint(buf, pos)
         field, wt = key >> 3, key & 7
         if not 1 <= field <= _MAX_FIELD:
             raise InvalidArgument(f"malformed message: field number {field} out of range")
         value: Union[int, memoryview]
-        if wt == _LEN:
-            if pos < end and buf[pos] < 0x80:
-                n = buf[pos]
-                pos += 1
-            else:
-                n, pos = _read_varint(buf, pos)
+        if wt == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif wt == _LEN:
+            n, pos = _read_varint(buf, pos)
             if n > end - pos:
                 raise InvalidArgument("malformed message: field runs past the end")
             value, pos = buf[pos : pos + n], pos + n
-        elif wt == _VARINT:
-            if pos < end and buf[pos] < 0x80:
-                value = buf[pos]
-                pos += 1
-            else:
-                value, pos = _read_varint(buf, pos)
         elif wt in (_I64, _I32):
             size = 8 if wt == _I64 else 4
             if size > end - pos:
@@ -341,7 +327,7 @@ def _fields(buf: memoryview) -> list[tuple[int, int, Union[int, memoryview]]]:
             value, pos = int.from_bytes(buf[pos : pos + size], "little"), pos + size
         else:
             raise InvalidArgument(f"malformed message: wire type {wt} (groups are not used by this protocol)")
-        append((field, wt, value))
+        out.append((field, wt, value))
     return out
 
 
