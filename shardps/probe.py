@@ -20,6 +20,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from typing import Optional, Sequence
 
 import grpc
@@ -61,6 +62,13 @@ def port_free(host: str, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def wait_for_port(host: str, port: int, deadline: float) -> None:
+    """Wait until ``port_free`` (``deadline``: a ``time.monotonic()`` time; past it, return and let the bind fail):
+    a shard started again on its own port, which another socket may hold for a while once it went."""
+    while not port_free(host, port) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from shardps.probe import PORT_IN_USE_EXIT, port_free
+from shardps.probe import PORT_IN_USE_EXIT, wait_for_port
 
 
 @dataclass
@@ -41,8 +41,8 @@ def start_shard(
     it for a while (``shardps serve`` exits with PORT_IN_USE_EXIT then)."""
     deadline = time.monotonic() + max(timeout, 60.0 if int(port) else 0.0)
     while True:
-        while int(port) and not port_free("127.0.0.1", int(port)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        if int(port):
+            wait_for_port("127.0.0.1", int(port), deadline)
         try:
             return _start(index, num_shards, workdir, data_dir, extra, env, deadline, int(port))
         except _PortTaken:

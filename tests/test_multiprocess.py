@@ -87,7 +87,7 @@ def test_restart_waits_for_its_port_while_another_socket_holds_it(tmp_path, monk
 
                 threading.Timer(1.5, release).start()
             else:
-                monkeypatch.setattr(launcher, "port_free", lambda host, port: True)
+                monkeypatch.setattr(launcher, "wait_for_port", lambda host, port, deadline: None)
 
                 def release_once_refused(holder: socket.socket = holder) -> None:
                     deadline = time.monotonic() + 100

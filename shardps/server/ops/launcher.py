@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from shardps.probe import PORT_IN_USE_EXIT, port_free
+from shardps.probe import PORT_IN_USE_EXIT, wait_for_port
 from shardps.probe import check as check_health
 from shardps.server.ops.certs import DevCerts, make_dev_certs
 from shardps.server.ops.etcd import LocalEtcd
@@ -246,8 +246,7 @@ class LocalCluster:
         while True:
             # The port went back to the system with the process: until the new one listens, another socket (an
             # outgoing connection's end, given the same ephemeral port) may hold it for a while.
-            while not port_free(self.host, port) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for_port(self.host, port, deadline)
             new = self._spawn(old.index, port, old.member)
             new.restarts = old.restarts + 1
             self.procs[index] = new
