@@ -99,6 +99,38 @@ def test_routing(num_shards: int) -> None:
     bits_equal(*both(lambda: split_by_shard(ids[:0], num_shards)))
 
 
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 9])
+def test_a_requests_ids_checked_for_range_and_owner_in_one_pass(num_shards: int) -> None:
+    """``SlotMap.all_owned`` (a shard's check of a request's ids) against its reference: ids of every owner, a map
+    with split slots (3 and 9 shards) and one that moved slots, each bound, and one id at a time made wrong."""
+    from shardps.core.slots import SlotMap
+
+    rng = np.random.default_rng(num_shards)
+    uniform = SlotMap.uniform(num_shards)
+    owners = uniform.owners.copy()
+    owners[rng.integers(0, owners.shape[0], 500)] = num_shards - 1
+    moved = SlotMap(1, owners, uniform.base, num_shards)
+    pool = np.arange(5000, dtype=np.int64)
+    for m in (uniform, moved):
+        for n in (1, 7, 300):
+            ids = rng.integers(0, 5000, 40 * n * num_shards, dtype=np.int64)
+            for shard in range(num_shards):
+                mine = ids[m.owner_of(ids) == shard][:n]
+                assert mine.size == n
+                top = int(mine.max())
+                for limit in (None, 5000, top + 1, top):  # the last leaves the largest id out of range
+                    ok = both(lambda m=m, ids=mine, s=shard, lim=limit: m.all_owned(ids, s, lim))
+                    assert ok[0] == ok[1] and ok[0] is (limit != top)
+                    for bad in (-1, 5000, 2**62, int(pool[m.owner_of(pool) != shard][0]) if num_shards > 1 else -7):
+                        wrong = mine.copy()
+                        wrong[rng.integers(0, n)] = bad
+                        got = both(lambda m=m, ids=wrong, s=shard, lim=limit: m.all_owned(ids, s, lim))
+                        assert got[0] == got[1]
+                        rest_ok = limit is None or limit > int(np.delete(wrong, wrong == bad).max(initial=-1))
+                        bad_ok = (limit is None or 0 <= bad < limit) and m.owner_of(np.array([bad]))[0] == shard
+                        assert got[0] is (rest_ok and bool(bad_ok))
+
+
 def test_hash_index_lookups_agree_whichever_side_built_the_table() -> None:
     rng = np.random.default_rng(1)
     present = np.unique(_ids(rng, 30000))
@@ -205,6 +237,25 @@ def test_coalesce() -> None:
         bits_equal(*both(lambda ids=ids, grads=grads: coalesce(ids, grads.astype(np.float64))))  # converted before summing
         bits_equal(*both(lambda ids=ids, grads=grads: coalesce(ids, grads[:, ::2])))  # not contiguous
 
+
+
+def test_sorted_unique_ids_found_in_one_pass() -> None:
+    """``is_sorted_unique`` (no dedup needed) against its reference: increasing ids, one repeat or one step back
+    anywhere, extremes, a strided view (the reference's), and two ids or fewer."""
+    from shardps.core.ids import is_sorted_unique
+
+    rng = np.random.default_rng(6)
+    base = np.unique(_ids(rng, 3000))
+    cases = [base, base[:2], base[:1], base[:0], base[::2], np.array([-(2**63), 2**63 - 1], np.int64)]
+    for at in (1, 2, 1500, base.shape[0] - 1):
+        repeat, back = base.copy(), base.copy()
+        repeat[at] = repeat[at - 1]
+        back[at - 1], back[at] = back[at], back[at - 1]
+        cases += [repeat, back]
+    for ids in cases:
+        got = both(lambda ids=ids: is_sorted_unique(ids))
+        values = ids.tolist()
+        assert got[0] is got[1] is all(a < b for a, b in zip(values, values[1:]))
 
 def test_rows_into_and_out_of_messages() -> None:
     """Rows gathered into a push's message and scattered out of a pull's answer (``gather_rows``, ``scatter_rows``)

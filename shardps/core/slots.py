@@ -138,6 +138,21 @@ class SlotMap:
         """Which ids shard ``shard`` owns."""
         return self.owner_of(ids) == shard
 
+    def all_owned(self, ids: np.ndarray, shard: int, limit: Optional[int] = None) -> bool:
+        """Whether every id of a 1-D array is in [0, ``limit``) (when given) and owned by shard ``shard``: a
+        request's ids checked in one compiled pass (the kernel stops at the first that is not), else by the
+        reference below."""
+        k = kernels.jit()
+        if k is not None and ids.dtype == np.int64 and ids.ndim == 1:
+            return bool(k.all_owned(ids, -1 if limit is None else limit, self.owners, self.base, ROUTING_SEED, shard))
+        return self.all_owned_numpy(ids, shard, limit)
+
+    def all_owned_numpy(self, ids: np.ndarray, shard: int, limit: Optional[int] = None) -> bool:
+        """The reference of ``all_owned`` (and of its kernel)."""
+        if limit is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            return False
+        return bool(self.owned(ids, shard).all())
+
     def slot_counts(self) -> np.ndarray:
         """Whole slots each shard owns (split slots counted apart)."""
         whole = self.owners[self.owners >= 0]

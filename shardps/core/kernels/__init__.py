@@ -2,7 +2,8 @@
 
 Every kernel (in ``shardps.core.kernels.loops``) has a plain-numpy reference, the
 readable definition, next to the code that calls it: ``routing.shard_of_ids``
-and ``split_by_shard``, ``HashIndex.lookup`` and ``insert``,
+and ``split_by_shard``, ``SlotMap.all_owned`` (a request's ids in range and this shard's),
+``ids.is_sorted_unique``, ``HashIndex.lookup`` and ``insert``,
 ``Initializer.rows``, each optimizer's ``step``, ``ids.coalesce``, and the rows a client
 moves into a push's message and out of a pull's answer (``wire._Rows.write``,
 ``planner.assemble_rows``: numpy's take and fancy assignment).
@@ -133,6 +134,8 @@ def warm_up(client: bool = True, k: Optional[Any] = None) -> None:
     owners = np.zeros(1 << 14, np.int16)
     k.owner_by_map(ids, owners, 2, seed)
     k.split_by_map(ids, owners, 2, 2, seed)
+    k.all_owned(ids, 4, owners, 2, seed, 0)
+    k.strictly_increasing(ids)
     table = np.full(16, -1, np.int32)
     k.hash_place(table, ids, ids, seed)
     k.hash_lookup(table, ids, ids, seed)

@@ -51,6 +51,8 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "split_by_shard": [(_IDS, "int64", "uint64")],
     "owner_by_map": [(_IDS, "int16[::1]", "int64", "uint64")],
     "split_by_map": [(_IDS, "int16[::1]", "int64", "int64", "uint64")],
+    "all_owned": [(_IDS, "int64", "int16[::1]", "int64", "uint64", "int64")],
+    "strictly_increasing": [(_IDS,)],
     "hash_lookup": [("int32[::1]", _IDS, _IDS, "uint64")],
     "hash_place": [("int32[::1]", _IDS, _IDS, "uint64")],
     "hash_remove": [("int32[::1]", _IDS, "int64", _IDS, "uint64")],

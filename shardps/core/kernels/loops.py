@@ -75,6 +75,33 @@ def owner_by_map(ids: np.ndarray, owners: np.ndarray, base: int, seed: np.uint64
 
 
 @_njit
+def all_owned(ids: np.ndarray, limit: int, owners: np.ndarray, base: int, seed: np.uint64, shard: int) -> bool:
+    """``slots.SlotMap.all_owned``: whether every id is in [0, ``limit``) (``limit`` < 0: any id) and owned by
+    ``shard`` under the map, in one pass that stops at the first that is not (no array of owners made)."""
+    n = np.uint64(base)
+    for i in range(ids.shape[0]):
+        v = ids[i]
+        if limit >= 0 and (v < 0 or v >= limit):
+            return False
+        z = mix(np.uint64(v), seed)
+        o = np.int64(owners[np.int64(z >> _S50)])
+        if o < 0:
+            o = np.int64(((z >> _S32) * n) >> _S32)
+        if o != shard:
+            return False
+    return True
+
+
+@_njit
+def strictly_increasing(ids: np.ndarray) -> bool:
+    """``ids.is_sorted_unique``: whether each id is larger than the one before it."""
+    for i in range(1, ids.shape[0]):
+        if ids[i] <= ids[i - 1]:
+            return False
+    return True
+
+
+@_njit
 def split_by_map(ids: np.ndarray, owners: np.ndarray, base: int, num_shards: int,
                  seed: np.uint64) -> tuple[np.ndarray, np.ndarray]:
     """``slots.SlotMap.split``: one hashing pass, then a stable counting sort by owner."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -42,6 +42,14 @@ class Owns:
             slots.wait_for(spec, ids, False, f"a request to {spec.name!r}")
             mask = slots.owned(spec, ids)
         return mask
+
+    def all_in(self, ids: np.ndarray, limit: Optional[int]) -> bool:
+        """Whether every id is in [0, ``limit``) (when given) and this shard's now: one compiled pass, the common
+        case's whole check. False says only that the full check must run (``storage.checks.ids``), which names
+        what is wrong or waits for arriving slots; dense rows always take it."""
+        if isinstance(self._spec, DenseSpec):
+            return False
+        return self._slots.map.all_owned(ids, self._slots.index, limit)
 
     def refuse(self, ids: np.ndarray) -> Exception:
         return self._slots.moved(self._spec, ids)

@@ -19,6 +19,9 @@ def ids(table: str, what: str, num_embeddings: Optional[int], owns: Callable[[np
         raise InvalidArgument(f"{table}: {what} must be 1-D, got shape {list(values.shape)}")
     if values.shape[0] == 0:
         raise InvalidArgument(f"{table}: request has no {what}")
+    all_in = getattr(owns, "all_in", None)  # the common case in one compiled pass (``shard.slots.Owns``)
+    if all_in is not None and all_in(values, num_embeddings):
+        return
     if num_embeddings is not None:
         lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= num_embeddings:
