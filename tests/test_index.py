@@ -53,9 +53,28 @@ def test_index_keeps_ids_in_slot_order_and_refuses_other_slots(impl):
     index.insert(np.array([50, 7, 900]), np.arange(3))
     index.insert(np.array([3]), np.array([3]))
     np.testing.assert_array_equal(index.ids, [50, 7, 900, 3])
-    with pytest.raises(ValueError, match="insertion order"):
-        index.insert(np.array([11, 12]), np.array([5, 6]))
+    for slots in ([5, 6], [4, 6], [4, 4, 6], [4, 6, 5], [3, 4]):  # a gap, a repeat, out of order, a slot taken
+        with pytest.raises(ValueError, match="insertion order"):
+            index.insert(np.arange(11, 11 + len(slots)), np.array(slots))
     np.testing.assert_array_equal(index.lookup(np.array([11, 3])), [-1, 3])
+
+
+@pytest.mark.parametrize("num_embeddings", [None, 10**6])
+def test_absent_rows_read_in_any_order_with_repeats_are_made_once_each(num_embeddings):
+    """A read of absent ids, repeated and out of order (another client's request) or sorted and unique (a
+    client's), makes each row once, from the initializer, whatever order the ids came in."""
+    spec = TableSpec(name="t", dim=3, num_embeddings=num_embeddings, optimizer=Adam(lr=0.1),
+                     initializer=Initializer("normal", std=0.1, seed=4))
+    ids = np.array([90, 5, 90, 700, 5, 5, 42], np.int64)
+    want = spec.initializer.rows(ids, 3)
+    for order in (ids, np.unique(ids)):
+        t = Table(spec, owns=lambda x: np.ones(len(x), bool), expected_rows=4)
+        with t.lock:
+            rows = t.read(order)
+            np.testing.assert_array_equal(rows, spec.initializer.rows(order, 3))
+            assert t.n == 4 and sorted(t.ids.tolist()) == [5, 42, 90, 700]
+            np.testing.assert_array_equal(t.read(ids), want)  # the same rows, none made again
+            assert t.n == 4
 
 
 @pytest.mark.parametrize("num_embeddings", [None, 10**6])

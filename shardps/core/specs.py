@@ -88,8 +88,8 @@ class Initializer:
         return out[:, :dim] if dim % 2 else out
 
     def _row_seed(self) -> np.uint64:
-        with np.errstate(over="ignore"):
-            return np.uint64(self.seed) * np.uint64(0xD1B54A32D192ED03) + np.uint64(1)
+        """seed * 0xD1B54A32D192ED03 + 1 modulo 2**64 (Python's integers: no numpy overflow state to set)."""
+        return np.uint64((self.seed * 0xD1B54A32D192ED03 + 1) & 0xFFFFFFFFFFFFFFFF)
 
     def normal_rows_numpy(self, ids: np.ndarray, dim: int) -> np.ndarray:
         """The reference of the "normal" rows (and of their kernel): the ziggurat's first draw for every value

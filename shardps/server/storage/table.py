@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from shardps.core.errors import InvalidArgument
-from shardps.core.ids import coalesce
+from shardps.core.ids import coalesce, is_sorted_unique
 from shardps.core.optim import RowOptimizer
 from shardps.core.specs import DenseSpec, Initializer, TableSpec
 from shardps.server.storage import checks, expiry
@@ -167,10 +167,14 @@ class Table:
             if not create or self.initializer is None:
                 bad = int(ids[np.argmax(missing)])
                 raise InvalidArgument(f"{self.spec.name}: row {bad} is not initialised; register the tensor first")
-            new_ids, inverse = np.unique(ids[missing], return_inverse=True)
-            new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
+            new_ids = ids[missing]
+            if is_sorted_unique(new_ids):  # a client's ids (sorted and unique) need no dedup
+                slots[missing] = new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
+            else:
+                new_ids, inverse = np.unique(new_ids, return_inverse=True)
+                new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
+                slots[missing] = new_slots[inverse]
             self.last_version[new_slots] = stamp
-            slots[missing] = new_slots[inverse]
         return slots
 
     def read(self, ids: np.ndarray, version: int = 0) -> np.ndarray:
