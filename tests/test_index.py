@@ -56,6 +56,8 @@ def test_index_keeps_ids_in_slot_order_and_refuses_other_slots(impl):
     for slots in ([5, 6], [4, 6], [4, 4, 6], [4, 6, 5], [3, 4]):  # a gap, a repeat, out of order, a slot taken
         with pytest.raises(ValueError, match="insertion order"):
             index.insert(np.arange(11, 11 + len(slots)), np.array(slots))
+    with pytest.raises(ValueError, match="insertion order"):  # fewer slots than ids (the kernel reads unchecked)
+        index.insert(np.array([11, 12, 13]), np.array([4, 5]))
     np.testing.assert_array_equal(index.lookup(np.array([11, 3])), [-1, 3])
 
 

@@ -238,7 +238,6 @@ def test_coalesce() -> None:
         bits_equal(*both(lambda ids=ids, grads=grads: coalesce(ids, grads[:, ::2])))  # not contiguous
 
 
-
 def test_sorted_unique_ids_found_in_one_pass() -> None:
     """``is_sorted_unique`` (no dedup needed) against its reference: increasing ids, one repeat or one step back
     anywhere, extremes, a strided view (the reference's), and two ids or fewer."""
@@ -256,6 +255,7 @@ def test_sorted_unique_ids_found_in_one_pass() -> None:
         got = both(lambda ids=ids: is_sorted_unique(ids))
         values = ids.tolist()
         assert got[0] is got[1] is all(a < b for a, b in zip(values, values[1:]))
+
 
 def test_rows_into_and_out_of_messages() -> None:
     """Rows gathered into a push's message and scattered out of a pull's answer (``gather_rows``, ``scatter_rows``)

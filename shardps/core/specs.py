@@ -89,7 +89,7 @@ class Initializer:
 
     def _row_seed(self) -> np.uint64:
         """seed * 0xD1B54A32D192ED03 + 1 modulo 2**64 (Python's integers: no numpy overflow state to set)."""
-        return np.uint64((self.seed * 0xD1B54A32D192ED03 + 1) & 0xFFFFFFFFFFFFFFFF)
+        return np.uint64((int(self.seed) * 0xD1B54A32D192ED03 + 1) & 0xFFFFFFFFFFFFFFFF)
 
     def normal_rows_numpy(self, ids: np.ndarray, dim: int) -> np.ndarray:
         """The reference of the "normal" rows (and of their kernel): the ziggurat's first draw for every value

@@ -48,7 +48,8 @@ class _SlotIds:
     def _append_ids(self, ids: np.ndarray, values: np.ndarray) -> None:
         k = ids.shape[0]
         # k values from count to count + k - 1, strictly increasing: exactly count, count + 1, ...
-        if k and not (values[0] == self._count and values[-1] == self._count + k - 1 and is_sorted_unique(values)):
+        if values.shape != ids.shape or (
+                k and not (values[0] == self._count and values[-1] == self._count + k - 1 and is_sorted_unique(values))):
             raise ValueError(f"slots are assigned in insertion order: expected {self._count}.., got {values[:3]}..")
         if self._count + k > self._ids.shape[0]:
             self._ids = grown(self._ids, max(self._count + k, self._ids.shape[0] * 3 // 2))
