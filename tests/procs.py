@@ -39,12 +39,13 @@ def start_shard(
     """Run ``shardps serve`` on 127.0.0.1 port 0 (``port``: a restarted shard's own) and wait until it reports its
     address. A shard restarted on its port waits for it, as ``LocalCluster.restart`` does: another socket may hold
     it for a while (``shardps serve`` exits with PORT_IN_USE_EXIT then)."""
-    deadline = time.monotonic() + max(timeout, 60.0 if int(port) else 0.0)
+    port = int(port)
+    deadline = time.monotonic() + max(timeout, 60.0 if port else 0.0)
     while True:
-        if int(port):
-            wait_for_port("127.0.0.1", int(port), deadline)
+        if port:
+            wait_for_port("127.0.0.1", port, deadline)
         try:
-            return _start(index, num_shards, workdir, data_dir, extra, env, deadline, int(port))
+            return _start(index, num_shards, workdir, data_dir, extra, env, deadline, port)
         except _PortTaken:
             if time.monotonic() > deadline:
                 raise

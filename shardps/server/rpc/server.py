@@ -171,15 +171,15 @@ class ShardServer:
                 self.port = self._server.add_insecure_port(bind)
         except RuntimeError:
             self.port = 0
-        if self.port == 0 and server_config.port and not port_free(server_config.host, server_config.port):
-            raise PortInUse(f"could not bind {bind}: another socket holds port {server_config.port}")
+        if self.port == 0:
+            if server_config.port and not port_free(server_config.host, server_config.port):
+                raise PortInUse(f"could not bind {bind}: another socket holds port {server_config.port}")
+            raise OSError(f"could not bind {bind}")
         if not _loopback(server_config.host) and (server_config.tls is None or tokens is None):
             log.warning("shard %d listens on %s without %s: anyone who reaches the port can %s (see docs/security.md, "
                         "the threat model)", self.shard.index, bind,
                         " or ".join(w for w, on in (("TLS", server_config.tls), ("tokens", tokens)) if on is None),
                         "read it and write to it" if tokens is None else "read the traffic")
-        if self.port == 0:
-            raise OSError(f"could not bind {server_config.host}:{server_config.port}")
         self.replica: Optional[ReplicaMember] = None
         if server_config.replica is not None:
             self.replica = ReplicaMember(self.shard, server_config.replica, self.advertised, GrpcStream)

@@ -44,12 +44,10 @@ class Owns:
         return mask
 
     def all_in(self, ids: np.ndarray, limit: Optional[int]) -> bool:
-        """Whether every id is in [0, ``limit``) (when given) and this shard's now: one compiled pass, the common
-        case's whole check. False says only that the full check must run (``storage.checks.ids``), which names
-        what is wrong or waits for arriving slots; dense rows always take it."""
-        if isinstance(self._spec, DenseSpec):
-            return False
-        return self._slots.map.all_owned(ids, self._slots.index, limit)
+        """Whether every id is in [0, ``limit``) (when given) and this shard's now: the common case's whole check.
+        False says only that the full check must run (``storage.checks.ids``), which names what is wrong or waits
+        for arriving slots."""
+        return self._slots.all_owned(self._spec, ids, limit)
 
     def refuse(self, ids: np.ndarray) -> Exception:
         return self._slots.moved(self._spec, ids)
@@ -137,6 +135,11 @@ class SlotOwnership:
         if isinstance(spec, DenseSpec):
             return self.dense_mask(spec)[ids]
         return self.map.owned(ids, self.index)
+
+    def all_owned(self, spec: Union[TableSpec, DenseSpec], ids: np.ndarray, limit: Optional[int]) -> bool:
+        """Whether every id of a table is in [0, ``limit``) (when given) and this shard's, in one compiled pass
+        (``SlotMap.all_owned``); False for a dense tensor's rows, which ``owned`` checks."""
+        return not isinstance(spec, DenseSpec) and self.map.all_owned(ids, self.index, limit)
 
     def dense_mask(self, spec: DenseSpec) -> np.ndarray:
         m = self.map
