@@ -211,3 +211,29 @@ def test_row_metadata_records_follow_their_rows_through_growth_and_removal():
     order = np.argsort(snap["ids"])
     np.testing.assert_array_equal(snap["meta.touches"][order], want[:, 3])
     np.testing.assert_array_equal(snap["steps"][order], want[:, 0])
+
+
+def test_a_growing_tables_probe_table_starts_small_and_keeps_its_load_as_rows_arrive():
+    """A table sized for a guess (half a million expected rows here) makes its hash probe table for few ids and
+    doubles it as rows arrive, load between 1/4 and 1/2, every id found through each doubling; the budget is
+    charged for the small table, not for the guess. A bounded hot set (``sized``) gets its table at once."""
+    from shardps.server.storage.budget import MemoryBudget
+    from shardps.server.storage.rows import FIRST_PROBE_ROWS, RowStore
+
+    budget = MemoryBudget(1 << 30)
+    store = RowStore("t", 4, {}, None, 500_000, budget, 10**7)
+    assert isinstance(store.index, HashIndex)
+    assert store.index._table.shape[0] == HashIndex.table_size(FIRST_PROBE_ROWS) < 500_000
+    assert budget.used == 4 * HashIndex.table_size(FIRST_PROBE_ROWS)
+    rng = np.random.default_rng(5)
+    sizes = set()
+    for _ in range(20):
+        new = np.setdiff1d(rng.integers(-(2**62), 2**62, 1500), store.ids[: store.n])
+        store.append(new, np.zeros((new.size, 4), np.float32))
+        size = store.index._table.shape[0]
+        sizes.add(size)
+        assert size // 4 < store.n <= size // 2, (store.n, size)
+        np.testing.assert_array_equal(store.index.lookup(store.ids[: store.n]), np.arange(store.n))
+    assert len(sizes) >= 4  # it doubled along the way
+    hot = RowStore("h", 4, {}, None, 50_000, MemoryBudget(1 << 30), 50_000, sized=True)
+    assert hot.index._table.shape[0] == HashIndex.table_size(50_000)

@@ -17,6 +17,7 @@ from shardps.server.storage.budget import MemoryBudget
 from shardps.server.storage.index import DirectIndex, HashIndex
 
 INITIAL_ROWS = 1 << 20  # what a declared size may reserve before any row arrives
+FIRST_PROBE_ROWS = 1024  # a growing table's first hash probe table is made for this many ids
 INDEX_BYTES_PER_ROW = 24  # the slot's id (8) and its share of the probe table (up to 16)
 # A row's step count and metadata (shard version and time of its last push, pushes) as one record a row: a push
 # writes all four for each of its rows, and one record shares a cache line where four arrays took four.
@@ -45,8 +46,10 @@ class RowStore:
         self.charged = 0  # bytes of the budget these arrays hold
         self._direct = not sized and num_embeddings is not None and self._direct_index_pays(max(16, int(expected_rows)))
         cap = max(16, int(expected_rows) if sized else min(int(expected_rows), INITIAL_ROWS))
-        self.charge(self._index_bytes(cap), "creating the index")
-        self.index = self._new_index(cap)
+        # A hot set fills its reserved rows: its probe table is made for them. Other tables grow from a small one.
+        probe = cap if sized else min(cap, FIRST_PROBE_ROWS)
+        self.charge(self._index_bytes(probe), "creating the index")
+        self.index = self._new_index(cap, probe)
         self.n = 0
         self.rows = zeros((cap, dim), np.float32)
         self.meta = zeros(cap, META)  # steps, and shard version and time (now_ticks) of the last push, pushes
@@ -62,15 +65,17 @@ class RowStore:
 
     # ---- the index and the budget ------------------------------------------------------
 
-    def _new_index(self, cap: int) -> Union[HashIndex, DirectIndex]:
+    def _new_index(self, cap: int, probe: int) -> Union[HashIndex, DirectIndex]:
+        """An index for ``cap`` rows; a hash index's probe table made for ``probe`` of them (it doubles as rows
+        arrive)."""
         if self._direct:
             assert self.num_embeddings is not None
             return DirectIndex(self.num_embeddings, cap)
-        return HashIndex(cap)
+        return HashIndex(cap, probe_rows=probe)
 
-    def _index_bytes(self, cap: int) -> int:
-        """Bytes an empty index of ``cap`` rows writes when made (its probe table or flat map)."""
-        return 4 * self.num_embeddings if self._direct else 4 * HashIndex.table_size(cap)  # type: ignore[operator]
+    def _index_bytes(self, probe: int) -> int:
+        """Bytes an empty index writes when made: its probe table for ``probe`` rows, or its flat map."""
+        return 4 * self.num_embeddings if self._direct else 4 * HashIndex.table_size(probe)  # type: ignore[operator]
 
     def _direct_index_pays(self, cap: int) -> bool:
         """A flat map costs 4 bytes per id of the whole table; use it when that is cheap."""
@@ -184,7 +189,7 @@ class RowStore:
         cap = max(16, ids.shape[0])
         self.charge(self._index_bytes(cap), "creating the index")
         before_index()
-        self.index = self._new_index(cap)
+        self.index = self._new_index(cap, cap)
         self.reserve(ids.shape[0])
         slots = self.append(ids, arrays["rows"])
         self.steps[slots] = arrays["steps"]
