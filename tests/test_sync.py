@@ -176,6 +176,37 @@ def test_ssp_never_lets_a_worker_run_more_than_k_ahead():
         assert 1 <= worst[0] <= k  # the fast worker did run ahead, but never by more than k
 
 
+def test_a_worker_without_ssp_bound_reports_its_clock_at_a_bounded_rate_and_its_clock_still_arrives():
+    """Under ssp_bound a step's clock goes to the shards at once (the test above); without it, steps report at
+    most every ``CLOCK_REPORT_S`` (a heartbeat per shard per step was most of a DLRM shard's gRPC work), and the
+    newest clock still arrives: another worker's barrier on it returns."""
+    from shardps_client import worker
+    from tests.test_metrics import scrape, value
+
+    with running_cluster(1, metrics_port=0) as servers:
+        addresses = [s.address for s in servers]
+        url = f"http://127.0.0.1:{servers[0].metrics_port}/metrics"
+        with Client(addresses, rank=0, world_size=2, heartbeat_s=0.2) as a, \
+                Client(addresses, rank=1, world_size=2, heartbeat_s=0.2) as b:
+            steps = 300
+            before = value(scrape(url), "shardps_requests_total", method="Heartbeat")
+            t0 = time.monotonic()
+            for _ in range(steps):
+                a.advance_clock()
+                b.advance_clock()
+            elapsed = time.monotonic() - t0
+            a.barrier(timeout=60)  # b's clock (300) reaches the shard by its heartbeats: a's barrier returns
+            b.barrier(timeout=60)
+            sent = value(scrape(url), "shardps_requests_total", method="Heartbeat") - before
+            spent = time.monotonic() - t0
+            # Per worker: a report per CLOCK_REPORT_S of stepping, a liveness heartbeat per 0.2 s, the barrier's
+            # own calls (one, then one per wait of up to 1 s), with room to spare; one per step would be 600.
+            bound = 2 * (2 + elapsed / worker.CLOCK_REPORT_S + spent / 0.2 + 2 * (spent + 1))
+            assert sent <= bound, (sent, bound, elapsed, spent)
+            if bound < 2 * steps:  # (a machine stalled for seconds makes the bound say nothing)
+                assert sent < 2 * steps
+
+
 def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out_the_timeout():
     """Pushes over the message limit go in several parts per shard, in order on one stream:
     only a rank's last part may wait for the step, or its later parts never arrive."""

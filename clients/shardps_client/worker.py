@@ -20,6 +20,10 @@ from shardps_client.transport import Transport
 log = logging.getLogger(__name__)
 
 SSP_WAIT_S = 600.0  # longest wait of a pull for slow workers under ssp_bound (as barrier's default)
+# A worker without ssp_bound tells the shards its clock at most this often as it steps (and with every liveness
+# heartbeat and barrier): nothing of its own waits on it, and a heartbeat per step was a gRPC call per shard per
+# step (about 100 a second per shard in the DLRM example). A worker under ssp_bound reports every step.
+CLOCK_REPORT_S = 0.1
 
 
 def env_int(name: str) -> Optional[int]:
@@ -50,6 +54,7 @@ class WorkerClock:
         self.clock = 0
         self.min_clock = 0
         self._sync_steps: dict[str, int] = {}
+        self._report_after = 0.0  # (monotonic) when a step may report the clock again, without ssp_bound
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -77,10 +82,15 @@ class WorkerClock:
                 log.debug("heartbeat failed: %s", e)
 
     def advance(self) -> int:
-        """End of a training step: the clock goes up and the shards hear of it (in the background)."""
+        """End of a training step: the clock goes up and the shards hear of it in the background: at every step
+        under ssp_bound, else at most every ``CLOCK_REPORT_S`` and with the liveness heartbeats (a heartbeat
+        carries the clock of when it is sent)."""
         self.clock += 1
         if self.rank is not None:
-            self._submit(self.heartbeat)
+            now = time.monotonic()
+            if self.ssp_bound is not None or now >= self._report_after:
+                self._report_after = now + CLOCK_REPORT_S
+                self._submit(self.heartbeat)
         return self.clock
 
     def wait_until(self, target: int, timeout: float, what: str) -> None:
