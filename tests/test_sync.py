@@ -181,6 +181,7 @@ def test_a_worker_without_ssp_bound_reports_its_clock_at_a_bounded_rate_and_its_
     most every ``CLOCK_REPORT_S`` (a heartbeat per shard per step was most of a DLRM shard's gRPC work), and the
     newest clock still arrives: another worker's barrier on it returns."""
     from shardps_client import worker
+
     from tests.test_metrics import scrape, value
 
     with running_cluster(1, metrics_port=0) as servers:
