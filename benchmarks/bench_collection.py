@@ -75,7 +75,7 @@ def timed(step_fn, data: list[KeyedJaggedTensor], warmup: int) -> tuple[float, f
     return n * data[0].stride() / (time.perf_counter() - t0), cpu / n
 
 
-def run_local(tables: int, data: list[KeyedJaggedTensor], args: argparse.Namespace) -> tuple[float, float]:
+def run_local(tables: int, data: list[KeyedJaggedTensor], args: argparse.Namespace) -> tuple[float, float, str]:
     mods = [nn.EmbeddingBag(args.rows, DIM, mode="sum", sparse=True) for _ in range(tables)]
     model = Separate(mods, [f"f{t}" for t in range(tables)])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -85,13 +85,19 @@ def run_local(tables: int, data: list[KeyedJaggedTensor], args: argparse.Namespa
         model(kjt).square().mean().backward()
         opt.step()
 
-    return timed(step, data, args.warmup)
+    return (*timed(step, data, args.warmup), "EmbeddingBag")
+
+
+PREFIX = {"collection": "c", "separate modules": "s"}  # of the remote kinds' table names
 
 
 def run_remote(kind: str, tables: int, data: list[KeyedJaggedTensor], addresses: list[str],
-               args: argparse.Namespace) -> tuple[float, float]:
+               args: argparse.Namespace) -> tuple[float, float, str]:
+    """(samples/s, CPU per step, the class of the module that ran) of ``kind``: "collection" or "separate
+    modules"."""
+    prefix = PREFIX[kind]
     with Client(addresses) as c:
-        configs = [EmbeddingBagConfig(num_embeddings=args.rows, embedding_dim=DIM, name=f"{kind}{tables}.t{t}",
+        configs = [EmbeddingBagConfig(num_embeddings=args.rows, embedding_dim=DIM, name=f"{prefix}{tables}.t{t}",
                                       feature_names=[f"f{t}"], optimizer=SGD(lr=0.01),
                                       initializer=Initializer("normal", std=0.05, seed=t)) for t in range(tables)]
         if kind == "collection":
@@ -114,7 +120,8 @@ def run_remote(kind: str, tables: int, data: list[KeyedJaggedTensor], addresses:
 
         out = timed(step, data, args.warmup)
         opt.flush()
-        return out
+        ran = type(model).__name__ if kind == "collection" else type(model.mods[0]).__name__
+        return (*out, ran)
 
 
 def main() -> int:
@@ -135,7 +142,7 @@ def main() -> int:
     torch.set_num_threads(1)  # the shards share the host (an idle torch thread spins)
     kinds = ["local", "collection", "separate modules"]
     progress = Progress(args.repeat * len(args.tables) * len(kinds), "collection")
-    runs: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    runs: dict[tuple[int, str], list[tuple[float, float, str]]] = {}
     with LocalCluster(args.shards) as cl:
         for rep in range(args.repeat):
             for tables in args.tables:
@@ -144,10 +151,10 @@ def main() -> int:
                     if kind == "local":
                         r = run_local(tables, data, args)
                     else:
-                        r = run_remote("c" if kind == "collection" else "s", tables, data, cl.addresses, args)
+                        r = run_remote(kind, tables, data, cl.addresses, args)
                         for t in range(tables):  # drop the round's tables: the next round starts alike
                             with Client(cl.addresses) as c:
-                                c.drop_table(f"{'c' if kind == 'collection' else 's'}{tables}.t{t}")
+                                c.drop_table(f"{PREFIX[kind]}{tables}.t{t}")
                     runs.setdefault((tables, kind), []).append(r)
                     progress.step(f"{tables} tables, {kind}")
     rows = []
@@ -155,7 +162,8 @@ def main() -> int:
         local = runs[(tables, "local")]
         x_rate, rate_range = median_and_range([r[0] / lc[0] for r, lc in zip(rs, local)])
         x_cpu, cpu_range = median_and_range([r[1] / lc[1] for r, lc in zip(rs, local)])
-        rows.append({"tables": tables, "module": kind, "samples_per_s": float(np.median([r[0] for r in rs])),
+        rows.append({"tables": tables, "module": kind, "ran": rs[0][2],
+                     "samples_per_s": float(np.median([r[0] for r in rs])),
                      "x_local": x_rate, "x_local_range": rate_range,
                      "cpu_ms_per_step": float(np.median([r[1] for r in rs])) * 1e3,
                      "cpu_x_local": x_cpu, "cpu_x_local_range": cpu_range})

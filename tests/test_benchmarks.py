@@ -73,6 +73,10 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         parts = {p: [r for r in data["results"] if r["part"] == p] for p in ("export", "delta", "apply")}
         assert all(len(rs) == 2 and rs[1]["x_baseline"] == 1.0 and rs[0]["x_baseline"] > 0 for rs in parts.values())
         assert parts["apply"][0]["rows"] == data["meta"]["args"]["rows"] and parts["apply"][0]["pulls"] > 0
+    if name == "collection":  # each row ran the module it names (the collection's once ran separate modules)
+        ran = {r["module"]: r["ran"] for r in data["results"]}
+        assert ran == {"local": "EmbeddingBag", "collection": "RemoteEmbeddingBagCollection",
+                       "separate modules": "RemoteEmbeddingBag"}, ran
     if name == "tiered":  # the table with a disk tier beside the same table in RAM, from the same run
         ram, disk = data["results"]
         assert ram["table"] == "all in RAM" and ram["x_ram_zipf"] == 1.0 and disk["x_ram_zipf"] > 0
