@@ -20,11 +20,11 @@ from shardps_client.transport import Transport
 log = logging.getLogger(__name__)
 
 SSP_WAIT_S = 600.0  # longest wait of a pull for slow workers under ssp_bound (as barrier's default)
-# A worker without ssp_bound tells the shards its clock at most this often as it steps (and with every liveness
-# heartbeat and barrier): nothing of its own waits on it, and a heartbeat per step was a gRPC call per shard per
-# step (about 100 a second per shard in the DLRM example; at 0.1 s the example still ran 6% slower than at 0.5 s).
-# A worker under ssp_bound reports every step; one without it in a group that has SSP workers delays their waits
-# by at most this while it steps.
+# A worker without ssp_bound tells the shards its clock from its heartbeat thread: within this long of a step
+# (whether more steps follow or not), besides the liveness heartbeats. Nothing of its own waits on it, and a
+# heartbeat per step was a gRPC call per shard per step (about 100 a second per shard in the DLRM example; at 0.1 s
+# the example still ran 6% slower than at 0.5 s). A worker under ssp_bound reports every step; one without it,
+# in a group whose other workers use SSP or call barrier, makes them wait up to this much longer for its clock.
 CLOCK_REPORT_S = 0.5
 
 
@@ -56,7 +56,7 @@ class WorkerClock:
         self.clock = 0
         self.min_clock = 0
         self._sync_steps: dict[str, int] = {}
-        self._report_after = 0.0  # (monotonic) when a step may report the clock again, without ssp_bound
+        self._reported = 0  # the clock the last heartbeat carried
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -69,30 +69,36 @@ class WorkerClock:
         self._thread.start()
 
     def heartbeat(self, leaving: bool = False, wait_min_clock: Optional[int] = None, wait_s: float = 0.0) -> None:
-        req = pb.HeartbeatRequest(rank=self.rank or 0, world_size=self.world_size or 0, clock=self.clock,
+        clock = self.clock
+        req = pb.HeartbeatRequest(rank=self.rank or 0, world_size=self.world_size or 0, clock=clock,
                                   leaving=leaving, wait_s=wait_s)
         if wait_min_clock is not None:
             req.wait_min_clock = wait_min_clock
         replies = self._transport.fan_out([(s, "Heartbeat", req) for s in self._shards()])
         self.min_clock = min(r.min_clock for r in replies)
+        self._reported = max(self._reported, clock)
 
     def _loop(self, period: float) -> None:
-        while not self._stop.wait(period):
+        """A liveness heartbeat every ``period``; without ssp_bound, also one within ``CLOCK_REPORT_S`` of a step
+        whose clock the shards have not heard."""
+        tick = period if self.ssp_bound is not None else min(period, CLOCK_REPORT_S)
+        due = time.monotonic() + period
+        while not self._stop.wait(tick):
+            now = time.monotonic()
+            if now < due and self.clock == self._reported:
+                continue
+            due = now + period
             try:
                 self.heartbeat()
             except ShardpsError as e:
                 log.debug("heartbeat failed: %s", e)
 
     def advance(self) -> int:
-        """End of a training step: the clock goes up and the shards hear of it in the background: at every step
-        under ssp_bound, else at most every ``CLOCK_REPORT_S`` and with the liveness heartbeats (a heartbeat
-        carries the clock of when it is sent)."""
+        """End of a training step: the clock goes up and the shards hear of it in the background: at once under
+        ssp_bound, else from the heartbeat thread within ``CLOCK_REPORT_S`` (one call for all the steps since)."""
         self.clock += 1
-        if self.rank is not None:
-            now = time.monotonic()
-            if self.ssp_bound is not None or now >= self._report_after:
-                self._report_after = now + CLOCK_REPORT_S
-                self._submit(self.heartbeat)
+        if self.rank is not None and self.ssp_bound is not None:
+            self._submit(self.heartbeat)
         return self.clock
 
     def wait_until(self, target: int, timeout: float, what: str) -> None:

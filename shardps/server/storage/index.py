@@ -66,7 +66,7 @@ class HashIndex(_SlotIds):
         """``capacity``: ids the id array is made for (lazily allocated pages); ``probe_rows``: ids the probe table
         is made for (default ``capacity``). A table that fills slowly starts with a small probe table: its ids stay
         in few cache lines, where one sized for a guess spreads the same ids over a table many times larger (a
-        lookup's probe then misses the cache; 1.7-2x slower here), and it doubles as ids arrive."""
+        lookup's probe then misses the cache; 1.7-2x slower here); it grows with the ids (load 1/4 to 1/2)."""
         super().__init__(capacity)
         # slots fit in 31 bits
         self._table = full(self.table_size(capacity if probe_rows is None else probe_rows), -1, np.int32)

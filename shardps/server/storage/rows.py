@@ -18,7 +18,9 @@ from shardps.server.storage.index import DirectIndex, HashIndex
 
 INITIAL_ROWS = 1 << 20  # what a declared size may reserve before any row arrives
 FIRST_PROBE_ROWS = 1024  # a growing table's first hash probe table is made for this many ids
-INDEX_BYTES_PER_ROW = 24  # the slot's id (8) and its share of the probe table (up to 16)
+# The slot's id (8) and its share of the probe table (up to 16). Charged per live row, as the row arrays are: a hash
+# probe table does not shrink when rows go, so a table that shrank holds up to 16 bytes a row of its peak uncharged.
+INDEX_BYTES_PER_ROW = 24
 # A row's step count and metadata (shard version and time of its last push, pushes) as one record a row: a push
 # writes all four for each of its rows, and one record shares a cache line where four arrays took four.
 META = np.dtype([("last_version", np.int64), ("steps", np.int32), ("last_time", np.uint32), ("touches", np.int32),
