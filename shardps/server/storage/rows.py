@@ -68,7 +68,7 @@ class RowStore:
     # ---- the index and the budget ------------------------------------------------------
 
     def _new_index(self, cap: int, probe: int) -> Union[HashIndex, DirectIndex]:
-        """An index for ``cap`` rows; a hash index's probe table made for ``probe`` of them (it doubles as rows
+        """An index for ``cap`` rows; a hash index's probe table made for ``probe`` of them (it grows as rows
         arrive)."""
         if self._direct:
             assert self.num_embeddings is not None
