@@ -167,13 +167,11 @@ class Table:
             if not create or self.initializer is None:
                 bad = int(ids[np.argmax(missing)])
                 raise InvalidArgument(f"{self.spec.name}: row {bad} is not initialised; register the tensor first")
-            new_ids = ids[missing]
-            if is_sorted_unique(new_ids):  # a client's ids (sorted and unique) need no dedup
-                slots[missing] = new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
-            else:
+            new_ids, inverse = ids[missing], None
+            if not is_sorted_unique(new_ids):  # (a client's ids, sorted and unique, need no dedup)
                 new_ids, inverse = np.unique(new_ids, return_inverse=True)
-                new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
-                slots[missing] = new_slots[inverse]
+            new_slots = self._append(new_ids, self.initializer.rows(new_ids, self.dim))
+            slots[missing] = new_slots if inverse is None else new_slots[inverse]
             self.last_version[new_slots] = stamp
         return slots
 
