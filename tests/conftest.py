@@ -77,7 +77,7 @@ def cluster2() -> Iterator[list[ShardServer]]:
 
 
 # How each data_plane setting of client2 travels to shards on this machine (data_planes(); "": no call yet).
-_TRAVELS = {"zmq": {"zmq-ipc", ""}, "zmq-tcp": {"zmq", ""}, "grpc": {"grpc-stream"}}
+_TRAVELS = {"zmq": {"zmq-shm", ""}, "zmq-tcp": {"zmq", ""}, "grpc": {"grpc-stream"}}
 
 
 # The data plane over TCP differs from over a Unix socket only by its endpoint: the transport's own tests run over
@@ -93,7 +93,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def client2(cluster2: list[ShardServer], request: pytest.FixtureRequest) -> Iterator[Client]:
-    """A client of a 2-shard cluster over the data plane (ZeroMQ, the default: a Unix socket on this machine), over
+    """A client of a 2-shard cluster over the data plane (ZeroMQ, the default: a Unix socket and a shared-memory
+    region on this machine), over
     the data plane's TCP ports (as from another machine), and over gRPC streams: the behaviour tests that use it
     run over every transport."""
     with Client([s.address for s in cluster2], timeout=10, retry_timeout=2,

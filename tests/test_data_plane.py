@@ -100,7 +100,7 @@ def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_
     without = start_shard(0, 1, tmp_path, extra=["--data-threads", "0"])
     tcp_only = start_shard(0, 1, tmp_path, extra=["--no-data-ipc"])
     try:
-        for shard, expected in ((with_plane, "zmq-ipc"), (without, "grpc-stream"), (tcp_only, "zmq")):
+        for shard, expected in ((with_plane, "zmq-shm"), (without, "grpc-stream"), (tcp_only, "zmq")):
             with Client([shard.address], timeout=10, retry_timeout=5, data_plane="zmq") as c:
                 c.create_table("t", dim=2, num_embeddings=10)
                 c.push("t", torch.arange(3), torch.ones(3, 2), wait=True)
@@ -108,12 +108,12 @@ def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_
                 assert c.transport.data_planes() == [expected]
                 info = c.shard_info()[0]
                 assert len(info.data_ports) == (0 if expected == "grpc-stream" else 2)
-                assert len(info.data_ipc) == (2 if expected == "zmq-ipc" else 0)
+                assert len(info.data_ipc) == (2 if expected == "zmq-shm" else 0)
                 # The shard tells the same: this connection's transport, as `shardps stats` shows it.
                 assert [p.transport for p in info.data_clients] == [expected]
         with Client([with_plane.address]) as c:  # the default: the data plane, over its Unix socket on this machine
             c.pull("t", torch.arange(3))
-            assert c.transport.data_planes() == ["zmq-ipc"]
+            assert c.transport.data_planes() == ["zmq-shm"]
         with Client([with_plane.address], data_plane="zmq-tcp") as c:  # asked for TCP: as from another machine
             c.pull("t", torch.arange(3))
             assert c.transport.data_planes() == ["zmq"]
@@ -392,7 +392,8 @@ def test_malformed_traffic_changes_nothing_and_the_shard_keeps_serving(tmp_path)
 def test_kill9_of_shards_under_a_data_plane_client_loses_nothing_and_applies_nothing_twice(tmp_path):
     """A client pushes +1s over the data plane while shards are killed -9 and restarted (on new data ports,
     found again through ShardInfo): every acknowledged push is there once. The pushes (about 128 KB a shard) are built
-    in libzmq messages (``zmsg``), so the calls resent on new connections are sent again from them."""
+    in libzmq messages (``zmsg``) and go through the connections' shared-memory slots (``region``): the calls resent on
+    new connections (new regions) are sent again from those messages."""
     import threading
 
     from shardps_client import SGD
@@ -413,7 +414,7 @@ def test_kill9_of_shards_under_a_data_plane_client_loses_nothing_and_applies_not
                     c.push("cnt", torch.from_numpy(ids), torch.ones(batch, dim), wait=True)
                     counts[ids] += 1
                     acked[0] += 1
-                assert c.transport.data_planes() == ["zmq-ipc", "zmq-ipc"]
+                assert c.transport.data_planes() == ["zmq-shm", "zmq-shm"]
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -468,7 +469,7 @@ def test_each_lost_connection_gets_its_own_retry_window(tmp_path):
                 shard.kill()
                 shard = start_shard(0, 1, tmp_path, data, port=port)
                 c.flush()  # resent to the new process and answered (before the fix, the second loss failed it)
-            assert c.transport.data_planes() == ["zmq-ipc"]
+            assert c.transport.data_planes() == ["zmq-shm"]
             torch.testing.assert_close(c.pull("t", torch.arange(4)), -2 * torch.ones(4, 2), rtol=0, atol=0)
     finally:
         shard.kill()
@@ -496,7 +497,7 @@ def test_a_waiting_call_hands_its_socket_over_and_its_connection_keeps_order(tmp
                 c.push("s", ids, torch.full((4, 2), float(rank + 1)))  # not waited for
                 seen[step] = c.pull("s", ids) if rank == 0 else seen.get(step)  # behind the push, on its lane
                 c.flush()
-            assert c.transport.data_planes() == ["zmq-ipc"]
+            assert c.transport.data_planes() == ["zmq-shm"]
 
         assert not run_workers([shard.address], 3, body, timeout=30, retry_timeout=5)
         for step in range(3):  # each step subtracts the sum of the three workers' gradients (1 + 2 + 3)
@@ -504,12 +505,12 @@ def test_a_waiting_call_hands_its_socket_over_and_its_connection_keeps_order(tmp
         with Client([shard.address], data_plane="grpc") as c:
             info = c.shard_info()[0]
         assert info.data_plane_handoffs >= 3  # every step's completing pushes waited off the socket's thread
-        assert sorted(d.transport for d in info.data_clients) == ["zmq-ipc"] * 3
+        assert sorted(d.transport for d in info.data_clients) == ["zmq-shm"] * 3
         from shardps.server.ops.report import collect, render
 
         rows = collect([shard.address], interval=0)  # shardps stats: each client's transport
-        assert [c["transport"] for c in rows[0]["clients"]] == ["zmq-ipc"] * 3
-        assert "clients in the last minute: 3 over zmq-ipc; data plane on port " in render(rows)
+        assert [c["transport"] for c in rows[0]["clients"]] == ["zmq-shm"] * 3
+        assert "clients in the last minute: 3 over zmq-shm; data plane on port " in render(rows)
         assert render(rows).count(" and Unix sockets") == 1
         assert shard.proc.poll() is None and "Traceback" not in shard.log()
     finally:
@@ -550,7 +551,7 @@ def test_a_call_waiting_off_the_socket_when_the_shard_stops_still_gets_its_answe
                 while not look.shard_info()[0].data_plane_handoffs:
                     assert time.monotonic() < deadline and not outcome, outcome or "the push never waited"
                     time.sleep(0.02)
-            assert not outcome and c.transport.data_planes() == ["zmq-ipc"]
+            assert not outcome and c.transport.data_planes() == ["zmq-shm"]
             shard.proc.send_signal(signal.SIGTERM)
             waiting.join(30)
             assert outcome == ["answered"], f"{outcome}; the shard's log:\n{shard.log()[-3000:]}"

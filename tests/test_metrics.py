@@ -93,7 +93,7 @@ def test_scraped_counters_follow_pulls_pushes_errors_wal_checkpoints_and_workers
     # The data path's connections by transport (the client's default: the data plane, over its Unix socket on
     # this machine), and the synchronous
     # step's push, which waited off its data-plane socket's thread (--fsync always: every push did).
-    assert value(after, "shardps_clients", transport="zmq-ipc") == 1
+    assert value(after, "shardps_clients", transport="zmq-shm") == 1
     assert value(after, "shardps_clients", transport="zmq") == value(after, "shardps_clients", transport="grpc-stream") == 0
     assert value(after, "shardps_data_plane_handoffs_total") >= 4
     # The refused call, by method and status code.

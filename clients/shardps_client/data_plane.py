@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import random
 import threading
 import time
@@ -32,7 +33,7 @@ from typing import Any, Callable, Optional
 
 import zmq
 
-from shardps.core import protocol
+from shardps.core import protocol, region
 from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
 from shardps_client.errors import ShardpsError, ShardUnavailableError
 from shardps_client.lane_turns import MAX_TICK_MS, TICK_MS, Item, SocketTurns, settle
@@ -264,7 +265,7 @@ class DataLane(SocketTurns):
                     self._receive_all(sock, unacked, answers)
                 except zmq.ZMQError:
                     pass
-                self._sock = self._unacked = self._seal = None
+                self._sock = self._unacked = self._seal = self._region = None
                 self._lead_poller = None
             settle(answers)
             sock.disable_monitor()
@@ -367,12 +368,14 @@ class Dialer:
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         seal, hello = None, [b"", HELLO, self._token]
+        self.endpoint = endpoint(info, self._host, self._pick % len(info.data_ports), self._ipc)
+        if info.data_regions and self.endpoint.startswith("ipc:") and os.environ.get("SHARDPS_DATA_REGIONS") != "0":
+            hello.append(region.ASK)  # a Unix socket: ask for shared memory (``shardps.core.region``)
         if info.data_session_id:  # the shard serves TLS: this connection's session, handed out over TLS
             sid = bytes(info.data_session_id)
             seal = Seal(bytes(info.data_session_key), sending=TO_SHARD, receiving=TO_CLIENT)
             hello = [b"", HELLO, sid, *seal.seal(self._token, HELLO_AAD + sid)]
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        self.endpoint = endpoint(info, self._host, self._pick % len(info.data_ports), self._ipc)
         sock.connect(self.endpoint)
         try:
             sock.send_multipart(hello)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
-from shardps.core import protocol, wire, zmsg
+from shardps.core import protocol, region, wire, zmsg
 from shardps.core.seal import HELLO_AAD, Seal, SealError
 from shardps.core.wake import WakePipe
 from shardps.v1 import shardps_pb2 as pb
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 LEAD_SLICE_MS = 50  # a caller receiving for its answer looks up this often (the lane's thread may need the socket)
 TICK_MS = 2  # while calls are out, the lane's thread takes the answers nobody waits for this often
 MAX_TICK_MS = 64  # ... backing off to this while its ticks find nothing (the waiting callers receive them)
+ANSWER_SLOT_METHODS = frozenset({"Pull", "PullDense", "PullBatch"})  # calls offered an answer slot in a region
 
 
 class LaneFuture(Future):
@@ -58,7 +59,7 @@ class LaneFuture(Future):
 
 
 class Item:
-    __slots__ = ("future", "method", "request", "sent_at", "rid")
+    __slots__ = ("future", "method", "request", "sent_at", "rid", "region", "slots")
 
     def __init__(self, method: str, request: bytes, rid: bytes, lane: SocketTurns) -> None:
         self.future: Future = LaneFuture(lane)
@@ -66,6 +67,8 @@ class Item:
         self.request = request  # framed as a StreamRequest
         self.rid = rid
         self.sent_at = 0.0
+        self.region: Optional[region.ClientRegion] = None  # the region its last send used, and its slots there
+        self.slots = (region.NO_SLOT, region.NO_SLOT)
 
 
 class SocketTurns:
@@ -88,6 +91,7 @@ class SocketTurns:
         self._io = threading.Lock()  # held by whoever uses the socket (a caller or the lane's thread)
         self._sock: Optional[zmq.Socket] = None  # the connected socket (set and cleared under _io by the lane)
         self._seal: Optional[Seal] = None  # with TLS: its connection's sealing (set and cleared with it)
+        self._region: Optional[region.ClientRegion] = None  # shared memory with the shard (set by the hello's answer)
         self._unacked: Optional[collections.OrderedDict[bytes, Item]] = None  # its calls sent and not answered
         self._broken = False  # a caller found the connection broken: the lane's thread reconnects
         self._want_io = False  # the lane's thread needs the socket: a caller receiving lets it go
@@ -96,6 +100,10 @@ class SocketTurns:
         self._released = threading.Condition()  # _io let go or answers settled (for callers waiting on both)
         self._released_waiters = 0
         self._dozing = False  # the lane's thread sleeps up to 250 ms (nothing was out for a second)
+
+    @property
+    def shared_memory(self) -> bool:  # the connection has a shared-memory region with its shard now
+        return self._region is not None
 
     def _send_now(self) -> None:
         """Send the queued calls from this thread if the socket is free; else leave them to whoever holds it."""
@@ -141,7 +149,8 @@ class SocketTurns:
         thread woken per message that contends for the GIL (as the shard's answers, ``data_plane._send``). A large
         push was built in a libzmq message (``zmsg``) and goes from it, no copy; it stays the call's to resend."""
         if self._seal is None:
-            zmsg.send_multipart(sock, [item.rid, item.request], flags)
+            if self._region is None or not _send_placed(sock, item, self._region, flags):
+                zmsg.send_multipart(sock, [item.rid, item.request], flags)
         else:
             zmsg.send_multipart(sock, [item.rid, *self._seal.seal(item.request, item.rid)], flags)
 
@@ -255,13 +264,15 @@ class SocketTurns:
         """Take one answer off the socket (under ``_io``); settling its call's future goes into ``answers``."""
         if len(parts[0]) == 0 and self._seal is not None:  # a control message on a sealed connection
             return self._sealed_control(parts, unacked, answers)
+        if not len(parts[0]) and len(parts) >= 2 and parts[1].bytes == b"ok":  # [b"", b"ok"] (, the region)
+            self._reached = self._hello_ok = True
+            self._region = _open_region(self.address, parts[2].bytes) if len(parts) == 3 else None
+            return None
         if len(parts) == 3 and not len(parts[0]):  # the hello refused: [b"", b"error", StreamResponse]
             self._refused(parts[2].buffer, unacked, answers)
             return None
-        if len(parts) == 2 and not len(parts[0]) and parts[1].bytes == b"ok":
-            self._reached = self._hello_ok = True
-            return None
         body = parts[-1].buffer
+        in_slot = False
         if self._seal is not None:  # every answer sealed: one that does not open ends the connection
             try:
                 if len(parts) != 3:
@@ -271,13 +282,24 @@ class SocketTurns:
                 log.warning("data plane of shard at %s: %s; connecting again", self.address, e)
                 self._tampered = True
                 return "broken"
+        elif len(parts) == 3 and not len(parts[1]):  # [request id, b"", ANSWER]: the answer is in the call's slot
+            in_slot = True
         elif len(parts) != 2:
             return None
         item = unacked.get(parts[0].bytes)
         if item is None:
             return None  # the answer to a call resent after its first answer was lost: already resolved
         try:
+            if in_slot:
+                if item.region is None or item.region is not self._region:
+                    raise ShardpsError(f"data plane of shard at {self.address}: an answer in a slot the call was "
+                                       "not given", address=self.address)
+                body = item.region.answer(item.slots[1], parts[2].buffer)
+                item.slots = (item.slots[0], region.NO_SLOT)  # the answer's view holds its slot now
+            _release(item)
             field, view = wire.unframe(body)
+            if field == protocol.STREAM_ERROR_FIELD and protocol.error_kind(view) == "data_region":
+                return "broken"  # the shard forgot the connection's region: connect again, send the calls again
         except BaseException as e:  # noqa: BLE001 - a malformed answer fails its call alone
             unacked.pop(parts[0].bytes)
             answers.append(lambda f=item.future, e=e: f.set_exception(e))
@@ -346,6 +368,38 @@ class SocketTurns:
                 answers.append(lambda f=item.future: f.done() or f.set_exception(exc))
             elif not item.future.done():
                 item.future.set_exception(exc)
+
+
+def _send_placed(sock: zmq.Socket, item: Item, shm: region.ClientRegion, flags: int) -> bool:
+    """Send a call with its large request in a slot of the connection's region and/or an answer slot offered (a
+    pull's), ``[request id, frame or b"", REQUEST]``; False when it takes no slot (it goes as before)."""
+    placed = shm.place(item.request, item.method in ANSWER_SLOT_METHODS)
+    if placed is None:
+        item.region = None
+        return False
+    inline, descriptor, req, ans = placed
+    item.region, item.slots = shm, (req, ans)
+    try:
+        sock.send_multipart([item.rid, inline, descriptor], flags, copy=True)
+    except zmq.ZMQError:
+        _release(item)
+        raise
+    return True
+
+
+def _open_region(address: str, offer: bytes) -> Optional[region.ClientRegion]:
+    shm = region.open_offer(offer)
+    if shm is None:
+        log.info("data plane of shard at %s: its shared-memory region cannot be opened from here; messages go "
+                 "through the socket", address)
+    return shm
+
+
+def _release(item: Item) -> None:
+    """Free the slots a call's send took (its answer came: the shard copied its request out by then)."""
+    if item.region is not None:
+        item.region.release(*item.slots)
+        item.region, item.slots = None, (region.NO_SLOT, region.NO_SLOT)
 
 
 def settle(answers: list[Callable[[], None]]) -> None:

@@ -69,6 +69,12 @@ class Unauthenticated(ShardError):
     """The call carries no token, or one the shard does not know."""
 
 
+class RegionGone(Unavailable):
+    """A data-plane request names a shared-memory region its connection does not have (the shard forgot the
+    connection, or took back the region of a connection idle while others needed one): nothing of it was read, and
+    nothing the connection sent after it is served. The client connects again and sends its calls again, in order."""
+
+
 class SessionUnknown(Unauthenticated):
     """A data-plane hello names a session this shard does not hold: never handed out, expired, used already, or
     handed out by the shard's previous process. The client connects again with a new one."""

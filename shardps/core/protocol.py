@@ -105,6 +105,11 @@ def by_stream_field(field: int) -> Optional[Method]:
     return BY_STREAM_FIELD.get(field)
 
 
+def error_kind(view: memoryview) -> str:
+    """The kind of the StreamError ``view`` holds (a StreamResponse's field ``STREAM_ERROR_FIELD``)."""
+    return pb.StreamError.FromString(bytes(view)).kind
+
+
 def not_primary(field: int, view: memoryview) -> bool:
     """Whether a StreamResponse (``field``, ``view``) is a replica group member's refusal because it is not the
     primary (status kind "not_primary"): the call was not applied, and goes to the primary instead."""

@@ -49,6 +49,7 @@ TABLE: tuple[Status, ...] = (
     Status("resource_exhausted", "RESOURCE_EXHAUSTED", errors.ResourceExhausted, "RequestTooLargeError"),
     Status("unavailable", "UNAVAILABLE", errors.Unavailable, "ShardUnavailableError"),
     Status("not_primary", "UNAVAILABLE", errors.NotPrimary, "NotPrimaryError"),
+    Status("data_region", "UNAVAILABLE", errors.RegionGone, "ShardUnavailableError"),
     Status("unauthenticated", "UNAUTHENTICATED", errors.Unauthenticated, "AuthenticationError"),
     Status("data_session", "UNAUTHENTICATED", errors.SessionUnknown, "AuthenticationError"),
     Status("permission_denied", "PERMISSION_DENIED", errors.PermissionDenied, "PermissionDeniedError"),

@@ -116,15 +116,16 @@ class _Rows:
             np.take(self.src, self.idx, axis=0, out=dst)
 
 
-def _join(parts: list, outgoing: bool = False) -> Buffer:
+def _join(parts: list, outgoing: bool = False, reply: bool = False) -> Buffer:
     """``b"".join(parts)``, with a ``_Rows`` part (at most one) gathered into the result (a bytearray then); with
     ``outgoing``, a message of ``zmsg.MIN_BYTES`` or more is built in a libzmq message (a writable memoryview of
-    it, sent without a copy on the data plane) where it can be."""
+    it, sent without a copy on the data plane) where it can be; a ``reply`` (a shard's whole answer) in the
+    shared-memory slot its call offered, when there is one (``zmsg.answer_into``)."""
     rows = next((i for i, p in enumerate(parts) if type(p) is _Rows), None)
     if rows is None and not outgoing:
         return b"".join(parts)
     n = sum(map(len, parts))
-    out: Optional[Union[bytearray, memoryview]] = zmsg.outgoing(n) if outgoing else None
+    out: Optional[Union[bytearray, memoryview]] = zmsg.outgoing(n, reply) if outgoing else None
     if out is None:
         if rows is None:
             return b"".join(parts)
@@ -144,7 +145,7 @@ def _answer(parts: list, frame: int) -> Buffer:
     """A reply's ``parts`` joined, as field ``frame`` of an enclosing message when given: a whole StreamResponse then,
     built in a libzmq message on a shard's data-plane thread (``zmsg.answer_in_place``)."""
     if frame:
-        return _join(_len_field(frame, parts), zmsg.answering_here())
+        return _join(_len_field(frame, parts), zmsg.answering_here(), reply=True)
     return b"".join(parts)
 
 

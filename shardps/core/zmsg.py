@@ -152,11 +152,17 @@ class _Exported:
                                     "data": (address, False)}
 
 
-def outgoing(nbytes: int) -> Optional[memoryview]:
+def outgoing(nbytes: int, reply: bool = False) -> Optional[memoryview]:
     """A writable byte view of a new libzmq message of ``nbytes`` (sent without a copy by ``send_multipart``), or
-    None where such messages cannot be made (and for messages under ``MIN_BYTES``)."""
+    None where such messages cannot be made (and for messages under ``MIN_BYTES``). ``reply``: a shard's whole
+    answer, which goes into the shared-memory slot its call offered when there is one and it fits (``answer_into``)."""
     if nbytes < MIN_BYTES:
         return None
+    if reply:
+        target = getattr(_THREAD, "target", None)
+        if target is not None and nbytes <= target.nbytes:
+            _THREAD.target, _THREAD.handed = None, target[:nbytes]
+            return _THREAD.handed
     lib = _load()
     if lib is None:
         return None
@@ -184,6 +190,19 @@ def answer_in_place() -> None:
     StreamResponse) into libzmq messages from now on: a shard's data-plane threads, which send them without a copy.
     A gRPC thread's replies must stay bytes."""
     _THREAD.answering = True
+
+
+def answer_into(target: Optional[memoryview]) -> None:
+    """The call this thread serves next may write its answer into ``target`` (a shared-memory slot the client
+    offered, ``shardps.core.region``), if it is large and fits; ``taken`` tells whether it did."""
+    _THREAD.target, _THREAD.handed = target, None
+
+
+def taken() -> Optional[memoryview]:
+    """The view of the slot ``answer_into`` offered that the answer was built in (None: it was not); the offer ends."""
+    handed = getattr(_THREAD, "handed", None)
+    _THREAD.target = _THREAD.handed = None
+    return handed
 
 
 _THREAD = threading.local()

@@ -599,7 +599,7 @@ class ShardStats(_message.Message):
     def __init__(self, pulls: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_pulled: _Optional[int] = ..., rows_pushed: _Optional[int] = ..., stale_rejected: _Optional[int] = ..., duplicates: _Optional[int] = ..., max_staleness: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_clients", "data_plane_handoffs", "replica", "slots", "data_session_id", "data_session_key", "local_scope", "data_ipc")
+    __slots__ = ("shard_index", "num_shards", "version", "tables", "uptime_s", "stats", "durability", "last_checkpoint", "server_version", "serving", "export_floor", "data_ports", "data_clients", "data_plane_handoffs", "replica", "slots", "data_session_id", "data_session_key", "local_scope", "data_ipc", "data_regions")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -620,6 +620,7 @@ class ShardInfoResponse(_message.Message):
     DATA_SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SCOPE_FIELD_NUMBER: _ClassVar[int]
     DATA_IPC_FIELD_NUMBER: _ClassVar[int]
+    DATA_REGIONS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     version: int
@@ -640,7 +641,8 @@ class ShardInfoResponse(_message.Message):
     data_session_key: bytes
     local_scope: str
     data_ipc: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ..., replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., slots: _Optional[_Union[SlotsInfo, _Mapping]] = ..., data_session_id: _Optional[bytes] = ..., data_session_key: _Optional[bytes] = ..., local_scope: _Optional[str] = ..., data_ipc: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_regions: bool
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., durability: _Optional[str] = ..., last_checkpoint: _Optional[str] = ..., server_version: _Optional[str] = ..., serving: _Optional[_Union[ServingInfo, _Mapping]] = ..., export_floor: _Optional[int] = ..., data_ports: _Optional[_Iterable[int]] = ..., data_clients: _Optional[_Iterable[_Union[DataClient, _Mapping]]] = ..., data_plane_handoffs: _Optional[int] = ..., replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., slots: _Optional[_Union[SlotsInfo, _Mapping]] = ..., data_session_id: _Optional[bytes] = ..., data_session_key: _Optional[bytes] = ..., local_scope: _Optional[str] = ..., data_ipc: _Optional[_Iterable[str]] = ..., data_regions: _Optional[bool] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("member", "role", "epoch", "lsn", "primary", "group", "ack", "backups", "etcd_age_s")

@@ -2,8 +2,9 @@
 ``DataPlane``: one example is 1..4 multipart messages on a fresh connection.
 
 A message is the generated Stream frames the gRPC ``Stream`` method is fuzzed with, as ``[request id, frame]``,
-or one of: extra parts after the frame, a hello with random credentials, a control message that is not a
-hello, random parts, a single part (no request id: never answered), and last of all sometimes a frame over
+or one of: extra parts after the frame (a shared-memory region's descriptor, ``shardps.core.region``: over
+TCP the connection has none), a hello with random credentials, one asking for a region, a control message that is
+not a hello, random parts, a single part (no request id: never answered), and last of all sometimes a frame over
 the size limit (its connection is closed: never answered; sent once the others are answered, since answers
 still on their way when the connection closes are lost with it, and a client resends those). Every other message must be answered (a request
 with its id, a control message with an empty id), each answer with a status a client may get; the harness
@@ -23,6 +24,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from shardps.core import region
 from shardps.v1 import shardps_pb2 as pb
 from tests.fuzz.values import weighted
 
@@ -50,9 +52,13 @@ def payloads() -> st.SearchStrategy[list[bytes]]:
     frame = request_bytes(pb.StreamRequest)
     rid = st.just(b"r")  # replaced by a unique id when sent
     blob = st.binary(max_size=64)
+    slot = st.sampled_from([0, 1, 3, 4, 0xFFFFFFFF, 2**31])
+    descriptor = st.one_of(st.tuples(slot, st.integers(0, 2**32 - 1), slot).map(lambda t: region.REQUEST.pack(*t)), blob)
     message = weighted(
         (12, st.tuples(rid, frame).map(list)),
         (1, st.tuples(rid, frame, blob).map(list)),
+        (1, st.tuples(rid, st.sampled_from([b""]) | frame, descriptor).map(list)),
+        (1, st.tuples(st.just(b""), st.just(b"hello"), blob, st.just(region.ASK)).map(list)),
         (1, st.tuples(st.just(b""), st.just(b"hello"), blob).map(list)),
         (1, st.tuples(st.just(b""), st.just(b"hello"), blob, blob).map(list)),
         (1, st.tuples(st.just(b""), blob).map(list)),

@@ -167,14 +167,16 @@ class Transport:
         return all(lane.streaming for lane in self.lanes)
 
     def data_planes(self) -> list[str]:
-        """How each shard's pulls and pushes travel: "zmq" (TCP), "zmq-ipc" (a Unix socket), "grpc-stream",
-        "grpc-unary" or "" (no call yet)."""
+        """How each shard's pulls and pushes travel: "zmq" (TCP), "zmq-ipc" (a Unix socket), "zmq-shm" (a Unix
+        socket and a shared-memory region, ``shardps.core.region``), "grpc-stream", "grpc-unary" or "" (no call
+        yet)."""
         out = []
         for lane in self.lanes:
             mode = getattr(lane, "mode", "grpc")
             grpc_lane = getattr(lane, "fallback", lane)
             ipc = mode == "zmq" and lane.endpoint.startswith("ipc:")
-            out.append("zmq-ipc" if ipc else "zmq" if mode == "zmq" else "" if mode is None else
+            shm = ipc and getattr(lane, "shared_memory", False)
+            out.append("zmq-shm" if shm else "zmq-ipc" if ipc else "zmq" if mode == "zmq" else "" if mode is None else
                        "grpc-stream" if grpc_lane.streaming else "grpc-unary")
         return out
 

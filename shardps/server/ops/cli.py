@@ -82,6 +82,8 @@ SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
     ("no-data-ipc", "switch", False, "no Unix sockets on the data plane: clients on this machine use its TCP ports "
      "too (by default those in this network namespace connect over abstract Unix sockets, which skip the kernel's "
      "TCP work)"),
+    ("data-regions", int, 16, "shared-memory regions per data-plane socket for its Unix-socket clients without TLS (a "
+     "push's rows, a pull's answer up to 2 MiB go through them: 16 MiB a region, touched as used); 0: none"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
     ("metrics-port", int, None, "serve Prometheus metrics on this port at /metrics (0: a free port; default: off)"),
     ("tls-cert", str, None, "serve TLS: the certificate chain (PEM file); with --tls-key"),
@@ -458,7 +460,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(
             host=args.host, port=args.port, workers=args.workers, max_streams=args.max_streams,
             max_message_mb=args.max_message_mb, data_threads=args.data_threads, data_port=args.data_port,
-            data_ipc=not args.no_data_ipc,
+            data_ipc=not args.no_data_ipc, data_regions=args.data_regions,
             checkpoint_interval_s=args.checkpoint_interval, checkpoint_log_mb=args.checkpoint_log_mb,
             checkpoint_log_ratio=args.checkpoint_log_ratio,
             grace_s=args.grace, metrics_port=args.metrics_port,

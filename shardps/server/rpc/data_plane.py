@@ -37,26 +37,24 @@ A request above the size limit (``--max-message-mb``) closes its connection (lib
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import grpc
 import zmq
 
-from shardps.core import protocol, zmsg
-from shardps.core.errors import ResourceExhausted, SessionUnknown, Unauthenticated
-from shardps.core.seal import HELLO_AAD, SESSION_ID_BYTES, TO_CLIENT, TO_SHARD, Seal, SealError, new_key
+from shardps.core import region, zmsg
+from shardps.core.errors import InvalidArgument, RegionGone, ResourceExhausted, Unauthenticated
+from shardps.core.seal import HELLO_AAD, Seal, SealError
 from shardps.core.tokens import bearer
 from shardps.core.wake import WakePipe
 from shardps.server.rpc import fair
-from shardps.server.rpc.auth import Grant, Tokens
+from shardps.server.rpc.auth import Tokens
 from shardps.server.rpc.chain import CallChain, stream_error
+from shardps.server.rpc.plane_links import Connection, Sessions, bind_unix, peer_name, regions_work
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +66,8 @@ MAX_CONNECTIONS = 4096  # connections whose credentials a socket remembers (the 
 MAX_WAITING = 256  # calls waiting off their socket's thread at once (beyond: they wait on it)
 MAX_QUEUED = 1024  # requests of one connection held behind its waiting call (beyond: RESOURCE_EXHAUSTED)
 RECEIVE_BATCH = 64  # requests served per turn of the poll loop
-SESSION_TTL_S = 60.0  # how long a session handed out by ShardInfo waits for its connection's hello
-MAX_SESSIONS = 4096  # sessions waiting for their hello at once (beyond: the oldest are forgotten)
+REGION_IDLE_S = 10.0  # with every region in use, that of a connection idle this long is taken back for a new one
+MAX_REVOKED = 4096  # connections whose region was taken back that a socket remembers (refused until they reconnect)
 
 
 _Answer = tuple[list, Optional[Seal]]  # an answer's parts, and the session that seals it (None: sent as it is)
@@ -82,60 +80,11 @@ class _SocketState:
     def __init__(self, sock: zmq.Socket, port: int) -> None:
         self.sock, self.port = sock, port
         self.leader: Optional[threading.Thread] = None  # the thread serving the socket now
-        self.connections: dict[bytes, _Connection] = {}
+        self.connections: dict[bytes, Connection] = {}
         self.busy: dict[bytes, deque] = {}
+        self.revoked: dict[bytes, None] = {}  # connections whose region was taken back: refused, they connect again
         self.done: deque = deque()  # (connection, answer or None, later calls held) of calls that waited, by their thread
         self.wake = WakePipe()  # a thread that finished a waiting call wakes the leader through it
-
-
-@dataclass
-class _Connection:
-    grant: Optional[Grant]
-    key: str
-    weight: float
-    peer: str
-    seal: Optional[Seal] = None  # with TLS: the connection's session
-    transport: str = field(init=False)  # "zmq-ipc" over a Unix socket, else "zmq" (metrics, ``shardps stats``)
-
-    def __post_init__(self) -> None:
-        self.transport = "zmq-ipc" if self.peer.startswith("unix:") else "zmq"
-
-
-class Sessions:
-    """Sessions handed out by ``ShardInfo`` (over TLS), each waiting for the one connection that presents it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiting: dict[bytes, tuple[bytes, float]] = {}  # id -> (key, when handed out), oldest first
-
-    def issue(self) -> tuple[bytes, bytes]:
-        """A new session: (id, key)."""
-        sid, key, now = os.urandom(SESSION_ID_BYTES), new_key(), time.monotonic()
-        with self._lock:
-            while self._waiting:  # the oldest go first: expired, or too many waiting
-                oldest = next(iter(self._waiting))
-                if len(self._waiting) < MAX_SESSIONS and now - self._waiting[oldest][1] < SESSION_TTL_S:
-                    break
-                del self._waiting[oldest]
-            self._waiting[sid] = (key, now)
-        return sid, key
-
-    def open_hello(self, sid: bytes, counter: Any, sealed: Any) -> tuple[Seal, bytes]:
-        """The connection's seal and the token its hello carries; the session is taken only if the hello opens
-        (a forged hello with a session id seen on the wire takes nothing from its client)."""
-        with self._lock:
-            entry = self._waiting.get(sid)
-        if entry is None or time.monotonic() - entry[1] > SESSION_TTL_S:
-            raise SessionUnknown("data plane: unknown, expired or used session (ask ShardInfo over TLS for one)")
-        seal = Seal(entry[0], sending=TO_CLIENT, receiving=TO_SHARD)
-        try:
-            token = seal.open(counter, sealed, HELLO_AAD + sid)
-        except SealError as e:
-            raise Unauthenticated(f"data plane: the hello does not open with its session's key: {e}") from None
-        with self._lock:
-            if self._waiting.pop(sid, None) is None:
-                raise SessionUnknown("data plane: that session was taken by another connection")
-        return seal, token
 
 
 class DataPlane:
@@ -152,10 +101,12 @@ class DataPlane:
         ipc: each socket also bound as an abstract Unix socket (Linux), for clients in the shard's network
             namespace on its machine (``protocol.local_scope``): the same requests, answers, tokens and seals,
             with less of the kernel's TCP work per message.
+        regions: shared-memory regions (``shardps.core.region``) given at once to Unix-socket connections that
+            ask for one (0: none). With all in use, a new connection's takes that of one idle ``REGION_IDLE_S``.
     """
 
     def __init__(self, chain: CallChain, frames: dict, host: str, ports: list[int], max_message_bytes: int,
-                 tokens: Optional[Tokens], encrypted: bool, ipc: bool = True) -> None:
+                 tokens: Optional[Tokens], encrypted: bool, ipc: bool = True, regions: int = 0) -> None:
         self.chain = chain
         self.frames = frames
         self.tokens = tokens
@@ -176,7 +127,10 @@ class DataPlane:
                 port = sock.bind_to_random_port(f"tcp://{host}")
             self._sockets.append(sock)
             self.ports.append(port)
-        self.ipc: list[str] = _bind_unix(self._sockets) if ipc else []  # the Unix sockets' names, one per port
+        self.ipc: list[str] = bind_unix(self._sockets) if ipc else []  # the Unix sockets' names, one per port
+        # Regions (no TLS: a sealed connection's messages stay sealed): a slot holds up to a request's limit.
+        self.regions = regions if self.ipc and not encrypted and regions_work() else 0
+        self._slot_bytes = min(region.SLOT_BYTES, max_message_bytes)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()  # every thread serving or finishing a call
@@ -215,20 +169,7 @@ class DataPlane:
         if alive:  # a thread still serves a call (it could not hand its socket over): the sockets are its
             log.warning("data plane: %d thread(s) still serving after 5 s; their answers are not sent", len(alive))
         for st in self._states if not alive else ():
-            # Calls that finished off the socket's thread (they waited: a synchronous step, a checkpoint's hold)
-            # after its last leader stopped left their answers here: sent, so a push applied is not left unanswered
-            # (its client would send it again: to another shard, if this one left the cluster).
-            sent = 0
-            while st.done:
-                _, reply, _ = st.done.popleft()
-                if reply is not None:
-                    try:
-                        _send(st, reply, zmq.NOBLOCK)
-                        sent += 1
-                    except zmq.ZMQError as e:  # that connection is gone: its client resends the call
-                        log.info("data plane: an answer made while stopping was not sent: %s", e)
-            if sent:
-                log.info("data plane: %d answer(s) of calls that finished while it stopped sent", sent)
+            _answer_finished(st)
         if any(st.connections for st in self._states):
             # libzmq hands answers to the kernel, which must deliver them before the sockets close: a socket
             # closed with a client's bytes unread (a heartbeat, a request come too late) resets its connection,
@@ -335,7 +276,7 @@ class DataPlane:
         fair.on_wait(hand_off)
         reply: Optional[_Answer] = None
         try:
-            reply = self._one(rid, parts, st.connections)
+            reply = self._one(rid, parts, st)
         except Exception:  # noqa: BLE001 - a bug must not stop the socket: logged, the request unanswered
             log.exception("data plane: request from %s failed", rid.hex())
         finally:
@@ -362,42 +303,60 @@ class DataPlane:
             return
         _send(st, ([rid, parts[1].bytes, stream_error(code, message, kind)], None))
 
-    def _one(self, rid: bytes, parts: list[Any], connections: dict[bytes, _Connection]) -> Optional[_Answer]:
+    def _one(self, rid: bytes, parts: list[Any], st: _SocketState) -> Optional[_Answer]:
         if len(parts) < 3:
-            self.chain.slow_refusal(_peer(rid, parts[-1]), grpc.StatusCode.INVALID_ARGUMENT, sum(len(p) for p in parts))
+            self.chain.slow_refusal(peer_name(rid, parts[-1]), grpc.StatusCode.INVALID_ARGUMENT, sum(len(p) for p in parts))
             return None  # not a request: no request id to answer
         request_id = parts[1].bytes
+        connections = st.connections
         if not request_id:
-            fields, seal = self._hello(rid, parts[2:], _peer(rid, parts[-1]), connections)
+            fields, seal = self._hello(rid, parts[2:], peer_name(rid, parts[-1]), st)
             return [rid, b"", *fields], seal
         conn = connections.get(rid)
         if conn is None:  # (a known connection's peer was named at its first request: not looked up per request)
-            peer = _peer(rid, parts[-1])
+            peer = peer_name(rid, parts[-1])
+            if rid in st.revoked:  # its region was taken back: nothing more of it is served
+                return self._refuse(rid, request_id, RegionGone(
+                    "data plane: this connection's shared-memory region was taken back (it was idle while other "
+                    "connections needed one); connect again"), peer, 0)
             if self.tokens is not None or self.sessions is not None:
                 error = Unauthenticated("data plane: this connection has not presented its credentials (hello)")
-                code, message, kind = self.chain.status(error, "Stream")
-                self.chain.slow_refusal(peer, code, len(parts[2]))
-                return [rid, request_id, stream_error(code, message, kind)], None
-            conn = self._remember(rid, _Connection(None, peer, 1.0, peer), connections)
+                return self._refuse(rid, request_id, error, peer, len(parts[2]))
+            conn = _remember(rid, Connection(None, peer, 1.0, peer), st)
         elif next(reversed(connections)) != rid:  # the most recently used last: the first to go are the idle ones
             connections[rid] = connections.pop(rid)
-        frame = parts[2].buffer
-        if conn.seal is not None:
-            try:
-                if len(parts) != 4:
-                    raise SealError(f"a sealed request has 3 parts (request id, counter, sealed), got {len(parts) - 1}")
-                frame = conn.seal.open(parts[2].buffer, parts[3].buffer, request_id)
-            except SealError as e:  # nothing of it decoded; the connection must make a new session
-                code, message, kind = self.chain.status(Unauthenticated(f"data plane: {e}"), "Stream")
-                self.chain.slow_refusal(conn.peer, code, sum(len(p) for p in parts[2:]))
-                return _end_session(connections, rid, code, message, kind)
+        try:
+            frame, answer_slot, target = _read_frame(conn, parts, request_id)
+        except SealError as e:  # nothing of it decoded; the connection must make a new session
+            code, message, kind = self.chain.status(Unauthenticated(f"data plane: {e}"), "Stream")
+            self.chain.slow_refusal(conn.peer, code, sum(len(p) for p in parts[2:]))
+            return _end_session(connections, rid, code, message, kind)
+        except region.RegionError as e:  # nothing of it decoded
+            error = InvalidArgument(f"data plane: {e}")
+            return self._refuse(rid, request_id, error, conn.peer, sum(len(p) for p in parts[2:]))
         role = conn.grant.role if conn.grant is not None else None
-        reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, conn.transport)
-        return [rid, request_id, reply], conn.seal  # (sealed with it even if the connection is forgotten meanwhile)
+        if conn.region is not None:
+            conn.used = time.monotonic()
+        if target is None:
+            reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, conn.transport)
+            return [rid, request_id, reply], conn.seal  # (sealed with it even if the connection is forgotten meanwhile)
+        zmsg.answer_into(target)  # a large answer is written into the slot the client offered
+        try:
+            reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, conn.transport)
+        finally:
+            built = zmsg.taken()
+        if built is not None and reply is built:
+            return [rid, request_id, b"", region.ANSWER.pack(answer_slot, built.nbytes)], None
+        return [rid, request_id, reply], None
 
-    def _hello(self, rid: bytes, fields: list[Any], peer: str,
-               connections: dict[bytes, _Connection]) -> tuple[list, Optional[Seal]]:
-        """The hello's answer, and the session to seal it with (None: no session opened)."""
+    def _refuse(self, rid: bytes, request_id: bytes, error: Exception, peer: str, nbytes: int) -> _Answer:
+        code, message, kind = self.chain.status(error, "Stream")
+        self.chain.slow_refusal(peer, code, nbytes)
+        return [rid, request_id, stream_error(code, message, kind)], None
+
+    def _hello(self, rid: bytes, fields: list[Any], peer: str, st: _SocketState) -> tuple[list, Optional[Seal]]:
+        """The hello's answer, and the session to seal it with (None: no session opened); with ``[..., b"region"]``
+        on a Unix socket without TLS, the answer ``[b"ok", offer]`` describes the connection's region."""
         seal = None
         try:
             if not fields or fields[0].bytes != HELLO:
@@ -407,8 +366,8 @@ class DataPlane:
                     raise Unauthenticated("data plane: with TLS a hello is [b'hello', session id, counter, sealed "
                                           "token] (ask ShardInfo over TLS for a session)")
                 seal, raw = self.sessions.open_hello(fields[1].bytes, fields[2].buffer, fields[3].buffer)
-            elif len(fields) != 2:
-                raise Unauthenticated("data plane: a hello is [b'hello', token]")
+            elif len(fields) != 2 and (len(fields) != 3 or fields[2].bytes != region.ASK):
+                raise Unauthenticated("data plane: a hello is [b'hello', token] or [b'hello', token, b'region']")
             else:
                 raw = fields[1].bytes
             token = raw.decode("utf-8", "replace")
@@ -416,23 +375,81 @@ class DataPlane:
             if self.tokens is not None:
                 grant = self.tokens.check(bearer(token) if token else (), "Pull")
             key, weight = (grant.key, grant.limits.weight) if grant is not None else (peer, 1.0)
-            self._remember(rid, _Connection(grant, key, weight, peer, seal), connections)
-            return [b"ok"], seal
+            shm = (_new_region(st, self.regions, self._slot_bytes)
+                   if len(fields) == 3 and seal is None and peer.startswith("unix:") else None)
+            _remember(rid, Connection(grant, key, weight, peer, seal, shm, time.monotonic()), st)
+            return ([b"ok"] if shm is None else [b"ok", shm.offer()]), seal
         except Exception as e:  # noqa: BLE001 - UNAUTHENTICATED / PERMISSION_DENIED, answered
             code, message, kind = self.chain.status(e, "Stream")
             self.chain.slow_refusal(peer, code)
             return [b"error", stream_error(code, message, kind)], seal
 
-    @staticmethod
-    def _remember(rid: bytes, conn: _Connection, connections: dict[bytes, _Connection]) -> _Connection:
-        connections.pop(rid, None)
-        connections[rid] = conn
-        while len(connections) > MAX_CONNECTIONS:
-            connections.pop(next(iter(connections)))
-        return conn
+
+def _new_region(st: _SocketState, regions: int, slot_bytes: int) -> Optional[region.ShardRegion]:
+    """A new region for a connection of ``st``'s socket, or None: regions are off, or the socket's are all in
+    use by connections that sent a request within ``REGION_IDLE_S``. Else the longest idle of them is forgotten
+    to make room: its next request is refused (``RegionGone``, and so is all it sends after), and its client
+    connects again and sends its calls again, in order."""
+    if not regions:
+        return None
+    live = [(c.used, rid) for rid, c in st.connections.items() if c.region is not None]
+    if len(live) >= regions:
+        used, rid = min(live)
+        if time.monotonic() - used < REGION_IDLE_S:
+            return None
+        del st.connections[rid]
+        _forget_region(st, rid)
+    try:
+        return region.ShardRegion(slot_bytes)
+    except OSError as e:  # (out of descriptors or memory): the connection goes through the socket
+        log.warning("data plane: no shared-memory region for a connection: %s", e)
+        return None
 
 
-def _end_session(connections: dict[bytes, _Connection], rid: bytes, code: grpc.StatusCode, message: str,
+def _remember(rid: bytes, conn: Connection, st: _SocketState) -> Connection:
+    connections = st.connections
+    connections.pop(rid, None)
+    connections[rid] = conn
+    while len(connections) > MAX_CONNECTIONS:
+        gone = next(iter(connections))
+        if connections.pop(gone).region is not None:  # refused from now on, as a region taken back
+            _forget_region(st, gone)
+    return conn
+
+
+def _answer_finished(st: _SocketState) -> None:
+    """Calls that finished off the socket's thread (they waited: a synchronous step, a checkpoint's hold) after its
+    last leader stopped left their answers in ``st.done``: sent, so a push applied is not left unanswered (its client
+    would send it again: to another shard, if this one left the cluster)."""
+    sent = 0
+    while st.done:
+        _, reply, _ = st.done.popleft()
+        if reply is not None:
+            try:
+                _send(st, reply, zmq.NOBLOCK)
+                sent += 1
+            except zmq.ZMQError as e:  # that connection is gone: its client resends the call
+                log.info("data plane: an answer made while stopping was not sent: %s", e)
+    if sent:
+        log.info("data plane: %d answer(s) of calls that finished while it stopped sent", sent)
+
+
+def _read_frame(conn: Connection, parts: list[Any], request_id: bytes) -> tuple[Any, int, Optional[memoryview]]:
+    """A request's frame (opened with its connection's seal; copied out of its region's slot), the answer slot it
+    offers and a view of it (NO_SLOT, None: none). SealError, RegionError: nothing of it was read."""
+    if conn.seal is not None:
+        if len(parts) != 4:
+            raise SealError(f"a sealed request has 3 parts (request id, counter, sealed), got {len(parts) - 1}")
+        return conn.seal.open(parts[2].buffer, parts[3].buffer, request_id), region.NO_SLOT, None
+    if len(parts) != 4:
+        return parts[2].buffer, region.NO_SLOT, None
+    if conn.region is None:  # [rid, request id, frame or b"", region descriptor]
+        raise region.RegionError("a request names a shared-memory region this connection was not given (its hello "
+                                 "asked for none, or it is not over the Unix socket)")
+    return conn.region.request(parts[3].buffer, parts[2].buffer)
+
+
+def _end_session(connections: dict[bytes, Connection], rid: bytes, code: grpc.StatusCode, message: str,
                  kind: str) -> _Answer:
     """Forget a sealed connection whose counters can no longer agree (a request that did not open, one refused
     unread): its answer is an unsealed error in the hello's place, and the client makes a new session."""
@@ -459,29 +476,9 @@ def _send(st: _SocketState, answer: _Answer, flags: int = 0) -> None:
     zmsg.send_multipart(st.sock, reply, flags)
 
 
-def _bind_unix(sockets: list[zmq.Socket]) -> list[str]:
-    """Bind each socket also as an abstract Unix socket (Linux): their names, or none where that cannot be done.
-    Abstract names leave no file behind a kill -9, and are unguessable so no other process can hold one first."""
-    if not protocol.local_scope():
-        return []
-    names = [f"shardps-{os.getpid()}-{os.urandom(8).hex()}-{i}" for i in range(len(sockets))]
-    try:
-        for sock, name in zip(sockets, names):
-            sock.bind(f"ipc://@{name}")
-    except zmq.ZMQError as e:  # clients on this machine use TCP, as the others do
-        log.warning("data plane: no Unix sockets (%s); clients on this machine use TCP", e)
-        return []
-    return names
-
-
-def _peer(rid: bytes, frame: Any) -> str:
-    """Connection ``rid``, as gRPC names peers: the remote address of a frame it sent ("unix:..." over a Unix
-    socket) and its routing id."""
-    try:
-        address = frame.get("Peer-Address")
-    except (zmq.ZMQError, AttributeError):
-        return f"zmq#{rid.hex()}"
-    try:
-        return f"ipv{ipaddress.ip_address(address).version}:{address}#{rid.hex()}"
-    except ValueError:  # a Unix socket: libzmq names its peer by credentials
-        return f"unix:{address}#{rid.hex()}"
+def _forget_region(st: _SocketState, rid: bytes) -> None:
+    """Connection ``rid`` of ``st``'s socket lost its region: its requests are refused until it connects again (one
+    naming the region cannot be read, and none sent after it may be served before it)."""
+    st.revoked[rid] = None
+    while len(st.revoked) > MAX_REVOKED:
+        st.revoked.pop(next(iter(st.revoked)))

@@ -2,8 +2,8 @@
 
 A connection is named as gRPC names peers (``ipv4:host:port``; a data-plane connection adds ``#`` and its
 ZeroMQ routing id). Each data-path call (a unary call, a frame of a ``Stream``, a data-plane request) counts
-for its connection: its transport (``zmq`` over TCP, ``zmq-ipc`` over a Unix socket, ``grpc-stream`` or
-``grpc-unary``), the caller it is charged to (its token, or the connection without tokens), calls and bytes,
+for its connection: its transport (``zmq`` over TCP, ``zmq-ipc`` over a Unix socket, ``zmq-shm`` with a
+shared-memory region too, ``grpc-stream`` or ``grpc-unary``), the caller it is charged to (its token, or the connection without tokens), calls and bytes,
 and when it was last seen. At most ``MAX_PEERS`` are kept, the least recently seen forgotten first, so a client
 opening connection after connection costs a bounded amount of memory.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 MAX_PEERS = 1024
 RECENT_S = 60.0  # a connection seen within this long counts as a client of the shard now
-TRANSPORTS = ("zmq", "zmq-ipc", "grpc-stream", "grpc-unary")
+TRANSPORTS = ("zmq", "zmq-ipc", "zmq-shm", "grpc-stream", "grpc-unary")
 
 
 @dataclass

@@ -87,6 +87,8 @@ class ServerConfig:
         data_port: the first data-plane port (the others follow it); 0: free ports.
         data_ipc: the data plane's sockets are also abstract Unix sockets, which clients on this machine (in its
             network namespace) use instead of TCP.
+        data_regions: shared-memory regions per data-plane socket for its Unix-socket clients without TLS (a
+            push's rows and a pull's answer pass through shared memory, ``shardps.core.region``); 0: none.
         replica: this shard's place in a replica group (``shardps.server.replica.member.ReplicaConfig``; the shard
             config's ``replicas`` is the group's size); None: no replicas.
         advertise: the address clients and the group's other members reach this shard at ("host:port"; default:
@@ -110,6 +112,7 @@ class ServerConfig:
     data_threads: int = 2
     data_port: int = 0
     data_ipc: bool = True
+    data_regions: int = 16
     replica: Optional[ReplicaConfig] = None
     advertise: str = ""
 
@@ -157,7 +160,7 @@ class ShardServer:
                      for i in range(server_config.data_threads)]
             self.data_plane = DataPlane(self._servicer.chain, self._servicer.data.frames, server_config.host, ports,
                                         limit, tokens, encrypted=server_config.tls is not None,
-                                        ipc=server_config.data_ipc)
+                                        ipc=server_config.data_ipc, regions=server_config.data_regions)
             self._servicer.data_plane = self.data_plane
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

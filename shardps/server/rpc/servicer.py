@@ -204,6 +204,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             if self.data_plane.ipc:  # clients on this machine, in this network namespace, use Unix sockets
                 info.local_scope = protocol.local_scope()
                 info.data_ipc.extend(self.data_plane.ipc)
+                info.data_regions = self.data_plane.regions > 0
             if request.data_session and self.data_plane.sessions is not None:  # over TLS: for one connection
                 info.data_session_id, info.data_session_key = self.data_plane.sessions.issue()
             info.data_plane_handoffs = self.data_plane.handoffs
