@@ -12,7 +12,8 @@ read_your_writes=False); ``shardps_defaults`` is the loop a new user writes
 pulls and pushes travel over the data plane (ZeroMQ, the client's default); ``shardps_grpc`` and
 ``shardps_defaults_grpc`` are the same loops on gRPC streams (``Client(data_plane="grpc")``), ``shardps_tcp`` and
 ``shardps_defaults_tcp`` on the data plane's TCP ports instead of its Unix sockets (``data_plane="zmq-tcp"``, as
-from another machine). Baselines (same run, same machine): a torch.distributed.rpc
+from another machine), ``shardps_ipc`` and ``shardps_defaults_ipc`` on its Unix sockets without shared-memory regions
+(shards served with ``--data-regions 0``). Baselines (same run, same machine): a torch.distributed.rpc
 parameter server, a Ray actor parameter server (if Ray is installed), and the
 same gather/scatter in one process (no transport).
 
@@ -217,8 +218,9 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
     ctx = mp.get_context("spawn")
     tls, tokens = SECURITY.get(cfg.backend, (None, False))
     with tempfile.TemporaryDirectory(prefix="shardps-bench-") as tmp:
-        serve_args: list[str] = []
-        plane = {"_grpc": "grpc", "_tcp": "zmq-tcp"}.get(cfg.backend[cfg.backend.rfind("_"):])
+        suffix = cfg.backend[cfg.backend.rfind("_"):]
+        serve_args: list[str] = ["--data-regions", "0"] if suffix == "_ipc" else []
+        plane = {"_grpc": "grpc", "_tcp": "zmq-tcp"}.get(suffix)
         security: dict[str, Any] = {"data_plane": plane} if plane else {}
         admin = None
         if tokens:
@@ -327,7 +329,8 @@ RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "to
            "in_process": run_in_process, **{name: run_shardps for name in SECURITY},
            # The same loops with pulls and pushes on gRPC streams instead of the data plane (ZeroMQ).
            "shardps_grpc": run_shardps, "shardps_defaults_grpc": run_shardps_defaults,
-           "shardps_tcp": run_shardps, "shardps_defaults_tcp": run_shardps_defaults}
+           "shardps_tcp": run_shardps, "shardps_defaults_tcp": run_shardps_defaults,
+           "shardps_ipc": run_shardps, "shardps_defaults_ipc": run_shardps_defaults}
 
 
 GROUPS = ("standard", "trainers", "batch", "distribution", "table", "wire")

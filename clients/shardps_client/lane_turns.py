@@ -59,7 +59,7 @@ class LaneFuture(Future):
 
 
 class Item:
-    __slots__ = ("future", "method", "request", "sent_at", "rid", "region", "slots")
+    __slots__ = ("future", "method", "request", "sent_at", "rid", "region", "slot")
 
     def __init__(self, method: str, request: bytes, rid: bytes, lane: SocketTurns) -> None:
         self.future: Future = LaneFuture(lane)
@@ -67,8 +67,8 @@ class Item:
         self.request = request  # framed as a StreamRequest
         self.rid = rid
         self.sent_at = 0.0
-        self.region: Optional[region.ClientRegion] = None  # the region its last send used, and its slots there
-        self.slots = (region.NO_SLOT, region.NO_SLOT)
+        self.region: Optional[region.ClientRegion] = None  # the region its last send used, and its answer slot there
+        self.slot = region.NO_SLOT
 
 
 class SocketTurns:
@@ -294,8 +294,8 @@ class SocketTurns:
                 if item.region is None or item.region is not self._region:
                     raise ShardpsError(f"data plane of shard at {self.address}: an answer in a slot the call was "
                                        "not given", address=self.address)
-                body = item.region.answer(item.slots[1], parts[2].buffer)
-                item.slots = (item.slots[0], region.NO_SLOT)  # the answer's view holds its slot now
+                body = item.region.answer(item.slot, parts[2].buffer)
+                item.region = None  # the answer's view holds its slot now
             _release(item)
             field, view = wire.unframe(body)
             if field == protocol.STREAM_ERROR_FIELD and protocol.error_kind(view) == "data_region":
@@ -371,16 +371,15 @@ class SocketTurns:
 
 
 def _send_placed(sock: zmq.Socket, item: Item, shm: region.ClientRegion, flags: int) -> bool:
-    """Send a call with its large request in a slot of the connection's region and/or an answer slot offered (a
-    pull's), ``[request id, frame or b"", REQUEST]``; False when it takes no slot (it goes as before)."""
-    placed = shm.place(item.request, item.method in ANSWER_SLOT_METHODS)
-    if placed is None:
+    """Send a pull offering a slot of the connection's region for its answer, ``[request id, REQUEST, frame]``; False
+    when it is no pull or no slot is free (it goes as before)."""
+    offered = shm.offer() if item.method in ANSWER_SLOT_METHODS else None
+    if offered is None:
         item.region = None
         return False
-    inline, descriptor, req, ans = placed
-    item.region, item.slots = shm, (req, ans)
+    item.region, item.slot = shm, offered[1]
     try:
-        sock.send_multipart([item.rid, inline, descriptor], flags, copy=True)
+        zmsg.send_multipart(sock, [item.rid, offered[0], item.request], flags)
     except zmq.ZMQError:
         _release(item)
         raise
@@ -396,10 +395,10 @@ def _open_region(address: str, offer: bytes) -> Optional[region.ClientRegion]:
 
 
 def _release(item: Item) -> None:
-    """Free the slots a call's send took (its answer came: the shard copied its request out by then)."""
+    """Free the answer slot a call's send offered (its answer came through the socket)."""
     if item.region is not None:
-        item.region.release(*item.slots)
-        item.region, item.slots = None, (region.NO_SLOT, region.NO_SLOT)
+        item.region.release(item.slot)
+        item.region = None
 
 
 def settle(answers: list[Callable[[], None]]) -> None:

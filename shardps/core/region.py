@@ -1,36 +1,34 @@
-"""Shared memory between a client and a shard on one machine: the large parts of data-plane calls (a push's
-rows, a pull's answer) pass through it instead of through the Unix socket.
+"""Shared memory between a client and a shard on one machine: a pull's answer is written by the shard straight
+into a slot the client named, where the client reads it in place.
 
-Over the socket a 565 KB push crosses libzmq's I/O thread in the client, the kernel's copies in and out, and
-libzmq's I/O thread in the shard; through a region it is one copy into shared memory by the client and one copy
-out by the shard, and the socket carries a message of a few bytes naming the slot. A pull's answer is written by
-the shard straight into a slot the client named, where the client reads it in place.
+Over the Unix socket a 565 KB answer crosses the shard's libzmq I/O thread, the kernel's copies out and in, and
+the client's libzmq I/O thread; through a region it is written once by the shard, and the socket carries a few bytes
+naming the slot. (Requests stay in their messages: a push copied into a slot by the calling thread and out by the
+shard's serving thread, which must copy it before reading it since the client could change it under a check, put
+both copies on the call's path where libzmq's I/O threads had done the work beside it: measured, a new user's
+loop, whose pushes precede the next pull, ran 12% slower that way.)
 
 **The region.** On a connection over the data plane's Unix socket (the same machine and network namespace) whose
 hello asks for one, the shard makes a region: a ``memfd`` (anonymous shared memory, gone with the last process that
-maps it, nothing left behind a kill -9) of ``HEADER_BYTES`` and ``slots`` request slots and ``slots`` answer slots of
-``slot_bytes``, sealed against shrinking and growing (a client cannot make the shard's accesses fault), with a random
-nonce in its header. The hello's answer names it: the shard's pid, the descriptor, the nonce and the sizes. The
-client opens ``/proc/<pid>/fd/<fd>``: the kernel allows that only to a process that may read the shard's memory
-anyway (its ptrace access check: the same user, not a container's other pid namespace), so a region gives no
-process access it did not have. The client then checks the nonce before it writes a byte (in another pid
-namespace the same pid names another process: its file is not touched); anything that fails means no region, and
-the connection's messages go through the socket as before.
+maps it, nothing left behind a kill -9) of ``HEADER_BYTES`` and ``slots`` answer slots of ``slot_bytes``, sealed
+against shrinking and growing (a client cannot make the shard's writes fault), with a random nonce in its header.
+The hello's answer names it: the shard's pid, the descriptor, the nonce and the sizes. The client opens
+``/proc/<pid>/fd/<fd>``: the kernel allows that only to a process that may read the shard's memory anyway (its
+ptrace access check: the same user, not a container's other pid namespace), so a region gives no process access it
+did not have. The client checks the nonce before it uses the region (in another pid namespace the same pid names
+another process); anything that fails means no region, and answers come through the socket as before. The shard
+only writes into a region, never reads from it.
 
-**Who writes where.** Only the client allocates slots (one call at a time each; the shard keeps no state but the
-mapping). A request ``[request id, frame or b"", REQUEST(request slot, bytes, answer slot)]`` names the request's
-slot (its frame is there, not in the message) and/or an answer slot the answer may be written into; ``NO_SLOT``
-for none. The shard copies a request out of its slot before reading any of it (the client could change it under a
-check), and writes an answer that fits into the answer slot, answering ``[request id, b"", ANSWER(slot, bytes)]``;
-an answer that does not fit (or an error) goes through the socket as before. The client frees a request slot when
-its answer comes (the shard has copied it by then), and an answer slot when the last view of the answer goes (the
-rows a pull returns are copies, so that is once they are assembled; a view kept longer keeps its slot).
+**Slots.** Only the client hands them out (the shard keeps no state but the mapping). A pull goes as
+``[request id, REQUEST(answer slot), frame]``; the shard writes an answer that is large and fits into that slot and
+answers ``[request id, b"", ANSWER(slot, bytes)]``; a small answer, one that does not fit, or an error comes through
+the socket as before. The client frees a slot when the last view of the answer in it goes (the rows a pull returns
+are copies, so that is once they are assembled; a view kept longer keeps its slot).
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import fcntl
 import mmap
 import os
@@ -42,11 +40,11 @@ import numpy as np
 
 HEADER_BYTES = 4096  # the nonce, then nothing (the slots start page-aligned)
 NONCE_BYTES = 16
-SLOT_BYTES = 2 << 20  # the largest request or answer that goes through a slot (a pull of 8,192 rows of 64 float32)
-SLOTS = 4  # request slots and answer slots of a region (calls in flight on one connection that use them)
-MIN_BYTES = 64 << 10  # smaller requests stay in their message (a copy into a slot costs more than it saves)
+SLOT_BYTES = 2 << 20  # the largest answer that goes through a slot (a pull of 8,192 rows of 64 float32)
+SLOTS = 4  # answer slots of a region (pulls in flight on one connection that use them)
+MIN_SLOT_BYTES = 64 << 10  # (smaller answers come in their message: ``zmsg.MIN_BYTES``)
 NO_SLOT = 0xFFFFFFFF
-REQUEST = struct.Struct("<III")  # request slot, request bytes, answer slot
+REQUEST = struct.Struct("<I")  # the answer slot a call offers
 ANSWER = struct.Struct("<II")  # answer slot, answer bytes
 ASK = b"region"  # the hello's last field when the client asks for a region
 MEMFD_NAME = "shardps-region"
@@ -58,7 +56,7 @@ class RegionError(ValueError):
 
 
 def region_bytes(slot_bytes: int, slots: int) -> int:
-    return HEADER_BYTES + 2 * slots * slot_bytes
+    return HEADER_BYTES + slots * slot_bytes
 
 
 class ShardRegion:
@@ -91,34 +89,17 @@ class ShardRegion:
             os.close(self._fd)
             self._fd = None
 
-    def request(self, descriptor: Any, inline: Any) -> tuple[Any, int, Optional[memoryview]]:
-        """The frame a request carries (copied out of its slot, or ``inline``), and the answer slot it offers: its
-        number and a writable view of it (None: none); RegionError when the descriptor names anything outside the
-        region."""
+    def request(self, descriptor: Any) -> tuple[int, memoryview]:
+        """The answer slot a request offers (its ``REQUEST``): its number and a writable view of it; RegionError when
+        the descriptor is malformed or names a slot outside the region."""
         if len(descriptor) != REQUEST.size:
             raise RegionError(f"a region descriptor is {REQUEST.size} bytes, got {len(descriptor)}")
-        req, n, ans = REQUEST.unpack(descriptor)
-        if req != NO_SLOT:
-            if req >= self.slots:
-                raise RegionError(f"request slot {req} of a region of {self.slots}")
-            if n > self.slot_bytes:
-                raise RegionError(f"a request of {n} bytes in a slot of {self.slot_bytes}")
-            if len(inline):
-                raise RegionError("a request both in its slot and in its message")
-            start = HEADER_BYTES + req * self.slot_bytes
-            frame: Any = bytes(self._view[start:start + n])  # a copy: the client could change the slot under a check
-        elif n:
-            raise RegionError("a request's length with no request slot")
-        else:
-            frame = inline
-        target = None
-        if ans != NO_SLOT:
-            if ans >= self.slots:
-                raise RegionError(f"answer slot {ans} of a region of {self.slots}")
-            start = HEADER_BYTES + (self.slots + ans) * self.slot_bytes
-            target = self._view[start:start + self.slot_bytes]
+        (ans,) = REQUEST.unpack(descriptor)
+        if ans >= self.slots:
+            raise RegionError(f"answer slot {ans} of a region of {self.slots}")
+        start = HEADER_BYTES + ans * self.slot_bytes
         self.attached()
-        return frame, ans, target
+        return ans, self._view[start:start + self.slot_bytes]
 
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
@@ -131,43 +112,23 @@ class ClientRegion:
 
     def __init__(self, mm: mmap.mmap, slot_bytes: int, slots: int) -> None:
         self._mm = mm
-        self._pin = ctypes.c_char.from_buffer(mm)  # (holds the mapping: it is never closed under a view)
-        self._base = ctypes.addressof(self._pin)
+        self._pin = np.frombuffer(mm, np.uint8)  # (holds the mapping: it is never closed under a view)
+        self._base = self._pin.ctypes.data
         self.slot_bytes, self.slots = slot_bytes, slots
-        self._requests: collections.deque[int] = collections.deque(range(slots))  # free slots (appends and pops:
-        self._answers: collections.deque[int] = collections.deque(range(slots))  # atomic, any thread may free)
+        self._answers: collections.deque[int] = collections.deque(range(slots))  # free slots (appends and pops
+        # are atomic: any thread may free one, when the last view of an answer goes)
 
-    def place(self, request: Any, answer: bool) -> Optional[tuple[Any, bytes, int, int]]:
-        """Put a call in slots: ``request`` (its frame) when it is large and fits, and an answer slot when ``answer``
-        (a pull: its answer may be large). (the frame to send, or b"" when it is in its slot; the ``REQUEST``
-        descriptor; the request slot; the answer slot), or None when no slot was taken (the call goes as before)."""
-        req = ans = NO_SLOT
-        n = len(request)
-        if MIN_BYTES <= n <= self.slot_bytes:
-            try:
-                req = self._requests.popleft()
-            except IndexError:
-                pass
-            else:
-                start = HEADER_BYTES + req * self.slot_bytes
-                self._mm[start:start + n] = request
-        if answer:
-            try:
-                ans = self._answers.popleft()
-            except IndexError:
-                pass
-        if req == NO_SLOT and ans == NO_SLOT:
+    def offer(self) -> Optional[tuple[bytes, int]]:
+        """A free answer slot for a pull: (its ``REQUEST``, its number), or None when all are held."""
+        try:
+            ans = self._answers.popleft()
+        except IndexError:
             return None
-        if req == NO_SLOT:
-            return request, REQUEST.pack(NO_SLOT, 0, ans), req, ans
-        return b"", REQUEST.pack(req, n, ans), req, ans
+        return REQUEST.pack(ans), ans
 
-    def release(self, req: int, ans: int) -> None:
-        """Free a call's slots (its answer came through the socket, or the answer slot is a ``view``'s now)."""
-        if req != NO_SLOT:
-            self._requests.append(req)
-        if ans != NO_SLOT:
-            self._answers.append(ans)
+    def release(self, ans: int) -> None:
+        """Free an answer slot whose call was answered through the socket."""
+        self._answers.append(ans)
 
     def answer(self, ans: int, described: Any) -> memoryview:
         """The answer the shard wrote into slot ``ans`` (``described``: its ``ANSWER``), read in place: the slot is
@@ -177,7 +138,7 @@ class ClientRegion:
         slot, n = ANSWER.unpack(described)
         if slot != ans or n > self.slot_bytes:
             raise ValueError(f"an answer in slot {slot} of {n} bytes, for a call given slot {ans}")
-        address = self._base + HEADER_BYTES + (self.slots + ans) * self.slot_bytes
+        address = self._base + HEADER_BYTES + ans * self.slot_bytes
         return memoryview(np.asarray(_Lease(self, ans, address, n)))
 
 
@@ -189,7 +150,7 @@ class _Lease:
 
     def __init__(self, region: ClientRegion, slot: int, address: int, n: int) -> None:
         self._region, self._slot = region, slot
-        self.__array_interface__ = {"version": 3, "shape": (n,), "typestr": "|u1", "data": (address, False)}
+        self.__array_interface__ = {"version": 3, "shape": (n,), "typestr": "|u1", "data": (address, True)}
 
     def __del__(self) -> None:
         self._region._answers.append(self._slot)
@@ -197,25 +158,25 @@ class _Lease:
 
 def open_offer(offer: bytes) -> Optional[ClientRegion]:
     """Map the region a hello's answer describes, or None (it cannot be opened from here, or it is not the shard's:
-    nothing is written to a file whose nonce does not match)."""
+    a file whose nonce does not match is never used)."""
     m = _OFFER.fullmatch(offer)
     if m is None:
         return None
     pid, fd, nonce, slot_bytes, slots = int(m[1]), int(m[2]), bytes.fromhex(m[3].decode()), int(m[4]), int(m[5])
-    if not (0 < slots <= 64 and MIN_BYTES <= slot_bytes <= 1 << 30):
+    if not (0 < slots <= 64 and MIN_SLOT_BYTES <= slot_bytes <= 1 << 30):
         return None
     size = region_bytes(slot_bytes, slots)
     path = f"/proc/{pid}/fd/{fd}"
     try:
         if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
             return None  # (not opened at all: opening some files has effects)
-        f = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         if os.fstat(f).st_size != size:
             return None
-        mm = mmap.mmap(f, size)
+        mm = mmap.mmap(f, size, access=mmap.ACCESS_READ)  # (read only: the client never writes a region)
     except (OSError, ValueError):
         return None
     finally:
