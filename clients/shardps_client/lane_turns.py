@@ -291,20 +291,22 @@ class SocketTurns:
             return None  # the answer to a call resent after its first answer was lost: already resolved
         try:
             if in_slot:
-                if item.region is None or item.region is not self._region:
+                shm = item.region
+                if shm is not self._region or shm is None:
                     raise ShardpsError(f"data plane of shard at {self.address}: an answer in a slot the call was "
                                        "not given", address=self.address)
-                body = item.region.answer(item.slot, parts[2].buffer)
+                body = shm.answer(item.slot, parts[2].buffer)
                 item.region = None  # the answer's view holds its slot now
             _release(item)
             field, view = wire.unframe(body)
-            if field == protocol.STREAM_ERROR_FIELD and protocol.error_kind(view) == "data_region":
-                return "broken"  # the shard forgot the connection's region: connect again, send the calls again
+            kind = protocol.error_kind(view) if field == protocol.STREAM_ERROR_FIELD else ""
         except BaseException as e:  # noqa: BLE001 - a malformed answer fails its call alone
             unacked.pop(parts[0].bytes)
             answers.append(lambda f=item.future, e=e: f.set_exception(e))
             return None
-        if self.fallback.group and protocol.not_primary(field, view):  # not the primary: the call stays unanswered
+        if kind == "data_region":  # the shard took the connection's region back: connect again, send the calls again
+            return "broken"
+        if self.fallback.group and kind == "not_primary":  # not the primary: the call stays unanswered
             return "not primary"
         unacked.pop(parts[0].bytes)
         answers.append(lambda item=item, field=field, view=view, parts=parts:

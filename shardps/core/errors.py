@@ -70,9 +70,9 @@ class Unauthenticated(ShardError):
 
 
 class RegionGone(Unavailable):
-    """A data-plane request names a shared-memory region its connection does not have (the shard forgot the
-    connection, or took back the region of a connection idle while others needed one): nothing of it was read, and
-    nothing the connection sent after it is served. The client connects again and sends its calls again, in order."""
+    """A data-plane request of a connection whose shared-memory region the shard took back (the connection was idle
+    while others needed one, or it was forgotten among too many): nothing of it is read, nor anything the connection
+    sends after it. The client connects again and sends its calls again, in order."""
 
 
 class SessionUnknown(Unauthenticated):

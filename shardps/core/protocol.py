@@ -113,7 +113,7 @@ def error_kind(view: memoryview) -> str:
 def not_primary(field: int, view: memoryview) -> bool:
     """Whether a StreamResponse (``field``, ``view``) is a replica group member's refusal because it is not the
     primary (status kind "not_primary"): the call was not applied, and goes to the primary instead."""
-    return field == STREAM_ERROR_FIELD and pb.StreamError.FromString(bytes(view)).kind == "not_primary"
+    return field == STREAM_ERROR_FIELD and error_kind(view) == "not_primary"
 
 
 @functools.lru_cache(maxsize=1)

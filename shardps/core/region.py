@@ -111,7 +111,6 @@ class ClientRegion:
     """A connection's region, on the client's side: the slots it hands out (see the module docstring)."""
 
     def __init__(self, mm: mmap.mmap, slot_bytes: int, slots: int) -> None:
-        self._mm = mm
         self._pin = np.frombuffer(mm, np.uint8)  # (holds the mapping: it is never closed under a view)
         self._base = self._pin.ctypes.data
         self.slot_bytes, self.slots = slot_bytes, slots
@@ -139,7 +138,7 @@ class ClientRegion:
         if slot != ans or n > self.slot_bytes:
             raise ValueError(f"an answer in slot {slot} of {n} bytes, for a call given slot {ans}")
         address = self._base + HEADER_BYTES + ans * self.slot_bytes
-        return memoryview(np.asarray(_Lease(self, ans, address, n)))
+        return memoryview(np.asarray(_Lease(self, ans, address, n)))  # type: ignore[arg-type]
 
 
 class _Lease:

@@ -128,7 +128,7 @@ class DataPlane:
             self._sockets.append(sock)
             self.ports.append(port)
         self.ipc: list[str] = bind_unix(self._sockets) if ipc else []  # the Unix sockets' names, one per port
-        # Regions (no TLS: a sealed connection's messages stay sealed): a slot holds up to a request's limit.
+        # Regions (no TLS: a sealed connection's messages stay sealed): a slot holds an answer up to the message limit.
         self.regions = regions if self.ipc and not encrypted and regions_work() else 0
         self._slot_bytes = min(region.SLOT_BYTES, max_message_bytes)
         self._stop = threading.Event()
@@ -332,22 +332,20 @@ class DataPlane:
             self.chain.slow_refusal(conn.peer, code, sum(len(p) for p in parts[2:]))
             return _end_session(connections, rid, code, message, kind)
         except region.RegionError as e:  # nothing of it decoded
-            error = InvalidArgument(f"data plane: {e}")
-            return self._refuse(rid, request_id, error, conn.peer, sum(len(p) for p in parts[2:]))
+            return self._refuse(rid, request_id, InvalidArgument(f"data plane: {e}"), conn.peer,
+                                sum(len(p) for p in parts[2:]))
         role = conn.grant.role if conn.grant is not None else None
         if conn.region is not None:
             conn.used = time.monotonic()
-        if target is None:
-            reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, conn.transport)
-            return [rid, request_id, reply], conn.seal  # (sealed with it even if the connection is forgotten meanwhile)
-        zmsg.answer_into(target)  # a large answer is written into the slot the client offered
+        if target is not None:
+            zmsg.answer_into(target)  # a large answer is written into the slot the client offered
         try:
             reply = self.chain.frame(self.frames, frame, role, conn.key, conn.weight, conn.peer, conn.transport)
         finally:
-            built = zmsg.taken()
+            built = zmsg.taken() if target is not None else None
         if built is not None and reply is built:
             return [rid, request_id, b"", region.ANSWER.pack(answer_slot, built.nbytes)], None
-        return [rid, request_id, reply], None
+        return [rid, request_id, reply], conn.seal  # (sealed with it even if the connection is forgotten meanwhile)
 
     def _refuse(self, rid: bytes, request_id: bytes, error: Exception, peer: str, nbytes: int) -> _Answer:
         code, message, kind = self.chain.status(error, "Stream")
