@@ -240,6 +240,8 @@ class PushPipeline:
     def _answered(self, outer: Future, call: planner.Call, inner: Future, attempt: int,
                   since: Optional[float] = None) -> None:
         self._inflight.release()
+        outer.inner = None  # type: ignore[attr-defined]  # (a cycle through ``inner``'s callback otherwise: the
+        # call, and a request slot it was built in, would wait for the garbage collector to be let go)
         e = inner.exception()
         if answered_unavailable(e):  # e.g. applied, but a quorum of its replica group not reached in time
             since = since if since is not None else time.monotonic()
