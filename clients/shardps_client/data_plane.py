@@ -121,6 +121,12 @@ class DataLane(SocketTurns):
         self._send_now()
         return item.future
 
+    def request_slot(self, nbytes: int) -> Optional[memoryview]:
+        """A request slot of the connection's shared-memory region to build a call of ``nbytes`` in, or None
+        (``Transport.request_slot``). A call built there on a connection that is gone goes in its message."""
+        shm = self._region
+        return shm.reserve(nbytes) if shm is not None and self.mode != "grpc" else None
+
     def close(self, timeout: float = 30.0) -> None:
         """Answer what is queued, then stop the lane's thread."""
         with self._lock:

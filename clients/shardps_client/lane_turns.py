@@ -373,15 +373,21 @@ class SocketTurns:
 
 
 def _send_placed(sock: zmq.Socket, item: Item, shm: region.ClientRegion, flags: int) -> bool:
-    """Send a pull offering a slot of the connection's region for its answer, ``[request id, REQUEST, frame]``; False
-    when it is no pull or no slot is free (it goes as before)."""
-    offered = shm.offer() if item.method in ANSWER_SLOT_METHODS else None
-    if offered is None:
+    """Send a call through the connection's region, ``[request id, REQUEST, frame or b""]``: a pull offers an answer
+    slot, and a call built in a request slot of the region (``ClientRegion.reserve``) names it instead of carrying its
+    frame. False when it takes no slot (it goes as before)."""
+    placed = shm.placed(item.request)
+    ans = shm.offer() if item.method in ANSWER_SLOT_METHODS else None
+    if ans is None and placed is None:
         item.region = None
         return False
-    item.region, item.slot = shm, offered[1]
+    item.region, item.slot = shm, region.NO_SLOT if ans is None else ans
+    if placed is None:
+        descriptor, frame = region.REQUEST.pack(region.NO_SLOT, 0, item.slot), item.request
+    else:
+        descriptor, frame = region.REQUEST.pack(placed[0], placed[1], item.slot), b""
     try:
-        zmsg.send_multipart(sock, [item.rid, offered[0], item.request], flags)
+        zmsg.send_multipart(sock, [item.rid, descriptor, frame], flags)
     except zmq.ZMQError:
         _release(item)
         raise
@@ -397,9 +403,11 @@ def _open_region(address: str, offer: bytes) -> Optional[region.ClientRegion]:
 
 
 def _release(item: Item) -> None:
-    """Free the answer slot a call's send offered (its answer came through the socket)."""
+    """Free the answer slot a call's send offered (its answer came through the socket). (A request slot is its
+    request's: freed when the call, done, lets it go.)"""
     if item.region is not None:
-        item.region.release(item.slot)
+        if item.slot != region.NO_SLOT:
+            item.region.release(item.slot)
         item.region = None
 
 

@@ -11,6 +11,7 @@ slot map it was planned by (``shard_map``).
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
@@ -180,10 +181,12 @@ def assemble_dense(specs: dict[str, DenseSpec],
 
 def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, slots: SlotMap, wire_code: int,
               max_bytes: int, pulled: Optional[dict[int, int]], client_id: str, next_seq: Callable[[int], int],
-              sync_step: int = 0, rank: int = 0, origins: tuple[tuple[int, int], ...] = ()) -> list[Call]:
+              sync_step: int = 0, rank: int = 0, origins: tuple[tuple[int, int], ...] = (),
+              into: Optional[Callable[[int, int], Optional[memoryview]]] = None) -> list[Call]:
     """Framed Push calls for the summed gradients of sorted unique ids (``origins``: a push planned again's).
 
-    A synchronous worker (``sync_step``) sends every shard its part of the step, even an empty one.
+    A synchronous worker (``sync_step``) sends every shard its part of the step, even an empty one. ``into(shard,
+    size)``: a buffer to build a call to ``shard`` in (a request slot of its lane's shared-memory region), or None.
     """
     step = rows_per_message(max_bytes, spec.dim, wire_code)
     summed = summed.reshape(-1, spec.dim)
@@ -201,6 +204,7 @@ def push_plan(spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, slots: Slot
                 seq=next_seq(s), shard_map=shard_map(s, slots),
                 sync=pb.SyncPart(step=sync_step, rank=rank, part=k, parts=len(parts)) if sync_step else None,
                 frame=protocol.stream_field("Push"), origins=origins,
+                into=None if into is None else functools.partial(into, s),
             )
             calls.append((s, "Push", req))
     return calls

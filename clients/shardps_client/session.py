@@ -168,7 +168,8 @@ class Session:
         sync_step = self.worker.next_sync_step(spec.name) if spec.sync is not None else 0
         calls = planner.push_plan(spec, uniq, summed, self.slots, wire_code, self.max_message_bytes,
                                   versions.by_shard if versions is not None else None, self.client_id,
-                                  self.next_seq, sync_step, self.worker.rank or 0)
+                                  self.next_seq, sync_step, self.worker.rank or 0,
+                                  into=self.transport.request_slot if self.trails(spec) and not wait else None)
         self.pushes.dispatch(spec.name, calls, wait, self.trails(spec))
 
     def trails(self, spec: Union[TableSpec, DenseSpec]) -> bool:

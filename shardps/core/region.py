@@ -1,29 +1,37 @@
 """Shared memory between a client and a shard on one machine: a pull's answer is written by the shard straight
-into a slot the client named, where the client reads it in place.
+into a slot the client named, where the client reads it in place; a push that trails a pull is built by the client
+in a slot, and the shard copies it out.
 
-Over the Unix socket a 565 KB answer crosses the shard's libzmq I/O thread, the kernel's copies out and in, and
-the client's libzmq I/O thread; through a region it is written once by the shard, and the socket carries a few bytes
-naming the slot. (Requests stay in their messages: a push copied into a slot by the calling thread and out by the
-shard's serving thread, which must copy it before reading it since the client could change it under a check, put
-both copies on the call's path where libzmq's I/O threads had done the work beside it: measured, a new user's
-loop, whose pushes precede the next pull, ran 12% slower that way.)
+Over the Unix socket a 565 KB message crosses the sender's libzmq I/O thread, the kernel's copies out and in, and
+the receiver's libzmq I/O thread; through a region the socket carries a few bytes naming the slot. An answer is
+written once, by the shard. A push is built in its slot by the client (its rows gathered there, where they would
+have been gathered into a libzmq message) and copied out by the shard before it reads a byte (the client could change
+the slot under a check). Only a push that trails a pull (``read_your_writes=False``: it leaves after the next pull's
+calls) is built there: the shard's copy is then made after it served that pull. A push that precedes the next pull
+(read-your-writes, a new user's loop) stays in its message: there the shard's copy stood on the pull's path, where
+libzmq's I/O threads had done that work beside it (measured: that loop ran 8-12% slower with its pushes in slots).
 
 **The region.** On a connection over the data plane's Unix socket (the same machine and network namespace) whose
 hello asks for one, the shard makes a region: a ``memfd`` (anonymous shared memory, gone with the last process that
-maps it, nothing left behind a kill -9) of ``HEADER_BYTES`` and ``slots`` answer slots of ``slot_bytes``, sealed
-against shrinking and growing (a client cannot make the shard's writes fault), with a random nonce in its header.
-The hello's answer names it: the shard's pid, the descriptor, the nonce and the sizes. The client opens
-``/proc/<pid>/fd/<fd>``: the kernel allows that only to a process that may read the shard's memory anyway (its
-ptrace access check: the same user, not a container's other pid namespace), so a region gives no process access it
-did not have. The client checks the nonce before it uses the region (in another pid namespace the same pid names
-another process); anything that fails means no region, and answers come through the socket as before. The shard
-only writes into a region, never reads from it.
+maps it, nothing left behind a kill -9) of ``HEADER_BYTES``, ``slots`` request slots and ``slots`` answer slots of
+``slot_bytes``, sealed against shrinking and growing (a client cannot make the shard's accesses fault), with a random
+nonce in its header. The hello's answer names it: the shard's pid, the descriptor, the nonce and the sizes. The
+client opens ``/proc/<pid>/fd/<fd>``: the kernel allows that only to a process that may read the shard's memory
+anyway (its ptrace access check: the same user, not a container's other pid namespace), so a region gives no
+process access it did not have; what such a process could write into a request slot it could send over the socket
+(and read a same-user client's token from its files and environment), and the shard checks it as any request. The
+client checks the nonce before it writes a byte (in another pid namespace the same pid names another process: its
+file is not touched); anything that fails means no region, and messages go through the socket as before.
 
-**Slots.** Only the client hands them out (the shard keeps no state but the mapping). A pull goes as
-``[request id, REQUEST(answer slot), frame]``; the shard writes an answer that is large and fits into that slot and
-answers ``[request id, b"", ANSWER(slot, bytes)]``; a small answer, one that does not fit, or an error comes through
-the socket as before. The client frees a slot when the last view of the answer in it goes (the rows a pull returns
-are copies, so that is once they are assembled; a view kept longer keeps its slot).
+**Slots.** Only the client hands them out (the shard keeps no state but the mapping). A call goes as
+``[request id, REQUEST(request slot, request bytes, answer slot), frame or b""]``: a call built in a request slot
+names it and carries no frame (``NO_SLOT``: the frame is in the message), and a pull offers an answer slot
+(``NO_SLOT``: none). The shard copies a request out of its slot before reading any of it, writes an answer that is
+large and fits into the offered slot and answers ``[request id, b"", ANSWER(slot, bytes)]``; a small answer, one
+that does not fit, or an error comes through the socket as before. A slot is freed when the last view of what it
+holds goes: an answer's once the rows are assembled (the rows a pull returns are copies); a request's once its call
+is over, answered (the shard copied it before answering) or failed with its connection (whose region is not
+written again: a new connection has a new one).
 """
 
 from __future__ import annotations
@@ -40,11 +48,11 @@ import numpy as np
 
 HEADER_BYTES = 4096  # the nonce, then nothing (the slots start page-aligned)
 NONCE_BYTES = 16
-SLOT_BYTES = 2 << 20  # the largest answer that goes through a slot (a pull of 8,192 rows of 64 float32)
-SLOTS = 4  # answer slots of a region (pulls in flight on one connection that use them)
-MIN_SLOT_BYTES = 64 << 10  # (smaller answers come in their message: ``zmsg.MIN_BYTES``)
+SLOT_BYTES = 2 << 20  # the largest request or answer that goes through a slot (a pull of 8,192 rows of 64 float32)
+SLOTS = 4  # request slots and answer slots of a region (calls in flight on one connection that use them)
+MIN_SLOT_BYTES = 64 << 10  # smaller requests stay in their message, as smaller answers (``zmsg.MIN_BYTES``)
 NO_SLOT = 0xFFFFFFFF
-REQUEST = struct.Struct("<I")  # the answer slot a call offers
+REQUEST = struct.Struct("<III")  # request slot, request bytes, answer slot
 ANSWER = struct.Struct("<II")  # answer slot, answer bytes
 ASK = b"region"  # the hello's last field when the client asks for a region
 MEMFD_NAME = "shardps-region"
@@ -56,7 +64,7 @@ class RegionError(ValueError):
 
 
 def region_bytes(slot_bytes: int, slots: int) -> int:
-    return HEADER_BYTES + slots * slot_bytes
+    return HEADER_BYTES + 2 * slots * slot_bytes  # request slots, then answer slots
 
 
 class ShardRegion:
@@ -89,17 +97,34 @@ class ShardRegion:
             os.close(self._fd)
             self._fd = None
 
-    def request(self, descriptor: Any) -> tuple[int, memoryview]:
-        """The answer slot a request offers (its ``REQUEST``): its number and a writable view of it; RegionError when
-        the descriptor is malformed or names a slot outside the region."""
+    def request(self, descriptor: Any, inline: Any) -> tuple[Any, int, Optional[memoryview]]:
+        """The frame a request carries (copied out of its request slot, or ``inline``: its message's) and the answer
+        slot it offers: its number and a writable view of it (NO_SLOT, None: none). RegionError when the descriptor
+        is malformed or names anything outside the region."""
         if len(descriptor) != REQUEST.size:
             raise RegionError(f"a region descriptor is {REQUEST.size} bytes, got {len(descriptor)}")
-        (ans,) = REQUEST.unpack(descriptor)
-        if ans >= self.slots:
-            raise RegionError(f"answer slot {ans} of a region of {self.slots}")
-        start = HEADER_BYTES + ans * self.slot_bytes
+        req, n, ans = REQUEST.unpack(descriptor)
+        if req != NO_SLOT:
+            if req >= self.slots:
+                raise RegionError(f"request slot {req} of a region of {self.slots}")
+            if n > self.slot_bytes:
+                raise RegionError(f"a request of {n} bytes in a slot of {self.slot_bytes}")
+            if len(inline):
+                raise RegionError("a request both in its slot and in its message")
+            start = HEADER_BYTES + req * self.slot_bytes
+            frame: Any = bytes(self._view[start:start + n])  # a copy: the client could change the slot under a check
+        elif n:
+            raise RegionError("a request's length with no request slot")
+        else:
+            frame = inline
+        target = None
+        if ans != NO_SLOT:
+            if ans >= self.slots:
+                raise RegionError(f"answer slot {ans} of a region of {self.slots}")
+            start = HEADER_BYTES + (self.slots + ans) * self.slot_bytes
+            target = self._view[start:start + self.slot_bytes]
         self.attached()
-        return ans, self._view[start:start + self.slot_bytes]
+        return frame, ans, target
 
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
@@ -114,16 +139,36 @@ class ClientRegion:
         self._pin = np.frombuffer(mm, np.uint8)  # (holds the mapping: it is never closed under a view)
         self._base = self._pin.ctypes.data
         self.slot_bytes, self.slots = slot_bytes, slots
-        self._answers: collections.deque[int] = collections.deque(range(slots))  # free slots (appends and pops
-        # are atomic: any thread may free one, when the last view of an answer goes)
+        self._requests: collections.deque[int] = collections.deque(range(slots))  # free slots (appends and pops
+        self._answers: collections.deque[int] = collections.deque(range(slots))  # are atomic: any thread may free)
 
-    def offer(self) -> Optional[tuple[bytes, int]]:
-        """A free answer slot for a pull: (its ``REQUEST``, its number), or None when all are held."""
+    def reserve(self, nbytes: int) -> Optional[memoryview]:
+        """A writable view of ``nbytes`` of a free request slot to build a request in (None: it is too small or too
+        large for one, or none is free). The slot is the view's until the last view of it goes."""
+        if not MIN_SLOT_BYTES <= nbytes <= self.slot_bytes:
+            return None
         try:
-            ans = self._answers.popleft()
+            req = self._requests.popleft()
         except IndexError:
             return None
-        return REQUEST.pack(ans), ans
+        address = self._base + HEADER_BYTES + req * self.slot_bytes
+        return memoryview(np.asarray(_Lease(self, self._requests, req, address, nbytes, False)))  # type: ignore
+
+    def placed(self, request: Any) -> Optional[tuple[int, int]]:
+        """(request slot, bytes) when ``request`` is a whole view ``reserve`` made in this region, else None."""
+        if type(request) is not memoryview:
+            return None
+        lease = getattr(request.obj, "base", None)
+        if type(lease) is not _Lease or lease.free is not self._requests or request.nbytes != lease.nbytes:
+            return None
+        return lease.slot, lease.nbytes
+
+    def offer(self) -> Optional[int]:
+        """A free answer slot for a pull, or None when all are held."""
+        try:
+            return self._answers.popleft()
+        except IndexError:
+            return None
 
     def release(self, ans: int) -> None:
         """Free an answer slot whose call was answered through the socket."""
@@ -135,29 +180,32 @@ class ClientRegion:
         if len(described) != ANSWER.size:
             raise ValueError(f"an answer's description is {ANSWER.size} bytes, got {len(described)}")
         slot, n = ANSWER.unpack(described)
-        if slot != ans or n > self.slot_bytes:
+        if slot != ans or ans >= self.slots or n > self.slot_bytes:
             raise ValueError(f"an answer in slot {slot} of {n} bytes, for a call given slot {ans}")
-        address = self._base + HEADER_BYTES + ans * self.slot_bytes
-        return memoryview(np.asarray(_Lease(self, ans, address, n)))  # type: ignore[arg-type]
+        address = self._base + HEADER_BYTES + (self.slots + ans) * self.slot_bytes
+        return memoryview(np.asarray(_Lease(self, self._answers, ans, address, n, True)))  # type: ignore[arg-type]
 
 
 class _Lease:
-    """An answer slot's bytes as numpy reads foreign memory: the array made from it keeps this (and the region's
-    mapping) alive, and the slot is freed when it goes."""
+    """A slot's bytes as numpy reads foreign memory: the array made from it keeps this (and the region's mapping)
+    alive, and the slot goes back to ``free`` when it goes. A request slot's lease is its request's, built there and
+    held by its call until the call is over: answered (the shard copied it before answering), or failed with its
+    connection, whose region is never written again (a new connection has a new one)."""
 
-    __slots__ = ("__array_interface__", "_region", "_slot")
+    __slots__ = ("__array_interface__", "_region", "free", "slot", "nbytes")
 
-    def __init__(self, region: ClientRegion, slot: int, address: int, n: int) -> None:
-        self._region, self._slot = region, slot
-        self.__array_interface__ = {"version": 3, "shape": (n,), "typestr": "|u1", "data": (address, True)}
+    def __init__(self, region: ClientRegion, free: collections.deque, slot: int, address: int, nbytes: int,
+                 readonly: bool) -> None:
+        self._region, self.free, self.slot, self.nbytes = region, free, slot, nbytes
+        self.__array_interface__ = {"version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (address, readonly)}
 
     def __del__(self) -> None:
-        self._region._answers.append(self._slot)
+        self.free.append(self.slot)
 
 
 def open_offer(offer: bytes) -> Optional[ClientRegion]:
     """Map the region a hello's answer describes, or None (it cannot be opened from here, or it is not the shard's:
-    a file whose nonce does not match is never used)."""
+    nothing is written to a file whose nonce does not match)."""
     m = _OFFER.fullmatch(offer)
     if m is None:
         return None
@@ -169,13 +217,13 @@ def open_offer(offer: bytes) -> Optional[ClientRegion]:
     try:
         if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
             return None  # (not opened at all: opening some files has effects)
-        f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        f = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         if os.fstat(f).st_size != size:
             return None
-        mm = mmap.mmap(f, size, access=mmap.ACCESS_READ)  # (read only: the client never writes a region)
+        mm = mmap.mmap(f, size)
     except (OSError, ValueError):
         return None
     finally:

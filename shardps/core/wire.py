@@ -12,7 +12,7 @@ protobuf implementation can talk to the shards.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -116,16 +116,20 @@ class _Rows:
             np.take(self.src, self.idx, axis=0, out=dst)
 
 
-def _join(parts: list, outgoing: bool = False, reply: bool = False) -> Buffer:
+def _join(parts: list, outgoing: bool = False, reply: bool = False,
+          into: Optional[Callable[[int], Optional[memoryview]]] = None) -> Buffer:
     """``b"".join(parts)``, with a ``_Rows`` part (at most one) gathered into the result (a bytearray then); with
     ``outgoing``, a message of ``zmsg.MIN_BYTES`` or more is built in a libzmq message (a writable memoryview of
     it, sent without a copy on the data plane) where it can be; a ``reply`` (a shard's whole answer) in the
-    shared-memory slot its call offered, when there is one (``zmsg.answer_into``)."""
+    shared-memory slot its call offered, when there is one (``zmsg.answer_into``); with ``into``, in the buffer
+    ``into(size)`` gives when it gives one (a request slot of a shared-memory region, ``shardps.core.region``)."""
     rows = next((i for i, p in enumerate(parts) if type(p) is _Rows), None)
     if rows is None and not outgoing:
         return b"".join(parts)
     n = sum(map(len, parts))
-    out: Optional[Union[bytearray, memoryview]] = zmsg.outgoing(n, reply) if outgoing else None
+    out: Optional[Union[bytearray, memoryview]] = into(n) if into is not None else None
+    if out is None and outgoing:
+        out = zmsg.outgoing(n, reply)
     if out is None:
         if rows is None:
             return b"".join(parts)
@@ -209,6 +213,7 @@ def encode_push(
     pulled_version: Optional[int] = None, client_id: str = "", seq: int = 0,
     shard_map: Optional[pb.ShardMap] = None, sync: Optional[pb.SyncPart] = None, frame: int = 0,
     origins: Sequence[tuple[int, int]] = (), rows: Optional[np.ndarray] = None,
+    into: Optional[Callable[[int], Optional[memoryview]]] = None,
 ) -> Buffer:
     """A serialized PushRequest (with ``ids``) or PushDenseRequest (with ``row_start``); ``origins``: the (shard,
     seq) pairs of a push planned again (PushRequest.origins).
@@ -216,7 +221,8 @@ def encode_push(
     With ``frame``, the message is field ``frame`` of an enclosing message (built in
     the same pass, no extra copy): field 1 or 2 frames it both as a StreamRequest and
     as an entry of a PushBatchRequest. With ``rows`` (positions in ``grads``), the gradients are
-    ``grads[rows]``, gathered straight into the message (a bytearray then) when they go as float32.
+    ``grads[rows]``, gathered straight into the message (a bytearray then) when they go as float32. ``into``: as
+    ``_join`` takes it.
     """
     parts = _string_field(_P_NAME, name)
     if ids is not None:
@@ -234,7 +240,7 @@ def encode_push(
     parts += _msg_field(_P_SYNC, sync)
     for shard, origin_seq in origins:
         parts += _msg_field(_P_ORIGINS, pb.PushOrigin(shard=shard, seq=origin_seq))
-    return _join(_len_field(frame, parts) if frame else parts, outgoing=True)
+    return _join(_len_field(frame, parts) if frame else parts, outgoing=True, into=into)
 
 
 class PushEncoder:

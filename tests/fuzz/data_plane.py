@@ -53,11 +53,12 @@ def payloads() -> st.SearchStrategy[list[bytes]]:
     rid = st.just(b"r")  # replaced by a unique id when sent
     blob = st.binary(max_size=64)
     slot = st.sampled_from([0, 1, 3, 4, 0xFFFFFFFF, 2**31])
-    descriptor = st.one_of(slot.map(region.REQUEST.pack), blob)
+    size = st.sampled_from([0, 1, 64 << 10, 2 << 20, (2 << 20) + 1, 0xFFFFFFFF])
+    descriptor = st.one_of(st.tuples(slot, size, slot).map(lambda t: region.REQUEST.pack(*t)), blob)
     message = weighted(
         (12, st.tuples(rid, frame).map(list)),
         (1, st.tuples(rid, frame, blob).map(list)),
-        (1, st.tuples(rid, descriptor, frame).map(list)),
+        (1, st.tuples(rid, descriptor, st.one_of(frame, st.just(b""))).map(list)),
         (1, st.tuples(st.just(b""), st.just(b"hello"), blob, st.just(region.ASK)).map(list)),
         (1, st.tuples(st.just(b""), st.just(b"hello"), blob).map(list)),
         (1, st.tuples(st.just(b""), st.just(b"hello"), blob, blob).map(list)),

@@ -227,6 +227,12 @@ class Transport:
         """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field)."""
         return self.lanes[shard].submit(method, framed)
 
+    def request_slot(self, shard: int, nbytes: int) -> Optional[memoryview]:
+        """A buffer of ``nbytes`` in a request slot of the shared-memory region of the shard's lane to build a call to
+        it in (``shardps.core.region``), or None (no region now, or no slot for it): the call goes in its message."""
+        reserve = getattr(self.lanes[shard], "request_slot", None)
+        return reserve(nbytes) if reserve is not None else None
+
     def lane_calls(self, calls: list[tuple[int, str, Any]], then: Callable[[], None] = lambda: None,
                    lane: Optional[Callable[[int], Any]] = None) -> list[Any]:
         """Run calls (messages) on their shards' lanes (``lane(shard)``: another lane of it), in order after this

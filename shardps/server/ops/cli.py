@@ -83,7 +83,7 @@ SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
      "too (by default those in this network namespace connect over abstract Unix sockets, which skip the kernel's "
      "TCP work)"),
     ("data-regions", int, 16, "shared-memory regions per data-plane socket for its Unix-socket clients without TLS (a "
-     "pull's answer of 64 KiB to 2 MiB is written into them: 8 MiB a region, touched as used); 0: none"),
+     "pull's answers and trailing pushes of 64 KiB to 2 MiB go through them: 16 MiB a region, touched as used); 0: none"),
     ("grace", float, 5.0, "seconds in-flight calls get on shutdown"),
     ("metrics-port", int, None, "serve Prometheus metrics on this port at /metrics (0: a free port; default: off)"),
     ("tls-cert", str, None, "serve TLS: the certificate chain (PEM file); with --tls-key"),

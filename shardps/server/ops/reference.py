@@ -44,8 +44,9 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
          "(see [performance](performance.md#performance-notes))"),
         ("SHARDPS_DATA_REGIONS", "`Client` (`shardps_client.data_plane`)",
          "`0`: the client asks its shards for no shared-memory regions (its data goes through the Unix socket); "
-         "otherwise (the default) a connection over a shard's Unix socket without TLS asks for one, and a pull's answer "
-         "of 64 KiB to 2 MiB is written into it by the shard (see [protocol](protocol.md#the-data-plane-zeromq))"),
+         "otherwise (the default) a connection over a shard's Unix socket without TLS asks for one: a pull's answer "
+         "of 64 KiB to 2 MiB is written into it by the shard, and a push that trails a pull (`read_your_writes=False`) "
+         "is built in it by the client (see [protocol](protocol.md#the-data-plane-zeromq))"),
         ("SHARDPS_ZMQ_IN_PLACE", "`shardps serve`, `Client` (`shardps.core.zmsg`)",
          "`0` builds every data-plane message as a Python buffer copied into libzmq's at each send; otherwise "
          "(the default) messages of 64 KB or more (a push's rows, a pull's answer) are built in libzmq's own "

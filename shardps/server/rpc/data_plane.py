@@ -433,18 +433,18 @@ def _answer_finished(st: _SocketState) -> None:
 
 
 def _read_frame(conn: Connection, parts: list[Any], request_id: bytes) -> tuple[Any, int, Optional[memoryview]]:
-    """A request's frame (opened with its connection's seal), the answer slot of its connection's region it offers and
-    a view of it (NO_SLOT, None: none). SealError, RegionError: nothing of it was read."""
+    """A request's frame (opened with its connection's seal; copied out of its region's request slot), the answer slot
+    of the region it offers and a view of it (NO_SLOT, None: none). SealError, RegionError: nothing of it was read."""
     if conn.seal is not None:
         if len(parts) != 4:
             raise SealError(f"a sealed request has 3 parts (request id, counter, sealed), got {len(parts) - 1}")
         return conn.seal.open(parts[2].buffer, parts[3].buffer, request_id), region.NO_SLOT, None
     if len(parts) != 4:
         return parts[2].buffer, region.NO_SLOT, None
-    if conn.region is None:  # [rid, request id, region descriptor, frame]
+    if conn.region is None:  # [rid, request id, region descriptor, frame or b""]
         raise region.RegionError("a request names a shared-memory region this connection was not given (its hello "
                                  "asked for none, or it is not over the Unix socket)")
-    return (parts[3].buffer, *conn.region.request(parts[2].buffer))
+    return conn.region.request(parts[2].buffer, parts[3].buffer)
 
 
 def _end_session(connections: dict[bytes, Connection], rid: bytes, code: grpc.StatusCode, message: str,

@@ -88,7 +88,7 @@ class ServerConfig:
         data_ipc: the data plane's sockets are also abstract Unix sockets, which clients on this machine (in its
             network namespace) use instead of TCP.
         data_regions: shared-memory regions per data-plane socket for its Unix-socket clients without TLS (a large
-            pull answer is written into shared memory, ``shardps.core.region``); 0: none.
+            pull answer, and a push that trails a pull, pass through shared memory, ``shardps.core.region``); 0: none.
         replica: this shard's place in a replica group (``shardps.server.replica.member.ReplicaConfig``; the shard
             config's ``replicas`` is the group's size); None: no replicas.
         advertise: the address clients and the group's other members reach this shard at ("host:port"; default:
