@@ -24,6 +24,12 @@ def test_pull_response_matches_protobuf(dtype, shape, version):
     got, v = wire.decode_pull_response(ours)
     np.testing.assert_array_equal(got, codec.decode(pb.PullResponse.FromString(theirs).rows, "rows"))
     assert v == version
+    table = RNG.standard_normal((shape[0] * 2 + 700, shape[1])).astype(np.float32)  # the rows at ``at`` of a table
+    table[::2][: shape[0]] = rows
+    at = np.arange(0, shape[0] * 2, 2, dtype=np.int64)
+    assert bytes(wire.encode_pull_response(table, dtype, version, 0, at)) == theirs  # (gathered in place: large f32)
+    framed = pb.StreamResponse(pull=pb.PullResponse.FromString(theirs)).SerializeToString()
+    assert bytes(wire.encode_pull_response(table, dtype, version, 4, at)) == framed
 
 
 @pytest.mark.parametrize("dense", [False, True])

@@ -150,7 +150,7 @@ def _answer(parts: list, frame: int) -> Buffer:
     built in a libzmq message on a shard's data-plane thread (``zmsg.answer_in_place``)."""
     if frame:
         return _join(_len_field(frame, parts), zmsg.answering_here(), reply=True)
-    return b"".join(parts)
+    return _join(parts)
 
 
 # Rows gathered straight into a message from this size on; below it numpy's gather and a join cost less than the
@@ -166,9 +166,11 @@ def _rows_parts(src: np.ndarray, idx: np.ndarray, dtype: int) -> list:
     return _tensor_fields(dtype, (idx.shape[0], src.shape[1]), _Rows(src, idx))
 
 
-def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0) -> Buffer:
-    """A serialized PullResponse{rows, version} (``frame``: as that field of an enclosing message)."""
-    parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype))
+def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0,
+                         at: Optional[np.ndarray] = None) -> Buffer:
+    """A serialized PullResponse{rows, version} (``frame``: as that field of an enclosing message); with ``at``, the
+    rows are ``rows[at]``, gathered straight into the message when they go as float32."""
+    parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype) if at is None else _rows_parts(rows, at, wire_dtype))
     if version:
         parts += [_tag(_R_VERSION, _VARINT), _varint(version)]
     return _answer(parts, frame)

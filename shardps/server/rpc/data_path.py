@@ -39,8 +39,9 @@ class DataPath:
     def pull(self, request: pb.PullRequest, frame: int = 0) -> wire.Buffer:
         self.check_map(request.shard_map)
         dtype = convert.wire_dtype(request.wire_dtype)
-        rows, version = self.shard.pull(request.table, convert.ids(request.ids), codec.NP_DTYPES[dtype].itemsize)
-        return wire.encode_pull_response(rows, dtype, version, frame)
+        answer, _ = self.shard.pull(request.table, convert.ids(request.ids), codec.NP_DTYPES[dtype].itemsize,
+                                    lambda rows, at, version: wire.encode_pull_response(rows, dtype, version, frame, at))
+        return answer
 
     def pull_dense(self, request: pb.PullDenseRequest, frame: int = 0) -> wire.Buffer:
         return self._read_dense(self._validated_pull_dense(request), frame)

@@ -350,9 +350,10 @@ class Shard(ShardCuts):
             raise NotFound(f"unknown table or dense tensor {name!r} on shard {self.index}")
         return _info(t)
 
-    def pull(self, name: str, ids: np.ndarray, itemsize: int = 4) -> tuple[np.ndarray, int]:
-        """Rows of ``ids`` and the version they were read at (``itemsize``: bytes per value on the wire)."""
-        return self.read_rows(self.check.pull(name, ids, itemsize), ids)
+    def pull(self, name: str, ids: np.ndarray, itemsize: int = 4, encode: Optional[Callable] = None) -> tuple[Any, int]:
+        """Rows of ``ids`` and the version they were read at (``itemsize``: bytes per value on the wire; ``encode``:
+        as ``UpdatePath.read`` takes it)."""
+        return self.updates.read(self.check.pull(name, ids, itemsize), ids, encode)
 
     def read_rows(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of validated ``ids`` of ``t`` and the version they were read at."""

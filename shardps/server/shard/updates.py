@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -455,15 +455,23 @@ class UpdatePath:
                               f"{limit}; pull again and recompute")
         return staleness, per_row
 
-    def read(self, t: Table, ids: np.ndarray) -> tuple[np.ndarray, int]:
-        """Rows of validated ``ids`` of ``t`` (absent ones created) and the version they were read at."""
+    def read(self, t: Table, ids: np.ndarray, encode: Optional[Callable[[np.ndarray, Optional[np.ndarray], int], Any]]
+             = None) -> tuple[Any, int]:
+        """Rows of validated ``ids`` of ``t`` (absent ones created) and the version they were read at; with ``encode``,
+        ``encode(rows, None, version)`` instead of the rows, or ``encode(t.rows, slots, version)`` (the rows at
+        ``slots`` of the table's: an answer built straight from it, one copy less), called under the table's lock."""
         slots = self.slots
         while True:
             with t.lock:
                 state = slots.blocked(t.spec, ids, write=False) if slots is not None and slots.guarded else ""
                 if not state:
                     version = self.version
-                    rows = t.read(ids, version)
+                    if encode is None:
+                        rows = t.read(ids, version)
+                    else:
+                        at = t.read_slots(ids, version)
+                        rows = encode(t.rows, at, version) if at is not None else encode(t.read(ids, version), None,
+                                                                                           version)
                     break
             assert slots is not None
             if state == "moved":

@@ -197,6 +197,14 @@ class Table:
             out[~live] = self.initializer.rows(ids[~live], self.dim)
         return out
 
+    def read_slots(self, ids: np.ndarray, version: int = 0) -> Optional[np.ndarray]:
+        """Where ``read`` would take the rows of ``ids`` from in ``rows`` (absent ones created), for a caller that
+        gathers them itself while it holds ``lock`` (a pull's answer, built straight from the table); None for a
+        table whose rows are read otherwise (a disk tier, a bounded or read-only table): ``read`` them."""
+        if self.hot is not None or self.bounded or self.read_only:
+            return None
+        return self._slots(ids, create=True, stamp=version + 1)
+
     def check_present(self, ids: np.ndarray) -> None:
         """Raise unless every row of ``ids`` exists or can be made by the initializer (dense rows
         exist once registered with values)."""
