@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -27,9 +28,16 @@ def test_pull_response_matches_protobuf(dtype, shape, version):
     table = RNG.standard_normal((shape[0] * 2 + 700, shape[1])).astype(np.float32)  # the rows at ``at`` of a table
     table[::2][: shape[0]] = rows
     at = np.arange(0, shape[0] * 2, 2, dtype=np.int64)
-    assert bytes(wire.encode_pull_response(table, dtype, version, 0, at)) == theirs  # (gathered in place: large f32)
     framed = pb.StreamResponse(pull=pb.PullResponse.FromString(theirs)).SerializeToString()
-    assert bytes(wire.encode_pull_response(table, dtype, version, 4, at)) == framed
+    for frame, want in ((0, theirs), (4, framed)):  # bytes on a gRPC thread (it sends only bytes)
+        got = wire.encode_pull_response(table, dtype, version, frame, at)
+        assert type(got) is bytes and got == want
+    built: list = []  # a shard's data-plane thread gathers the rows straight into its answer (large f32 ones)
+    thread = threading.Thread(target=lambda: (zmsg.answer_in_place(), built.append(
+        bytes(wire.encode_pull_response(table, dtype, version, 4, at)))))
+    thread.start()
+    thread.join()
+    assert built == [framed]
 
 
 @pytest.mark.parametrize("dense", [False, True])

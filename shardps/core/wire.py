@@ -150,7 +150,7 @@ def _answer(parts: list, frame: int) -> Buffer:
     built in a libzmq message on a shard's data-plane thread (``zmsg.answer_in_place``)."""
     if frame:
         return _join(_len_field(frame, parts), zmsg.answering_here(), reply=True)
-    return _join(parts)
+    return b"".join(parts)
 
 
 # Rows gathered straight into a message from this size on; below it numpy's gather and a join cost less than the
@@ -169,7 +169,10 @@ def _rows_parts(src: np.ndarray, idx: np.ndarray, dtype: int) -> list:
 def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame: int = 0,
                          at: Optional[np.ndarray] = None) -> Buffer:
     """A serialized PullResponse{rows, version} (``frame``: as that field of an enclosing message); with ``at``, the
-    rows are ``rows[at]``, gathered straight into the message when they go as float32."""
+    rows are ``rows[at]``, gathered straight into the message when it is a data-plane answer built in place
+    (``zmsg.answer_in_place``) and they go as float32 (else taken first: gRPC sends only bytes)."""
+    if at is not None and not (frame and zmsg.answering_here()):
+        rows, at = np.take(rows, at, axis=0), None
     parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype) if at is None else _rows_parts(rows, at, wire_dtype))
     if version:
         parts += [_tag(_R_VERSION, _VARINT), _varint(version)]
