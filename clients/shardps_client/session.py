@@ -166,11 +166,12 @@ class Session:
                   wait: bool, wire_code: int) -> None:
         """Push the summed gradients of sorted unique ids."""
         sync_step = self.worker.next_sync_step(spec.name) if spec.sync is not None else 0
+        trail = self.trails(spec)  # (a push that trails a pull is built in a request slot of a shard's region)
         calls = planner.push_plan(spec, uniq, summed, self.slots, wire_code, self.max_message_bytes,
                                   versions.by_shard if versions is not None else None, self.client_id,
                                   self.next_seq, sync_step, self.worker.rank or 0,
-                                  into=self.transport.request_slot if self.trails(spec) and not wait else None)
-        self.pushes.dispatch(spec.name, calls, wait, self.trails(spec))
+                                  into=self.transport.request_slot if trail and not wait else None)
+        self.pushes.dispatch(spec.name, calls, wait, trail)
 
     def trails(self, spec: Union[TableSpec, DenseSpec]) -> bool:
         """Whether a push to ``spec`` waits for this client's next pull (``PushPipeline.send_trailing``): without

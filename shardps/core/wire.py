@@ -149,8 +149,14 @@ def _answer(parts: list, frame: int) -> Buffer:
     """A reply's ``parts`` joined, as field ``frame`` of an enclosing message when given: a whole StreamResponse then,
     built in a libzmq message on a shard's data-plane thread (``zmsg.answer_in_place``)."""
     if frame:
-        return _join(_len_field(frame, parts), zmsg.answering_here(), reply=True)
+        return _join(_len_field(frame, parts), _in_place(frame), reply=True)
     return b"".join(parts)
+
+
+def _in_place(frame: int) -> bool:
+    """Whether a reply (``frame``: its field, 0: none) is a whole StreamResponse built in a libzmq message or an
+    answer slot: on a shard's data-plane thread (``zmsg.answer_in_place``); gRPC sends only bytes."""
+    return bool(frame) and zmsg.answering_here()
 
 
 # Rows gathered straight into a message from this size on; below it numpy's gather and a join cost less than the
@@ -171,7 +177,7 @@ def encode_pull_response(rows: np.ndarray, wire_dtype: int, version: int, frame:
     """A serialized PullResponse{rows, version} (``frame``: as that field of an enclosing message); with ``at``, the
     rows are ``rows[at]``, gathered straight into the message when it is a data-plane answer built in place
     (``zmsg.answer_in_place``) and they go as float32 (else taken first: gRPC sends only bytes)."""
-    if at is not None and not (frame and zmsg.answering_here()):
+    if at is not None and not _in_place(frame):
         rows, at = np.take(rows, at, axis=0), None
     parts = _len_field(_R_ROWS, _tensor_parts(rows, wire_dtype) if at is None else _rows_parts(rows, at, wire_dtype))
     if version:

@@ -182,9 +182,9 @@ class Table:
         shard's) creates nothing: absent and expired rows read their initial value."""
         if self.hot is not None:
             return self.hot.read(ids, version + 1, create=not self.read_only)
-        if not self.bounded and not self.read_only:
-            slots = self._slots(ids, create=True, stamp=version + 1)  # first: may grow (replace) self.rows
-            return np.take(self.rows, slots, axis=0)
+        at = self.read_slots(ids, version)  # first: may grow (replace) self.rows
+        if at is not None:
+            return np.take(self.rows, at, axis=0)
         slots = self.index.lookup(ids)
         live = slots >= 0
         if self.eviction is not None and not self.read_only and live.any():
