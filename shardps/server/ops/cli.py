@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--etcd", default=None, help="etcd's client URL for the replica groups (default: start one here, "
                    "from Debian's etcd-server package)")
     p.add_argument("--ack", default="quorum", choices=("quorum", "primary"), help="see shardps serve")
+    p.add_argument("--netns", nargs="+", default=None, metavar="NAME[=ADDRESS]",
+                   help="run the shard processes in these network namespaces (ip netns), one after another and round "
+                        "again (shard 0's members first), each bound to ADDRESS (default: the namespace's first global "
+                        "IPv4 address): hosts of their own on one machine, as the test lab makes. This process must "
+                        "reach those addresses (run it in a namespace that does)")
+    p.add_argument("--etcd-netns", default=None, metavar="NAME[=ADDRESS]",
+                   help="with --replicas and no --etcd: run the local etcd in this network namespace")
     p.add_argument("--log-level", default="INFO")
     for name, help_ in (("health", "check shards' gRPC health (exit code 0 if all serve)"),
                         ("stats", "per-shard version, tables, counters and rates")):
@@ -272,79 +279,6 @@ def run_stats(args: argparse.Namespace) -> int:
         raise SystemExit(f"shardps stats: {e}") from None
     print(json.dumps(rows, indent=2) if args.json else render(rows))
     return 0
-
-
-def run_cluster(args: argparse.Namespace) -> int:
-    import signal
-    import time
-
-    from shardps.server.ops.launcher import LocalCluster, handle_request
-
-    serve_args = ["--durability", args.durability, "--fsync", args.fsync,
-                  "--checkpoint-interval", str(args.checkpoint_interval)]
-    if args.tokens_file:
-        serve_args += ["--tokens-file", args.tokens_file]
-    if args.replicas > 1:
-        from shardps.server.ops.etcd import INSTALL, etcd_binary
-
-        if args.etcd is None and etcd_binary() is None:
-            raise SystemExit(f"shardps cluster --replicas {args.replicas}: {INSTALL}")
-        serve_args += ["--ack", args.ack]
-    cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
-                           serve_args=serve_args, tls=args.tls, replicas=args.replicas, etcd=args.etcd,
-                           serves_requests=True)
-    stop = {"now": False}
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        cluster.start()
-    except (RuntimeError, TimeoutError) as e:
-        raise SystemExit(f"shardps cluster: {e}") from None
-    cluster.write_cluster_file(args.cluster_file)
-    group = f" of {args.replicas} members each (etcd at {cluster.etcd})" if args.replicas > 1 else ""
-    print(f"shardps cluster: {args.shards} shards{group} healthy (logs in {cluster.log_dir})", flush=True)
-    for i, members in enumerate(cluster.groups):
-        for a in members:
-            print(f"  shard {i}: {a}{_data_ports(a, cluster.tls_files)}", flush=True)
-    print(f"cluster file: {args.cluster_file}   (Client.from_file({args.cluster_file!r}))", flush=True)
-    code = 0
-    try:
-        while not stop["now"]:
-            time.sleep(0.5)
-            done = handle_request(cluster, args.cluster_file)  # shardps reshard --add / --remove
-            if done:
-                print(f"shardps cluster: {done}", flush=True)
-            for index, rc in cluster.dead():
-                p = cluster.procs[index]
-                print(f"shardps cluster: shard {p.index} ({p.address}) died with exit code {rc}",
-                      file=sys.stderr, flush=True)
-                if args.no_restart:
-                    stop["now"], code = True, 1
-                    break
-                cluster.restart(index)
-                cluster.write_cluster_file(args.cluster_file)
-                print(f"shardps cluster: shard {cluster.procs[index].index} restarted on {cluster.procs[index].address}",
-                      file=sys.stderr, flush=True)
-    finally:
-        codes = cluster.stop()
-        print(f"shardps cluster: stopped (exit codes {codes})", flush=True)
-    return code
-
-
-def _data_ports(address: str, tls: Optional[dict]) -> str:
-    """How a shard's data plane is reached, as ``shardps cluster`` prints it (its health covers it)."""
-    from shardps.server.ops.report import collect
-
-    try:
-        row = collect([address], interval=0, tls=tls)[0]
-    except RuntimeError as e:
-        return f" (data plane unknown: {e})"
-    ports, unix = row["data_ports"], " (and Unix sockets, for clients on this machine)" if row["data_ipc"] else ""
-    return f", data plane on port{'s' if len(ports) > 1 else ''} {', '.join(map(str, ports))}{unix}" if ports else ""
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -491,6 +425,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO) if hasattr(args, "log_level") else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from shardps.server.ops.cluster_cmd import run_cluster
+
     handlers = {"serve": run_serve, "reshard": run_reshard, "cluster": run_cluster, "health": run_health,
                 "stats": run_stats, "export": run_export, "compact": run_compact}
     return handlers[args.command](args)

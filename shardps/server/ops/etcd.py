@@ -11,7 +11,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from typing import Optional
+from typing import Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -31,18 +31,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class LocalEtcd:
     """One etcd process on ``host`` (free ports unless given), data in ``data_dir``; stop() (or SIGKILL by kill())
-    ends it, start() again restarts it on the same ports and data."""
+    ends it, start() again restarts it on the same ports and data. ``prefix``: the argv prefix that runs it on
+    another host (a network namespace: ``shardps.server.ops.launcher.Placement``), whose ports are then picked
+    free here (a host of its own has every port free)."""
 
     def __init__(self, data_dir: str, host: str = "127.0.0.1", client_port: int = 0, peer_port: int = 0,
-                 log_path: Optional[str] = None) -> None:
+                 log_path: Optional[str] = None, prefix: Sequence[str] = ()) -> None:
         binary = etcd_binary()
         if binary is None:
             raise FileNotFoundError(INSTALL)
         self.binary = binary
         self.data_dir = pathlib.Path(data_dir)
         self.host = host
-        self.client_port = client_port or free_port(host)
-        self.peer_port = peer_port or free_port(host)
+        self.prefix = list(prefix)
+        here = "127.0.0.1" if self.prefix else host
+        self.client_port = client_port or free_port(here)
+        self.peer_port = peer_port or free_port(here)
         self.log_path = pathlib.Path(log_path) if log_path else self.data_dir.parent / "etcd.log"
         self.proc: Optional[subprocess.Popen] = None
 
@@ -52,7 +56,7 @@ class LocalEtcd:
 
     def start(self, timeout: float = 30.0) -> LocalEtcd:
         peer = f"http://{self.host}:{self.peer_port}"
-        cmd = [self.binary, "--name", "shardps", "--data-dir", str(self.data_dir),
+        cmd = [*self.prefix, self.binary, "--name", "shardps", "--data-dir", str(self.data_dir),
                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"shardps={peer}", "--initial-cluster-state", "new",

@@ -4,7 +4,9 @@
 runs (``python -m shardps serve ...``), waits until each answers the gRPC
 health check, writes a cluster file that ``Client.from_file`` reads, restarts
 (or reports) shards that die, and stops them with SIGTERM so each writes its
-final checkpoint.
+final checkpoint. ``Placement`` puts each process (and a replica group's etcd)
+on a host of its own: another network namespace, as ``shardps cluster --netns``
+and the test lab do.
 """
 
 from __future__ import annotations
@@ -46,6 +48,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where one of the cluster's processes runs: the address it binds and is reached at, and the argv prefix that
+    runs a command there (``nsenter --net=/run/netns/NAME --`` for another network namespace; none: here)."""
+
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+    @classmethod
+    def netns(cls, name: str, address: Optional[str] = None) -> Placement:
+        """Network namespace ``name`` (``ip netns``), at ``address`` (default: its first global IPv4 address)."""
+        if not (pathlib.Path("/run/netns") / name).exists():
+            raise ValueError(f"no network namespace {name!r} (ip netns list)")
+        if address is None:
+            out = subprocess.run(["ip", "-n", name, "-4", "-o", "addr", "show", "scope", "global"],
+                                 capture_output=True, text=True).stdout.split()
+            if "inet" not in out:
+                raise ValueError(f"network namespace {name!r} has no global IPv4 address")
+            address = out[out.index("inet") + 1].split("/")[0]
+        return cls(address, ("nsenter", f"--net=/run/netns/{name}", "--"))
+
+
 @dataclass
 class _Proc:
     index: int  # the shard index
@@ -75,6 +99,10 @@ class LocalCluster:
             processes (data in ``shard-<i>/member-<m>``), coordinated by etcd: ``etcd``'s URL, or a local etcd
             started here (``shardps.server.ops.etcd``, its data in ``<data_dir or log_dir>/etcd``).
         cluster_name: the cluster's name in etcd.
+        placements: where the processes run, in order (shard 0's members, then shard 1's, ...), repeated as needed;
+            none: all here on ``host``. The launcher must reach each placement's address (run it on a host that
+            does: the lab's control host, say).
+        etcd_placement: where the local etcd runs (default: with the first process).
     """
 
     num_shards: int
@@ -93,12 +121,21 @@ class LocalCluster:
     joined: set[int] = field(default_factory=set)  # shards added while running (``shardps reshard --add``)
     retired: set[int] = field(default_factory=set)  # shards removed (``shardps reshard --remove``): stopped
     serves_requests: bool = False  # a ``shardps cluster`` process that adds and retires shards on request
+    placements: Sequence[Placement] = ()
+    etcd_placement: Optional[Placement] = None
+
+    def placement(self, index: int, member: int = 0) -> Placement:
+        """Where member ``member`` of shard ``index`` runs."""
+        if not self.placements:
+            return Placement(self.host)
+        return self.placements[(index * self.replicas + member) % len(self.placements)]
 
     def command(self, index: int, port: int, ready_file: str, member: int = 0) -> list[str]:
         """The command that runs shard ``index`` (member ``member`` of its replica group; the same flags the Compose
         file passes)."""
         count = index + 1 if index in self.joined else self.num_shards - len(self.joined)
-        cmd = [sys.executable, "-m", "shardps", "serve", "--host", self.host, "--port", str(port),
+        where = self.placement(index, member)
+        cmd = [*where.prefix, sys.executable, "-m", "shardps", "serve", "--host", where.host, "--port", str(port),
                "--shard-index", str(index), "--num-shards", str(count), "--ready-file", ready_file]
         if index in self.joined:
             cmd.append("--join")
@@ -162,11 +199,13 @@ class LocalCluster:
             raise ValueError(f"tls must be None, 'tls' or 'mtls', got {self.tls!r}")
         if self.tls and self.certs is None:
             home = self.data_dir or self.log_dir or tempfile.mkdtemp(prefix="shardps-")
-            self.certs = make_dev_certs(str(pathlib.Path(home) / "tls"), hosts=(self.host, "localhost", "127.0.0.1"))
+            hosts = sorted({self.host, "localhost", "127.0.0.1", *(p.host for p in self.placements)})
+            self.certs = make_dev_certs(str(pathlib.Path(home) / "tls"), hosts=tuple(hosts))
         try:
             if self.replicas > 1 and self.etcd is None:
                 etcd_home = pathlib.Path(self.data_dir or self.log_dir or tempfile.mkdtemp(prefix="shardps-"))
-                self.local_etcd = LocalEtcd(str(etcd_home / "etcd"), host=self.host).start()
+                where = self.etcd_placement or self.placement(0)
+                self.local_etcd = LocalEtcd(str(etcd_home / "etcd"), host=where.host, prefix=where.prefix).start()
                 self.etcd = self.local_etcd.url
             r = self.replicas
             self.procs = [self._spawn(i, self.base_port + i * r + m if self.base_port else 0, m)
@@ -243,10 +282,13 @@ class LocalCluster:
             old.popen.wait()
         port = int(old.address.rsplit(":", 1)[1])
         deadline = time.monotonic() + timeout
+        where = self.placement(old.index, old.member)
         while True:
             # The port went back to the system with the process: until the new one listens, another socket (an
-            # outgoing connection's end, given the same ephemeral port) may hold it for a while.
-            wait_for_port(self.host, port, deadline)
+            # outgoing connection's end, given the same ephemeral port) may hold it for a while. (Elsewhere, in another
+            # namespace, it cannot be looked at from here: a start that finds it taken is tried again below.)
+            if not where.prefix:
+                wait_for_port(where.host, port, deadline)
             new = self._spawn(old.index, port, old.member)
             new.restarts = old.restarts + 1
             self.procs[index] = new
@@ -256,6 +298,7 @@ class LocalCluster:
             except RuntimeError:
                 if new.popen.returncode != PORT_IN_USE_EXIT or time.monotonic() > deadline:
                     raise
+                time.sleep(0.2)
                 log.info("shard %d: port %d taken again before it listened; trying again", old.index, port)
 
     def kill(self, index: int) -> None:

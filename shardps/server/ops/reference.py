@@ -118,6 +118,11 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("SHARDPS_DOCKER_TEST", "`tests/test_containers.py`",
          "`auto` (default: run where a Docker engine can be used or started, else skip saying why), "
          "`require` (fail instead of skipping: `make docker-test`) or `0` (skip)"),
+        ("SHARDPS_REQUIRE_ETCD", "the replica groups' and resharding tests",
+         "`1`: a missing `etcd` binary fails them instead of skipping (`.ci/run` sets it)"),
+        ("SHARDPS_REQUIRE_LAB", "the lab's tests (`tests/test_lab*.py`, the fault campaign's short runs)",
+         "`1`: a machine where no lab can be made (not root, no `ip`/`nft`) fails them instead of skipping "
+         "(`.ci/run` sets it)"),
         ("DOCKER_HOST", "`tests/test_containers.py`",
          "the Docker engine to use; without one that answers, the test starts `dockerd` itself (as root)"),
     ]),
