@@ -41,13 +41,21 @@ def rpc_pid() -> int:
     return os.getpid()
 
 
-def rpc_server_main(rank: int, world: int, port: int, rows: int, dim: int, servers: int) -> None:
-    """A server process: hold a partition, serve until every trainer called shutdown."""
+def rpc_server_main(rank: int, world: int, master: str, rows: int, dim: int, servers: int, where=None) -> None:
+    """A server process: hold a partition, serve until every trainer called shutdown. ``master``: the rendezvous
+    host:port; ``where``: the hosts (``benchmarks.placement.Where``) when it runs on a lab host of its own (or its
+    TCP transport alone, on this host)."""
     from torch.distributed import rpc
 
+    from benchmarks.placement import rpc_backend_options
+
+    if where is not None and where.shards:
+        from tests.lab import enter
+
+        enter(where.shards[rank][1])
     torch.set_num_threads(1)
     rpc_init_table(-(-rows // servers), dim)
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8)
+    opts = rpc_backend_options(where, f"tcp://{master}")
     rpc.init_rpc(f"ps{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
     rpc.shutdown()
 

@@ -14,12 +14,21 @@ pulls and pushes travel over the data plane (ZeroMQ, the client's default); ``sh
 ``shardps_defaults_tcp`` on the data plane's TCP ports instead of its Unix sockets (``data_plane="zmq-tcp"``, as
 from another machine), ``shardps_ipc`` and ``shardps_defaults_ipc`` on its Unix sockets without shared-memory regions
 (shards served with ``--data-regions 0``). Baselines (same run, same machine): a torch.distributed.rpc
-parameter server, a Ray actor parameter server (if Ray is installed), and the
-same gather/scatter in one process (no transport).
+parameter server (``torch_rpc_tcp``: restricted to its TCP transport, as across machines), a Ray actor parameter
+server (if Ray is installed), and the same gather/scatter in one process (no transport).
+
+``--placement lab lab-10g lab-delay`` runs the same configurations across the lab's hosts as well
+(``benchmarks/placement.py``: each shard and each trainer on a host of its own, the rpc peer placed the same way;
+as is, capped at 10 Gbit/s per host, or with 100 us of proxy delay each way on the trainer-shard links). Every
+run also times its first pass over the batches (rows created lazily, where rpc's table is preallocated) beside
+the steady state.
 
     python -m benchmarks.bench_throughput                 # full grid (a few minutes on 2 cores)
     python -m benchmarks.bench_throughput --quick         # smoke run
     python -m benchmarks.bench_throughput --quick --budget 3 --shards 2 --repeat 5   # the headline, 5 runs
+    python -m benchmarks.bench_throughput --quick --budget 3 --shards 2 --repeat 3 \
+        --backends shardps_defaults shardps shardps_defaults_tcp torch_rpc torch_rpc_tcp \
+        --placement local lab lab-10g lab-delay                                       # same host and across hosts
 Writes benchmarks/results/throughput.json and throughput.png.
 """
 
@@ -49,6 +58,7 @@ from benchmarks.common import (
     unique_batches,
     write_outputs,
 )
+from benchmarks.placement import PLACEMENTS, LabHosts, Where, enter_trainer, rpc_backend_options
 from shardps.server.ops.launcher import free_port
 
 DIM = 64
@@ -64,12 +74,13 @@ class Config:
     rows: int = 1_000_000
     wire: str = "float32"
     group: str = "standard"
+    placement: str = "local"
 
     @property
     def label(self) -> str:
         dist = "uniform" if self.zipf is None else f"zipf{self.zipf}"
         return (f"{self.backend} s={self.shards} t={self.trainers} b={self.batch} {dist} "
-                f"rows={self.rows:,} {self.wire}")
+                f"rows={self.rows:,} {self.wire} {self.placement}")
 
 
 # ---- the trainer loop (runs in each trainer process) ----------------------------------------
@@ -78,11 +89,18 @@ class Config:
 def measure(pull, push, flush, batches: list[np.ndarray], budget_s: float, server_pids: list[int]) -> dict[str, Any]:
     """rows/s for pull+push, pull only, push only; then p50/p99 of single sync calls.
 
-    Server CPU seconds are read from /proc around the pull+push phase.
+    Server CPU seconds are read from /proc around the pull+push phase. First the first pass: pull and push every
+    batch once on the fresh table (rows are created as they are first pulled).
     """
     tensors = [torch.from_numpy(b) for b in batches]
     grads = [torch.full((len(b), DIM), 0.001) for b in batches]
     out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for k in range(len(tensors)):
+        pull(tensors[k])
+        push(tensors[k], grads[k])
+    flush()
+    out["first_pass_rows_per_s"] = sum(len(t) for t in tensors) / (time.perf_counter() - t0)
     for phase in ("both", "pull", "push"):
         for i in range(3):  # warm-up
             if phase != "push":
@@ -123,10 +141,12 @@ def measure(pull, push, flush, batches: list[np.ndarray], budget_s: float, serve
 
 
 def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: int, budget_s: float, queue,
-                    defaults: bool = False, security: Optional[dict[str, Any]] = None) -> None:
+                    defaults: bool = False, security: Optional[dict[str, Any]] = None,
+                    where: Optional[Where] = None) -> None:
     """As tuned (one torch thread, read_your_writes=False), or with ``defaults`` the loop a new user
     writes: a default Client, torch's default threads, gradients computed by torch (``emb * 0.1``)."""
     try:
+        enter_trainer(where, rank)
         from shardps_client import Client
 
         if not defaults:
@@ -151,12 +171,13 @@ def shardps_trainer(cfg: Config, addresses: list[str], pids: list[int], rank: in
         queue.put((rank, {"error": traceback.format_exc()}))
 
 
-def rpc_trainer(cfg: Config, port: int, rank: int, budget_s: float, queue) -> None:
+def rpc_trainer(cfg: Config, master: str, rank: int, budget_s: float, queue, where: Optional[Where] = None) -> None:
     try:
+        enter_trainer(where, rank)
         from torch.distributed import rpc
 
         torch.set_num_threads(1)
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8)
+        opts = rpc_backend_options(where, f"tcp://{master}")
         rpc.init_rpc(f"trainer{rank}", rank=cfg.shards + rank, world_size=cfg.shards + cfg.trainers,
                      rpc_backend_options=opts)
         client = baselines.RpcClient(cfg.shards)
@@ -203,7 +224,7 @@ def _collect(queue, n: int, procs: list, timeout: float) -> list[dict]:
 SECURITY = {"shardps_tls": ("tls", False), "shardps_tokens": (None, True), "shardps_mtls_tokens": ("mtls", True)}
 
 
-def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[str, Any]:
+def run_shardps(cfg: Config, budget_s: float, defaults: bool = False, where: Optional[Where] = None) -> dict[str, Any]:
     """shardps tuned as the benchmark always ran it (zeros initializer, one torch thread,
     read_your_writes=False), or with ``defaults`` as a new user runs it (``shardps_defaults``); the
     ``shardps_tls`` / ``shardps_tokens`` / ``shardps_mtls_tokens`` backends are the tuned path with TLS
@@ -230,7 +251,8 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
                 f.write(f"admin {admin}\ntrainer {trainer}\n")
             serve_args += ["--tokens-file", path]
             security["token"] = trainer
-        with LocalCluster(cfg.shards, serve_args=serve_args, tls=tls, log_dir=tmp) as cluster:
+        placements = where.shard_placements(cfg.shards) if where else ()
+        with LocalCluster(cfg.shards, serve_args=serve_args, tls=tls, log_dir=tmp, placements=placements) as cluster:
             security["tls"] = cluster.tls_files
             with Client(cluster.addresses, token=admin,
                         tls=TLS(**security["tls"]) if security["tls"] else None) as c:
@@ -239,7 +261,7 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
             pids = [p.popen.pid for p in cluster.procs]
             queue = ctx.Queue()
             procs = [ctx.Process(target=shardps_trainer,
-                                 args=(cfg, cluster.addresses, pids, r, budget_s, queue, defaults, security))
+                                 args=(cfg, cluster.addresses, pids, r, budget_s, queue, defaults, security, where))
                      for r in range(cfg.trainers)]
             for p in procs:
                 p.start()
@@ -247,16 +269,21 @@ def run_shardps(cfg: Config, budget_s: float, defaults: bool = False) -> dict[st
     return _merge(results)
 
 
-def run_rpc(cfg: Config, budget_s: float) -> dict[str, Any]:
+def run_rpc(cfg: Config, budget_s: float, where: Optional[Where] = None) -> dict[str, Any]:
+    """torch.distributed.rpc as it runs here (shared memory between processes of one machine), or restricted to its
+    TCP transport (``torch_rpc_tcp``, and always across the lab's hosts)."""
     ctx = mp.get_context("spawn")
-    port = free_port()
+    if where is None and cfg.backend == "torch_rpc_tcp":
+        where = Where((), (), "loopback")  # TensorPipe's uv transport on this host's own network
+    master = f"{where.shards[0][0]}:{free_port()}" if where is not None and where.shards else f"127.0.0.1:{free_port()}"
     world = cfg.shards + cfg.trainers
-    servers = [ctx.Process(target=baselines.rpc_server_main, args=(i, world, port, cfg.rows, DIM, cfg.shards))
+    servers = [ctx.Process(target=baselines.rpc_server_main, args=(i, world, master, cfg.rows, DIM, cfg.shards, where))
                for i in range(cfg.shards)]
     for p in servers:
         p.start()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=rpc_trainer, args=(cfg, port, r, budget_s, queue)) for r in range(cfg.trainers)]
+    procs = [ctx.Process(target=rpc_trainer, args=(cfg, master, r, budget_s, queue, where))
+             for r in range(cfg.trainers)]
     for p in procs:
         p.start()
     results = _collect(queue, cfg.trainers, procs + servers, 180 + 6 * budget_s)
@@ -311,21 +338,34 @@ def _merge(results: list[dict]) -> dict[str, Any]:
     if errors:
         return {"error": errors[0]}
     out: dict[str, Any] = {}
-    for key in ("both_rows_per_s", "pull_rows_per_s", "push_rows_per_s"):
+    for key in ("both_rows_per_s", "pull_rows_per_s", "push_rows_per_s", "first_pass_rows_per_s"):
         out[key] = sum(r[key] for r in results)
     for key in ("pull_p50_ms", "pull_p99_ms", "push_p50_ms", "push_p99_ms"):
         out[key] = results[0][key]
+    out["both_rows"] = sum(r["both_rows"] for r in results)
     cpu = results[0].get("server_cpu_s")
     out["server_cpu_s_per_M_rows"] = cpu / sum(r["both_rows"] for r in results) * 1e6 if cpu is not None else None
     out["client_cpu_s_per_M_rows"] = sum(r["client_cpu_s"] for r in results) / sum(r["both_rows"] for r in results) * 1e6
     return out
 
 
-def run_shardps_defaults(cfg: Config, budget_s: float) -> dict[str, Any]:
-    return run_shardps(cfg, budget_s, defaults=True)
+def run_shardps_defaults(cfg: Config, budget_s: float, where: Optional[Where] = None) -> dict[str, Any]:
+    return run_shardps(cfg, budget_s, defaults=True, where=where)
 
 
-RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "torch_rpc": run_rpc, "ray": run_ray,
+def run_placed(cfg: Config, budget_s: float, where: Where) -> dict[str, Any]:
+    """One configuration across the lab's hosts (runs on its control host)."""
+    try:
+        return RUNNERS[cfg.backend](cfg, budget_s, where=where)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+# Backends with no network to place on another host: measured locally only.
+UNPLACED = ("ray", "in_process")
+
+RUNNERS = {"shardps": run_shardps, "shardps_defaults": run_shardps_defaults, "torch_rpc": run_rpc,
+           "torch_rpc_tcp": run_rpc, "ray": run_ray,
            "in_process": run_in_process, **{name: run_shardps for name in SECURITY},
            # The same loops with pulls and pushes on gRPC streams instead of the data plane (ZeroMQ).
            "shardps_grpc": run_shardps, "shardps_defaults_grpc": run_shardps_defaults,
@@ -354,6 +394,12 @@ def grid(args: argparse.Namespace, backends: list[str]) -> list[Config]:
     return [c for c in configs if not args.groups or c.group in args.groups]
 
 
+def placed(args: argparse.Namespace, configs: list[Config]) -> list[Config]:
+    """Every configuration at every placement asked for (backends with nothing to place: locally only)."""
+    return [replace(c, placement=pl) for pl in args.placement for c in configs
+            if pl == "local" or c.backend not in UNPLACED]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=float, default=None,
@@ -369,6 +415,10 @@ def main() -> int:
                    help="only these parts of the grid (standard: the headline over --shards; trainers: 2 and 4 "
                         "trainers; default: all)")
     p.add_argument("--quick", action="store_true", help="headline only, short budget unless --budget is given (smoke run)")
+    p.add_argument("--placement", nargs="+", choices=PLACEMENTS, default=["local"],
+                   help="where shards and trainers run: local (this host), or each on a lab host of its own: lab, "
+                        "lab-10g (links capped at 10 Gbit/s), lab-delay (100 us each way on trainer-shard links); "
+                        "benchmarks/placement.py. The lab needs root")
     p.add_argument("--out", default=str(RESULTS), help="directory for throughput.json and throughput.png")
     args = p.parse_args()
     if args.budget is None:
@@ -382,19 +432,23 @@ def main() -> int:
             backends.remove("ray")
     if args.repeat < 1:
         p.error(f"--repeat must be at least 1, got {args.repeat}")
-    configs = grid(args, backends)
+    configs = placed(args, grid(args, backends))
     progress = Progress(len(configs) * args.repeat, "throughput")
     runs: dict[Config, list[dict[str, Any]]] = {cfg: [] for cfg in configs}
-    for rep in range(args.repeat):  # interleaved: a slow minute of the machine hits every system alike
-        for cfg in configs:
-            try:
-                r = RUNNERS[cfg.backend](cfg, args.budget)
-            except Exception:
-                r = {"error": traceback.format_exc()}
-            if "error" in r:
-                print(f"\n{cfg.label}: FAILED\n{r['error']}", file=sys.stderr)
-            runs[cfg].append(r)
-            progress.step(cfg.label + (f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""))
+    lab = None
+    if any(c.placement != "local" for c in configs):
+        lab = LabHosts(max(c.shards for c in configs), max(c.trainers for c in configs))
+    try:
+        for rep in range(args.repeat):  # interleaved: a slow minute of the machine hits every system alike
+            for cfg in configs:
+                r = _run_one(cfg, args.budget, lab)
+                if "error" in r:
+                    print(f"\n{cfg.label}: FAILED\n{r['error']}", file=sys.stderr)
+                runs[cfg].append(r)
+                progress.step(cfg.label + (f" (run {rep + 1}/{args.repeat})" if args.repeat > 1 else ""))
+    finally:
+        if lab is not None:
+            lab.close()
     rows = []
     for cfg in configs:
         r = summarize(runs[cfg])
@@ -403,6 +457,22 @@ def main() -> int:
         rows.append({**asdict(cfg), **r})
     report(rows, args)
     return 0
+
+
+def _run_one(cfg: Config, budget_s: float, lab: Optional[LabHosts]) -> dict[str, Any]:
+    """One run of one configuration, here or on the lab's control host; the proxies' CPU per M rows with it."""
+    try:
+        if cfg.placement == "local":
+            return RUNNERS[cfg.backend](cfg, budget_s)
+        assert lab is not None
+        where = lab.use(cfg.placement)
+        proxy0 = lab.proxy_cpu_s()
+        r = lab.call(run_placed, cfg, budget_s, where)
+        if "error" not in r and lab.lab.proxies():
+            r["proxy_cpu_s_per_M_rows"] = (lab.proxy_cpu_s() - proxy0) / r["both_rows"] * 1e6
+        return r
+    except Exception:
+        return {"error": traceback.format_exc()}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -436,25 +506,42 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     import pathlib
 
     out = pathlib.Path(args.out)
-    for r in rows:  # ratios to the baselines of the same configuration
+    for r in rows:  # ratios to the baselines of the same configuration and placement
         if not r["backend"].startswith("shardps") or "error" in r:
             continue
-        key = {k: r[k] for k in ("shards", "trainers", "batch", "zipf")}
-        for base in ("torch_rpc", "ray"):
-            r[f"x_{base}"], r[f"x_{base}_range"] = ratio(r, _find(rows, backend=base, **key, rows=r["rows"], wire="float32"))
+        key = {k: r[k] for k in ("shards", "trainers", "batch", "zipf", "placement")}
+        rpc = "torch_rpc_tcp" if r["backend"].endswith("_tcp") else "torch_rpc"
+        for base in (rpc, "ray"):
+            name = "torch_rpc" if base == rpc else base
+            found = _find(rows, backend=base, **key, rows=r["rows"], wire="float32")
+            r[f"x_{name}"], r[f"x_{name}_range"] = ratio(r, found)
+            if found is not None and name == "torch_rpc":
+                r["x_torch_rpc_first_pass"] = r["first_pass_rows_per_s"] / found["first_pass_rows_per_s"]
         r["x_in_process"], _ = ratio(r, _find(rows, backend="in_process", batch=r["batch"], zipf=r["zipf"], rows=r["rows"]))
         if r["backend"] != "shardps":  # what the defaults, TLS or tokens cost against the tuned path
             r["x_shardps"], r["x_shardps_range"] = ratio(r, _find(rows, backend="shardps", **key, rows=r["rows"],
                                                                   wire=r["wire"]))
-    cols = [("backend", "backend", ""), ("group", "group", ""), ("shards", "shards", "d"), ("trainers", "trainers", "d"),
+    for r in rows:  # across hosts against the same loop over this host's own TCP loopback: the network's cost
+        if r["placement"] == "local" or "error" in r:
+            continue
+        same = {"shardps": "shardps_tcp", "shardps_defaults": "shardps_defaults_tcp", "torch_rpc": "torch_rpc_tcp"}
+        if r["backend"] in same:
+            r["x_loopback"], _ = ratio(r, _find(rows, backend=same[r["backend"]], placement="local",
+                                                **{k: r[k] for k in ("shards", "trainers", "batch", "zipf", "rows",
+                                                                     "wire")}))
+    cols = [("backend", "backend", ""), ("placement", "placement", ""), ("group", "group", ""),
+            ("shards", "shards", "d"), ("trainers", "trainers", "d"),
             ("batch", "batch", "d"), ("zipf", "zipf", ""), ("rows", "table rows", ",d"), ("wire", "wire", ""),
-            ("both_rows_per_s", "pull+push rows/s", ",.0f"), ("pull_rows_per_s", "pull rows/s", ",.0f"),
+            ("both_rows_per_s", "pull+push rows/s", ",.0f"), ("first_pass_rows_per_s", "first pass rows/s", ",.0f"),
+            ("pull_rows_per_s", "pull rows/s", ",.0f"),
             ("push_rows_per_s", "push rows/s", ",.0f"), ("pull_p50_ms", "pull p50 ms", ".2f"),
             ("pull_p99_ms", "pull p99 ms", ".2f"), ("push_p50_ms", "push p50 ms", ".2f"),
             ("push_p99_ms", "push p99 ms", ".2f"), ("server_cpu_s_per_M_rows", "srv CPU s/M rows", ".2f"),
             ("client_cpu_s_per_M_rows", "client CPU s/M rows", ".2f"),
-            ("x_torch_rpc", "x rpc", ".2f"), ("x_ray", "x ray", ".2f"), ("x_in_process", "x in-proc", ".3f"),
-            ("x_shardps", "x shardps", ".2f")]
+            ("proxy_cpu_s_per_M_rows", "proxy CPU s/M rows", ".2f"),
+            ("x_torch_rpc", "x rpc", ".2f"), ("x_torch_rpc_first_pass", "x rpc 1st pass", ".2f"), ("x_ray", "x ray", ".2f"),
+            ("x_in_process", "x in-proc", ".3f"),
+            ("x_shardps", "x shardps", ".2f"), ("x_loopback", "x same-host TCP", ".2f")]
     if args.repeat > 1:
         cols.append(("x_shardps_range", "x shardps range", ""))
         cols.insert(cols.index(("x_torch_rpc", "x rpc", ".2f")) + 1, ("x_torch_rpc_range", "x rpc range", ""))
@@ -464,9 +551,20 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     write_outputs("throughput", {"args": vars(args), "dim": DIM}, rows, out)
     panels = []
     std = [r for r in rows if r["group"] == "standard" and "error" not in r]
-    panels.append(("standard workload vs shards", "shards", {
-        b: ([r["shards"] for r in std if r["backend"] == b], [r["both_rows_per_s"] for r in std if r["backend"] == b])
-        for b in sorted({r["backend"] for r in std})}))
+    local = [r for r in std if r["placement"] == "local"]
+    panels.append(("standard workload vs shards (this host)", "shards", {
+        b: ([r["shards"] for r in local if r["backend"] == b], [r["both_rows_per_s"] for r in local if r["backend"] == b])
+        for b in sorted({r["backend"] for r in local})}))
+    if len({r["placement"] for r in std}) > 1:  # the same loops where their processes ran
+        order = [pl for pl in PLACEMENTS if any(r["placement"] == pl for r in std)]
+        shards = min(r["shards"] for r in std)
+        series = {}
+        for b in sorted({r["backend"] for r in std}):
+            pts = sorted([r for r in std if r["backend"] == b and r["shards"] == shards],
+                         key=lambda r: order.index(r["placement"]))
+            if len(pts) > 1:
+                series[b] = ([r["placement"] for r in pts], [r["both_rows_per_s"] for r in pts])
+        panels.append((f"{shards} shard(s): this host and across the lab's hosts", "placement", series))
     for group, key, xlabel in (("trainers", "trainers", "trainer processes"), ("batch", "batch", "batch size (ids)")):
         series = {}
         for b in ("shardps", "torch_rpc"):

@@ -65,7 +65,8 @@ class Progress:
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
     """Render rows as a text table; columns are (key, header, format)."""
-    cells = [[("{:" + fmt + "}").format(r[k]) if isinstance(r.get(k), (int, float)) else str(r.get(k, "-"))
+    cells = [[("{:" + fmt + "}").format(r[k]) if isinstance(r.get(k), (int, float)) else
+              "-" if r.get(k) is None else str(r[k])
               for k, _, fmt in columns] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, (_, h, _) in enumerate(columns)]
     line = "  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths))

@@ -14,12 +14,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("module,name,extra", [
-    # (the suite's time: one of our loops beside the rpc peer; make bench runs them all)
-    ("bench_throughput", "throughput", ["--backends", "shardps", "torch_rpc", "--shards", "1", "--repeat", "2"]),
+    # (the suite's time: one of our loops beside the rpc peer, here and across the lab's hosts with the proxy's
+    # delay; make bench runs them all)
+    ("bench_throughput", "throughput", ["--backends", "shardps", "torch_rpc", "--shards", "1", "--repeat", "2",
+                                        "--placement", "local", "lab-delay"]),
     ("bench_parts", "parts", []),
     ("bench_durability", "durability", []),
-    # One worker count, no DDP variant (tests/test_examples.py runs DDP): the suite's time.
-    ("bench_e2e", "e2e", ["--cache-steps", "4", "--workers", "1", "--skip-ddp", "--skip-tables", "--skip-lag"]),
+    # One worker count, no DDP variant (tests/test_examples.py runs DDP): the suite's time; here and across hosts.
+    ("bench_e2e", "e2e", ["--cache-steps", "--workers", "1", "--skip-ddp", "--skip-tables", "--skip-lag",
+                          "--placement", "local", "lab"]),
     ("bench_transport", "transport", []),
     ("bench_bounded", "bounded", []),
     ("bench_serving", "serving", []),
@@ -30,6 +33,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
     ("bench_reshard", "reshard", []),
 ])
 def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, extra):
+    if name in ("throughput", "e2e"):  # they run across the lab's hosts too
+        from tests.test_lab import require_lab
+
+        require_lab()
     if name == "replicas":
         from shardps.server.ops.etcd import INSTALL, etcd_binary
 
@@ -50,6 +57,9 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         low, high = map(float, ours["x_torch_rpc_range"].split("-"))  # printed to 2 decimals
         assert low - 0.005 <= ours["x_torch_rpc"] <= high + 0.005
         assert "x rpc range" in out.stdout
+        placed = next(r for r in data["results"] if r["backend"] == "shardps" and r["placement"] == "lab-delay")
+        assert placed["x_torch_rpc"] > 0 and placed["proxy_cpu_s_per_M_rows"] > 0  # rpc placed alike; the proxy ran
+        assert all(r["first_pass_rows_per_s"] > 0 for r in data["results"])
     if name == "durability":  # every setting beside checkpoint's from the same round; replay and restart timed
         assert {r["setting"] for r in data["results"]} == {"none", "checkpoint", "log+always", "log+interval",
                                                            "log+none"}
@@ -92,8 +102,9 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         local, one, *ours = data["results"]
         assert local["trainer"] == "local torch.optim" and local["x_local"] == 1.0
         assert one["trainer"] == "local torch.optim, 1 thread" and one["fwd_bwd_x_one_thread"] == 1.0
-        assert [(r["workers"], r["prefetch"]) for r in ours] == [
-            (w, p) for w in (1,) for p in ("no", "yes", "yes, lag 1, cache 4")]
+        assert [(r["placement"], r["workers"], r["prefetch"]) for r in ours] == [
+            (pl, 1, p) for pl in ("local", "lab") for p in ("no", "yes")]
+        assert all(r["shards_cpu_ms_per_1k"] > 0 and r["trainer_cpu_ms_per_1k"] > 0 for r in ours)
         for r in ours:
             assert r["x_local"] == pytest.approx(r["samples_per_s"] / local["samples_per_s"])
             assert r["fwd_bwd_x_one_thread"] > 0 and r["fwd_bwd_x_local_main"] > 0

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
-from shardps.server.ops.launcher import LocalCluster, cpu_seconds
+from shardps.server.ops.launcher import LocalCluster, Placement, cpu_seconds
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +33,11 @@ def add_cluster_args(p: argparse.ArgumentParser, workers: int = 2) -> None:
     g.add_argument("--workers", type=int, default=workers, help="worker processes (ignored under torchrun)")
     g.add_argument("--mode", choices=("async", "ssp", "sync"), default="async", help="training mode")
     g.add_argument("--ssp-bound", type=int, default=2, help="k of bounded staleness (--mode ssp)")
+    g.add_argument("--netns", nargs="+", default=None, metavar="NAME",
+                   help="run the local cluster's shards in these network namespaces (hosts of their own: "
+                        "shardps cluster --netns)")
+    g.add_argument("--worker-netns", nargs="+", default=None, metavar="NAME",
+                   help="run worker r in network namespace NAME[r %% count] (a host of its own)")
 
 
 class Addresses(list):
@@ -52,7 +57,8 @@ def cluster(args: argparse.Namespace) -> Iterator[Addresses]:
     elif args.addresses:
         yield Addresses(args.addresses.split(","))
     else:
-        with LocalCluster(args.shards) as local:
+        placements = [Placement.netns(n) for n in (getattr(args, "netns", None) or [])]
+        with LocalCluster(args.shards, placements=placements) as local:
             print(f"started a local cluster of {args.shards} shards: {', '.join(local.addresses)}", flush=True)
             out = Addresses(local.addresses)
             out.pids = [p.popen.pid for p in local.procs]
@@ -73,11 +79,16 @@ def total_cpu_seconds(pids: list[int]) -> float:
 def run_workers(args: argparse.Namespace, addresses: list[str], module: str, extra_env: Optional[dict] = None) -> int:
     """Start --workers copies of ``python -m module`` (the example's own ``__spec__.name``) with RANK/WORLD_SIZE
     and the cluster's addresses; wait for all."""
+    hosts = [Placement.netns(n) for n in (getattr(args, "worker_netns", None) or [])]
     env_base = {**os.environ, **(extra_env or {}), "SHARDPS_ADDRESSES": ",".join(addresses),
-                "WORLD_SIZE": str(args.workers), "MASTER_ADDR": "127.0.0.1"}
+                "WORLD_SIZE": str(args.workers), "MASTER_ADDR": hosts[0].host if hosts else "127.0.0.1"}
+    if hosts:  # DDP's gloo group: the workers' own interface, not the address their host name resolves to
+        env_base.setdefault("GLOO_SOCKET_IFNAME", "eth0")
     argv = [a for a in sys.argv[1:]]
     procs = [
-        subprocess.Popen([sys.executable, "-m", module, *argv], env={**env_base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        subprocess.Popen([*(hosts[r % len(hosts)].prefix if hosts else ()), sys.executable, "-m", module, *argv],
+                         env={**env_base, "RANK": str(r), "LOCAL_RANK": "0" if hosts else str(r),
+                              **({"LOCAL_WORLD_SIZE": "1"} if hosts else {})})
         for r in range(args.workers)
     ]
     codes = [p.wait() for p in procs]

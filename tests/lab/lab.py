@@ -267,7 +267,8 @@ class Lab:
         its result. LabCallError when it raised, TimeoutError after ``timeout`` (the process is killed)."""
         ctx = multiprocessing.get_context("spawn")
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_in_host, args=(self.host(name).netns, fn, args, kwargs, send), daemon=True)
+        # not a daemon: the function may start processes of its own (a launcher's shards, a benchmark's trainers)
+        proc = ctx.Process(target=_in_host, args=(self.host(name).netns, fn, args, kwargs, send))
         proc.start()
         send.close()
         try:
@@ -385,6 +386,20 @@ class Lab:
                       for (a, b), q in self._proxies.items() if a == src}
             network.set_redirect(s.netns, routes)
             return proxy
+
+    def unlink(self, src: str, dst: str) -> None:
+        """Stop routing ``src``'s connections to ``dst`` through a proxy (the proxy stops; connections through it
+        are reset)."""
+        with self._lock:
+            proxy = self._proxies.pop((src, dst), None)
+            self._proxy_ports.pop((src, dst), None)
+            if proxy is None:
+                return
+            routes = {self.address(b): (q.port, _PROXY_MARK, self._proxy_ports[(a, b)])
+                      for (a, b), q in self._proxies.items() if a == src}
+            network.set_redirect(self.host(src).netns, routes)
+            proxy.popen.kill()
+            proxy.popen.wait(10)
 
     def proxies(self) -> list[Proxy]:
         return list(self._proxies.values())
