@@ -1,63 +1,86 @@
-"""A process's own clock, shifted or sped up with libfaketime (Debian's ``faketime``); never the machine's.
+"""A process's own clock, shifted or sped up (``clockshim.c``, preloaded into it); never the machine's.
 
-A process started with a ``Clock`` has libfaketime preloaded, reading its offset and rate from a file of its own
-(``FAKETIME_TIMESTAMP_FILE``, re-read every second): ``jump(+30)`` moves its clock 30 s on while it runs. A rate
-other than 1 (``rate=2``: the clock runs twice as fast, timers and sleeps included) is set when the process starts:
-a broken clock source rather than a step.
+A process started with a ``Clock`` has the lab's clock shim preloaded, reading its settings from a small file of
+its own that the lab keeps mapped: ``jump(+30)`` moves its wall clock 30 s on while it runs (a step, as NTP makes
+one: the monotonic clock never jumps); ``rate=2`` (set when it starts) makes both its clocks run twice as fast, and
+its timed waits follow (a broken clock source).
 
-A jump moves ``CLOCK_MONOTONIC`` with ``CLOCK_REALTIME``: libfaketime 0.9.10 (Debian 12) cannot leave the monotonic
-clock alone here (with ``FAKETIME_DONT_FAKE_MONOTONIC`` every ``time.sleep`` of CPython 3.11 fails with EINVAL: its
-``clock_nanosleep(TIMER_ABSTIME)`` wrapper mixes the two clocks). So a forward jump is also what a process sees
-after a pause it did not notice (a VM stopped and resumed), and a backward one a process that missed time: its
-timers and leases think less time went by than did, the harder case for anything that trusts a local clock.
+Debian's ``faketime`` (libfaketime 0.9.10) was tried first and cannot serve a Python process here: with the
+monotonic clock faked, every timed wait of CPython 3.11's threading module (``Event.wait``, ``Lock.acquire`` with a
+timeout: ``sem_clockwait``, which it does not wrap) hangs; with ``FAKETIME_DONT_FAKE_MONOTONIC`` every
+``time.sleep`` fails with EINVAL. The shim wraps what CPython, gRPC and libzmq wait with (``clock_gettime``,
+``clock_nanosleep``, ``nanosleep``, ``sem_clockwait``, ``sem_timedwait``, ``pthread_cond_timedwait`` and
+``_clockwait``, ``poll``, ``ppoll``, ``select``, ``epoll_wait``, ``epoll_pwait``).
 """
 
 from __future__ import annotations
 
-import glob
+import hashlib
+import mmap
+import os
 import pathlib
+import shutil
+import struct
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
+from typing import Optional
 
-LIBRARY_GLOBS = ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1",
-                 "/usr/local/lib/faketime/libfaketime.so.1")
+SOURCE = pathlib.Path(__file__).with_name("clockshim.c")
+_LAYOUT = struct.Struct("<qdQ")  # offset_ns, rate, seq
 
 
 def library() -> str:
-    """libfaketime's path; RuntimeError when it is not installed."""
-    for pattern in LIBRARY_GLOBS:
-        found = sorted(glob.glob(pattern))
-        if found:
-            return found[0]
-    raise RuntimeError("clock faults need libfaketime (Debian: apt-get install faketime)")
+    """The compiled shim (built with the C compiler on first use, kept per source hash in the temp dir)."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    out = pathlib.Path(tempfile.gettempdir()) / f"shardps-lab-clock-{digest}.so"
+    if out.exists():
+        return str(out)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("clock faults need a C compiler (Debian: gcc)")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    r = subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl", "-lpthread"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"building the lab's clock shim failed:\n{r.stderr}")
+    os.replace(tmp, out)
+    return str(out)
 
 
 @dataclass
 class Clock:
-    """A process's clock: ``offset_s`` ahead of the machine's (negative: behind), running at ``rate``."""
+    """A process's clock: its wall clock ``offset_s`` ahead of the machine's (negative: behind); both its clocks
+    running at ``rate`` from its start."""
 
     offset_s: float = 0.0
     rate: float = 1.0
     path: pathlib.Path = field(default=pathlib.Path("/nonexistent"))
-
-    def _spec(self) -> str:
-        spec = f"{self.offset_s:+.3f}s"
-        return spec + (f" x{self.rate:g}" if self.rate != 1.0 else "")
+    _map: Optional[mmap.mmap] = field(default=None, repr=False)
+    _seq: int = 0
 
     def attach(self, path: pathlib.Path) -> dict[str, str]:
-        """Write the clock's file at ``path``; the environment that preloads libfaketime reading it."""
+        """Write the clock's file at ``path``; the environment that preloads the shim reading it."""
+        if not self.rate > 0:
+            raise ValueError(f"a clock's rate must be positive, got {self.rate}")
         self.path = path
-        path.write_text(self._spec() + "\n")
-        env = {"LD_PRELOAD": library(), "FAKETIME_TIMESTAMP_FILE": str(path), "FAKETIME_CACHE_DURATION": "1",
-               "FAKETIME_DONT_RESET": "1"}
-        return env
+        path.write_bytes(_LAYOUT.pack(int(self.offset_s * 1e9), self.rate, 0).ljust(64, b"\0"))
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 64)
+        return {"LD_PRELOAD": library(), "SHARDPS_LAB_CLOCK": str(path)}
 
     def jump(self, seconds: float) -> None:
-        """Move the clock ``seconds`` (negative: back) from where it is; the process sees it within a second."""
+        """Move the wall clock ``seconds`` (negative: back) from where it is; the process sees it at once."""
+        if self._map is None:
+            raise RuntimeError("the clock is not attached to a process (Lab.spawn(..., clock=...))")
         self.offset_s += seconds
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(self._spec() + "\n")
-        tmp.replace(self.path)
+        self._seq += 1  # a seqlock: odd while written
+        struct.pack_into("<Q", self._map, 16, self._seq)
+        struct.pack_into("<q", self._map, 0, int(self.offset_s * 1e9))
+        self._seq += 1
+        struct.pack_into("<Q", self._map, 16, self._seq)
 
     def reset(self) -> None:
-        """Back to the machine's time (the rate stays)."""
-        self.jump(-self.offset_s)
+        """Back to the machine's wall time (the rate stays)."""
+        if self.offset_s:
+            self.jump(-self.offset_s)

@@ -222,9 +222,10 @@ class Lab:
 
     def spawn(self, name: str, argv: Sequence[str], *, env: Optional[Mapping[str, str]] = None,
               clock: Optional[Clock] = None, failpoints: bool = False, log: Optional[str] = None,
-              cwd: Optional[str] = None) -> LabProcess:
+              cwd: Optional[str] = None, pipes: bool = False) -> LabProcess:
         """Start ``argv`` on host ``name`` (its own process group; output to ``log``, by default a file in the lab's
-        directory). ``clock``: its own clock (libfaketime); ``failpoints``: libfiu preloaded (``.failpoints``)."""
+        directory). ``clock``: its own clock (libfaketime); ``failpoints``: libfiu preloaded (``.failpoints``);
+        ``pipes``: its stdin and stdout are pipes (``.popen.stdin``/``.stdout``), stderr goes to the log."""
         h = self.host(name)
         full_env = dict(os.environ)
         full_env.update(env or {})
@@ -244,8 +245,10 @@ class Lab:
                                                         else []))
         log_path = pathlib.Path(log) if log else self.dir / f"{tag}.log"
         with open(log_path, "ab") as out:
-            popen = subprocess.Popen([*netns.wrap(h.netns), *argv], stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=full_env, cwd=cwd, start_new_session=True)
+            popen = subprocess.Popen([*netns.wrap(h.netns), *argv], stdout=subprocess.PIPE if pipes else out,
+                                     stderr=out if pipes else subprocess.STDOUT,
+                                     stdin=subprocess.PIPE if pipes else subprocess.DEVNULL, env=full_env, cwd=cwd,
+                                     start_new_session=True)
         proc = LabProcess(h, popen, log_path, clock, Failpoints(fiu_prefix, popen.pid) if failpoints else None)
         with self._lock:
             if self._closed:
