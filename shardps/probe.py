@@ -30,7 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 def channel(address: str, ca: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None,
             options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
     """A channel to a shard: plaintext, or TLS trusting ``ca`` (with a client certificate for mutual TLS);
-    ``options``: gRPC channel options (message size limits)."""
+    ``options``: gRPC channel options (message size limits), beside ``protocol.RECONNECT_OPTIONS``."""
+    from shardps.core.protocol import RECONNECT_OPTIONS
+
+    options = [*options, *RECONNECT_OPTIONS]
     if not ca:
         return grpc.insecure_channel(address, options=options)
     read = lambda p: open(p, "rb").read() if p else None  # noqa: E731

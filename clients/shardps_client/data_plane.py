@@ -37,6 +37,7 @@ from shardps.core import protocol, region
 from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
 from shardps_client.errors import ShardpsError, ShardUnavailableError
 from shardps_client.lane_turns import MAX_TICK_MS, TICK_MS, Item, SocketTurns, settle
+from shardps_client.transport.lane import Probe
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,19 @@ class DataLane(SocketTurns):
             session, from a shard without TLS behind a proxy that ends TLS, say, means gRPC streams: the token never
             leaves in clear).
         ipc: a shard on this machine (in this network namespace) is reached over its Unix socket (``endpoint``).
+        newer_primary: a replica group's: ``newer_primary()`` says whether a primary of a newer epoch took over (asked
+            while a call waits longer than ``STALL_PROBE_S``; yes: the connection is abandoned and the unanswered
+            calls resent to the new primary).
     """
 
     def __init__(self, fallback: Any, discover: Callable[[], Any], address: str, client_id: str, token: Optional[str],
                  resolve: Callable[..., None],
                  timed_out: Callable[[str, str], ShardpsError], unavailable: Callable[[str, str], ShardpsError],
                  timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
-                 removed: Optional[Callable[[str, str], ShardpsError]] = None, sealed: bool = False, ipc: bool = True) -> None:
+                 removed: Optional[Callable[[str, str], ShardpsError]] = None, sealed: bool = False, ipc: bool = True,
+                 newer_primary: Optional[Callable[[], bool]] = None) -> None:
         self.fallback = fallback
+        self.probe = Probe(newer_primary) if newer_primary is not None else None
         self._removed_error = removed
         self.address = address
         self.dialer = Dialer(discover, address, client_id, token, sealed, ipc)
@@ -250,6 +256,8 @@ class DataLane(SocketTurns):
                 self._dozing = False
                 if self._wake.fd in events:
                     self._wake.drain()
+                if self.probe is not None and unacked:
+                    self._probe_stall(unacked)
                 force = monitor in events or self._broken or self._closed
                 if monitor in events:
                     event = monitor.recv_multipart()
@@ -277,6 +285,19 @@ class DataLane(SocketTurns):
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
+
+    def _probe_stall(self, unacked: collections.OrderedDict) -> None:
+        """A replica group's call waiting long: ask whether a newer primary took over; when one did, this connection
+        (to a member frozen, cut off or stuck on its disk) is abandoned and its calls resent there."""
+        assert self.probe is not None
+        if self.probe.deposed():
+            self._broken = True
+            return
+        try:
+            oldest = next(iter(unacked.values())).sent_at  # (read while a caller may hold the socket)
+        except (StopIteration, RuntimeError):
+            return
+        self.probe.maybe(oldest, self._wake.wake)
 
     def _turn(self, sock: zmq.Socket, unacked: collections.OrderedDict, answers: list, force: bool) -> Optional[str]:
         """The lane's thread's turn with the socket: send what is queued, answer what came, time calls out; why

@@ -15,6 +15,11 @@ from shardps.core import wire
 from shardps.v1 import shardps_pb2 as pb
 
 SERVICE = "shardps.v1.Shard"
+# gRPC channel options of every channel to a shard (clients', tools', a backup's to its primary): a channel whose
+# connection failed reconnects within a second. gRPC's own backoff grows to 120 s, and a client whose channel to a
+# replica group's member backed off that far after a network fault could not reach it once it became the primary.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
 
 # Which methods use the hand-written wire codecs (shardps.core.wire) instead of protobuf objects:
 _WIRE_REQUESTS = frozenset({"Push", "PushDense", "PushBatch", "Stream"})  # the servicer reads the bytes itself

@@ -9,6 +9,8 @@ import dataclasses
 import os
 import pathlib
 import re
+import threading
+import time
 from typing import Any, Optional, Sequence
 
 import grpc
@@ -73,7 +75,8 @@ class Channels:
                                                 # A connection of its own per client: shards share themselves
                                                 # fairly among connections (several clients in one process
                                                 # would otherwise share one).
-                                                ("grpc.use_local_subchannel_pool", 1)]
+                                                ("grpc.use_local_subchannel_pool", 1),
+                                                *protocol.RECONNECT_OPTIONS]
         self._creds = None
         self.tls = tls
         if tls is not None:
@@ -104,35 +107,74 @@ def members(entry: str) -> list[str]:
     return [m.strip() for m in re.split(r"[|,]", entry) if m.strip()]
 
 
-def _info(channels: Channels, member: str, timeout: float) -> Optional[Any]:
-    try:
-        return Stub(channels.get(member)).ShardInfo(pb.ShardInfoRequest(), timeout=min(1.0, timeout))
-    except grpc.RpcError:
-        return None
+GRACE_S = 0.1  # once a member has said it is the primary, how long the others' answers are waited for
 
 
-def find_primary(channels: Channels, group: Sequence[str], timeout: float) -> Optional[str]:
-    """The primary of a replica group: the member that says it is (the newest epoch, should two say so), else the
-    address a member names; None while none is known (an election is under way)."""
+def ask_members(channels: Channels, group: Sequence[str], timeout: float) -> list[tuple[str, Optional[Any]]]:
+    """Every member's ShardInfo, asked at once, each within ``min(1, timeout)`` seconds (None: no answer): a member
+    that is frozen, cut off or stuck on its disk costs that deadline once, not once per member, and not at all once
+    a member has said it is the primary and the others had ``GRACE_S`` more to answer."""
+    done = threading.Condition()
+    answers: dict[str, Optional[Any]] = {}
+
+    def settle(member: str, f: Any) -> None:
+        try:
+            value = f.result()
+        except grpc.RpcError:
+            value = None
+        with done:
+            answers[member] = value
+            done.notify_all()
+
+    for member in group:
+        try:
+            f = Stub(channels.get(member)).ShardInfo.future(pb.ShardInfoRequest(), timeout=min(1.0, timeout))
+        except grpc.RpcError:
+            answers[member] = None
+            continue
+        f.add_done_callback(lambda f, member=member: settle(member, f))
+    deadline = time.monotonic() + min(1.0, timeout) + 0.05
+    with done:
+        while len(answers) < len(group):
+            now = time.monotonic()
+            if any(a is not None and (not a.HasField("replica") or a.replica.role == "primary")
+                   for a in answers.values()):
+                deadline = min(deadline, now + GRACE_S)
+            if now >= deadline:
+                break
+            done.wait(deadline - now)
+        return [(m, answers.get(m)) for m in group]
+
+
+def locate_primary(channels: Channels, group: Sequence[str], timeout: float) -> tuple[Optional[str], int]:
+    """The primary of a replica group and its epoch: the member that says it is (the newest epoch, should two say
+    so), else the address a member names (epoch 0: unconfirmed); (None, 0) while none is known (an election is
+    under way)."""
     found: list[tuple[int, str]] = []
     named = ""
-    for member in group:
-        info = _info(channels, member, timeout)
+    for member, info in ask_members(channels, group, timeout):
         if info is None:
             continue
         if not info.HasField("replica"):
-            return member
+            return member, 0
         if info.replica.role == "primary":
             found.append((info.replica.epoch, member))
         named = named or info.replica.primary
-    return max(found)[1] if found else (named or None)
+    if found:
+        epoch, member = max(found)
+        return member, epoch
+    return (named or None), 0
+
+
+def find_primary(channels: Channels, group: Sequence[str], timeout: float) -> Optional[str]:
+    """``locate_primary``'s address."""
+    return locate_primary(channels, group, timeout)[0]
 
 
 def find_backup(channels: Channels, group: Sequence[str], timeout: float, avoid: str = "") -> Optional[str]:
     """A backup of a replica group that answers (the least behind; ``avoid`` last); None when none does."""
     found: list[tuple[bool, int, str]] = []
-    for member in group:
-        info = _info(channels, member, timeout)
+    for member, info in ask_members(channels, group, timeout):
         if info is not None and info.replica.role == "backup":
             found.append((member == avoid, -int(info.replica.lsn), member))
     return min(found)[2] if found else None

@@ -45,6 +45,11 @@ from shardps_client.errors import (
 log = logging.getLogger(__name__)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+# A replica group's call unanswered this long makes its lane ask the group whether a primary of a newer epoch took
+# over (the member it waits on may be frozen, cut off or stuck on its disk, answering nothing and resetting
+# nothing); asked again every PROBE_EVERY_S while it waits.
+STALL_PROBE_S = 0.5
+PROBE_EVERY_S = 0.25
 RESEND = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _UNSUPPORTED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -126,8 +131,10 @@ class Lane:
 
     def __init__(self, channel: grpc.Channel, address: str, unary: Callable[[str, bytes], Any],
                  timeout: float, retry_timeout: float, on_lost: Callable[[], bool] = lambda: False,
-                 gone: Callable[[], bool] = lambda: False) -> None:
+                 gone: Callable[[], bool] = lambda: False,
+                 newer_primary: Optional[Callable[[], bool]] = None) -> None:
         self.rebind(channel, address)
+        self.probe = Probe(newer_primary) if newer_primary is not None else None
         self.on_lost = on_lost  # the shard was lost: find its replica group's primary (True: the lane was rebound)
         self.gone = gone  # the shard was lost: is it out of the cluster (owning nothing in the newest slot map)?
         self.removed = False  # it is: every call fails at once with ShardRemovedError (the client plans them again)
@@ -141,6 +148,7 @@ class Lane:
         self._generation = 0  # bumped whenever a stream ends: its request iterator must stop
         self._closed = False
         self._timed_out = False
+        self._left = False  # the stream was ended to leave a member that is no longer the primary
         self._answered = False  # the current stream answered at least once
         self.streaming = True  # False once the shard refused streams: unary calls from then on
         self._thread: Optional[threading.Thread] = None
@@ -199,6 +207,9 @@ class Lane:
                 failing_since, delay = None, 0.05
                 continue
             code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+            if self._left:  # this lane left a member for a newer primary (``Probe``): its calls go there
+                self._left = False
+                code = grpc.StatusCode.UNAVAILABLE
             if code in RESEND and self.on_lost():  # a replica group's new primary: resend there at once
                 failing_since, delay = None, 0.05
                 continue
@@ -273,6 +284,13 @@ class Lane:
                         self._generation += 1
                         self._cv.notify_all()
                         raise _Deadline()  # gRPC cancels the call when its request iterator raises
+                    if self.probe is not None and self.probe.deposed():  # a newer primary: resent there
+                        self._left = True
+                        self._generation += 1
+                        self._cv.notify_all()
+                        raise _Deadline()
+                    if self.probe is not None and self._unacked:
+                        self.probe.maybe(self._unacked[0].sent_at, self._notify)
                     if self._queue:
                         item = self._queue.popleft()
                         item.sent_at = time.monotonic()
@@ -280,8 +298,13 @@ class Lane:
                         break
                     if self._closed:
                         return  # half-close: the shard answers what it has, then ends the stream
-                    self._cv.wait(min(1.0, self.timeout))
+                    self._cv.wait(min(PROBE_EVERY_S if self.probe is not None and self._unacked else 1.0,
+                                      self.timeout))
             yield item
+
+    def _notify(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
 
     def _run_unary(self) -> None:
         with self._cv:
@@ -297,6 +320,46 @@ class Lane:
             self._queue.clear()
         for item in items:
             item.future.set_exception(exc)
+
+
+class Probe:
+    """A replica group's lane asking, while a call waits long, whether a primary of a newer epoch took over
+    (``Transport.newer_primary``, in a thread of its own: the lane's thread never waits on it)."""
+
+    def __init__(self, newer_primary: Callable[[], bool]) -> None:
+        self.newer_primary = newer_primary
+        self._running = False
+        self._next = 0.0
+        self._found = False
+        self._lock = threading.Lock()
+
+    def maybe(self, waiting_since: float, found: Callable[[], None]) -> None:
+        """Ask (unless asked lately, or a question is out) when the oldest unanswered call was sent before
+        ``STALL_PROBE_S``; ``found()`` is called when a newer primary answers."""
+        now = time.monotonic()
+        with self._lock:
+            if self._running or now - waiting_since < STALL_PROBE_S or now < self._next:
+                return
+            self._running, self._next = True, now + PROBE_EVERY_S
+
+        def ask() -> None:
+            try:
+                newer = self.newer_primary()
+            except Exception:  # noqa: BLE001 - no answer is no news
+                newer = False
+            with self._lock:
+                self._running = False
+                self._found = self._found or newer
+            if newer:
+                found()
+
+        threading.Thread(target=ask, name="shardps-primary-probe", daemon=True).start()
+
+    def deposed(self) -> bool:
+        """Whether a probe found a newer primary since the last call (once per finding)."""
+        with self._lock:
+            found, self._found = self._found, False
+            return found
 
 
 def _request_bytes(item: _Item) -> bytes:

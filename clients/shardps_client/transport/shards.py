@@ -25,10 +25,22 @@ import grpc
 from shardps.core import protocol, wire
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client.errors import ShardpsError, ShardRemovedError, answered_unavailable
-from shardps_client.transport.channels import TLS, Channels, Stub, find_backup, find_primary, members
-from shardps_client.transport.lane import Lane, from_rpc_error, removed_error, resolve, timed_out, unavailable
+from shardps_client.transport.channels import TLS, Channels, Stub, find_backup, locate_primary, members
+from shardps_client.transport.lane import (
+    PROBE_EVERY_S,
+    STALL_PROBE_S,
+    Lane,
+    from_rpc_error,
+    removed_error,
+    resolve,
+    timed_out,
+    unavailable,
+)
 
 log = logging.getLogger(__name__)
+
+DISCOVER_S = 2.0  # the deadline of a replica group member's ShardInfo when a lane connects to it
+PROBE_DEADLINE_S = 0.3  # a stall probe's deadline per member (``newer_primary``)
 
 
 class Transport:
@@ -61,9 +73,11 @@ class Transport:
         self._failover_locks = [threading.Lock() for _ in self.groups]
         self.stale_reads = stale_reads
         self._read_lanes: dict[int, Lane] = {}  # a replica group's lane to a backup, for stale reads
+        self.epochs = [0] * len(self.groups)  # the epoch of the primary each group's calls go to (0: unknown)
         for i, group in enumerate(self.groups):  # a replica group: start at its primary, when one answers
             if len(group) > 1:
-                self.addresses[i] = find_primary(self.channels, group, timeout) or group[0]
+                primary, self.epochs[i] = locate_primary(self.channels, group, timeout)
+                self.addresses[i] = primary or group[0]
         self._stubs = [Stub(self.channels.get(a)) if a else None for a in self.addresses]
         self._zmq = data_plane != "grpc" and importlib.util.find_spec("zmq") is not None
         self._ipc = data_plane == "zmq"
@@ -82,19 +96,25 @@ class Transport:
         a = self.addresses[i]
         if not a:
             return _Removed(i)
+        group = len(self.groups[i]) > 1
         lane = Lane(self.channels.get(a), a, functools.partial(self.call, i), self.timeout, self.retry_timeout,
-                    functools.partial(self.failover, i), lambda: self.gone(i))
-        lane.group = len(self.groups[i]) > 1
+                    functools.partial(self.failover, i), lambda: self.gone(i),
+                    functools.partial(self.newer_primary, i) if group else None)
+        lane.group = group
         if not self._zmq:
             return lane
         from shardps_client.data_plane import DataLane
 
         # (its ShardInfo is asked once per connection: a shard that does not answer is retried by the lane, which stops
         # when closed; with TLS the answer carries the connection's session)
-        discover = functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest(data_session=True), False)
+        # A replica group's member is asked with a short deadline: one that is frozen, cut off or stuck on its disk
+        # answers nothing, and the lane then asks the group who its primary is instead of waiting out the deadline.
+        discover = functools.partial(self.call, i, "ShardInfo", pb.ShardInfoRequest(data_session=True), False,
+                                     min(self.timeout, DISCOVER_S) if group else None)
         return DataLane(lane, discover, a, self._client_id, self._token, resolve, timed_out, unavailable, self.timeout,
                         self.retry_timeout, functools.partial(self.failover, i), removed_error,
-                        sealed=self.channels.tls is not None, ipc=self._ipc)
+                        sealed=self.channels.tls is not None, ipc=self._ipc,
+                        newer_primary=functools.partial(self.newer_primary, i) if group else None)
 
     def add_shards(self, entries: Sequence[str]) -> None:
         """Shards added to the cluster (a slot map naming more than this client knew): their entries (an address,
@@ -104,7 +124,8 @@ class Transport:
                 group = members(entry)
                 self.groups.append(group)
                 self._failover_locks.append(threading.Lock())
-                primary = find_primary(self.channels, group, self.timeout) if len(group) > 1 else None
+                primary, epoch = locate_primary(self.channels, group, self.timeout) if len(group) > 1 else (None, 0)
+                self.epochs.append(epoch)
                 self.addresses.append(primary or (group[0] if group else ""))
                 self._stubs.append(Stub(self.channels.get(self.addresses[-1])) if group else None)
                 self.lanes.append(self._lane(len(self.addresses) - 1))
@@ -115,10 +136,13 @@ class Transport:
         if len(self.groups[shard]) == 1:
             return False
         with self._failover_locks[shard]:
-            primary = find_primary(self.channels, self.groups[shard], self.timeout)
+            primary, epoch = locate_primary(self.channels, self.groups[shard], self.timeout)
             if primary is None or primary == self.addresses[shard]:
+                self.epochs[shard] = max(self.epochs[shard], epoch) if primary is not None else self.epochs[shard]
                 return False
-            log.info("shard %d: its primary is now %s (was %s)", shard, primary, self.addresses[shard])
+            log.info("shard %d: its primary is now %s, epoch %d (was %s, epoch %d)", shard, primary, epoch,
+                     self.addresses[shard], self.epochs[shard])
+            self.epochs[shard] = epoch
             self.addresses[shard] = primary
             channel = self.channels.get(primary)
             self._stubs[shard] = Stub(channel)
@@ -127,6 +151,33 @@ class Transport:
             if lane is not getattr(lane, "fallback", lane):
                 lane.rebind(primary)
             return True
+
+    def group_result(self, shard: int, future: Any) -> Any:
+        """A replica group's unary call's result; while it waits longer than ``STALL_PROBE_S`` the group is asked
+        whether a newer primary took over, and if one did the call is cancelled (``_Deposed``: the caller sends it
+        there) rather than waited on until its deadline."""
+        start = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=PROBE_EVERY_S)
+            except grpc.FutureTimeoutError:
+                if time.monotonic() - start >= STALL_PROBE_S and self.newer_primary(shard):
+                    future.cancel()
+                    raise _Deposed() from None
+
+    def newer_primary(self, shard: int) -> bool:
+        """Whether shard ``shard``'s replica group has a primary of a newer epoch than the member its calls go to
+        (asked when a call has waited long: that member may be frozen, cut off, or stuck on its disk, answering
+        nothing and resetting nothing while the group moved on)."""
+        # (a short deadline: members answer ShardInfo in milliseconds; one that does not is the one being left)
+        primary, epoch = locate_primary(self.channels, self.groups[shard], min(self.timeout, PROBE_DEADLINE_S))
+        newer = primary is not None and primary != self.addresses[shard] and epoch > self.epochs[shard]
+        log.debug("shard %d: a call to %s (epoch %d) waits; the group says %s (epoch %d)", shard, self.addresses[shard],
+                  self.epochs[shard], primary, epoch)
+        if newer:
+            log.info("shard %d: a call to %s (epoch %d) waits while %s is the primary of epoch %d: leaving it", shard,
+                     self.addresses[shard], self.epochs[shard], primary, epoch)
+        return newer
 
     def _read_lane(self, shard: int) -> Lane:
         """Where shard ``shard``'s stale reads go: a lane to one of its backups (its primary's while none answers)."""
@@ -180,8 +231,9 @@ class Transport:
                        "grpc-stream" if grpc_lane.streaming else "grpc-unary")
         return out
 
-    def call(self, shard: int, method: str, request: Any, retry: bool = True) -> Any:
-        """One RPC with a deadline, retried with backoff while the shard is UNAVAILABLE."""
+    def call(self, shard: int, method: str, request: Any, retry: bool = True, timeout: Optional[float] = None) -> Any:
+        """One RPC with a deadline (the client's, or ``timeout``), retried with backoff while the shard is
+        UNAVAILABLE."""
         if self._stubs[shard] is None:
             raise _Removed(shard).error(method)
         deadline = time.monotonic() + self.retry_timeout
@@ -189,7 +241,13 @@ class Transport:
         while True:
             address = self.addresses[shard]
             try:
-                return getattr(self._stubs[shard], method)(request, timeout=self.timeout)
+                stub = getattr(self._stubs[shard], method)
+                if len(self.groups[shard]) == 1:
+                    return stub(request, timeout=timeout or self.timeout)
+                return self.group_result(shard, stub.future(request, timeout=timeout or self.timeout))
+            except _Deposed:
+                self.failover(shard)
+                continue
             except grpc.RpcError as e:
                 if retry and e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() + delay < deadline:
                     if self.failover(shard):  # a replica group's new primary: at once
@@ -215,7 +273,10 @@ class Transport:
 
         def result(call: tuple[int, str, Any], f: Any) -> Any:
             try:
-                return f.result()
+                return self.group_result(call[0], f) if len(self.groups[call[0]]) > 1 else f.result()
+            except _Deposed:
+                self.failover(call[0])
+                return self.call(*call)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise from_rpc_error(e, self.addresses[call[0]], call[1]) from None
@@ -281,6 +342,10 @@ class Transport:
         for lane in [*self.lanes, *self._read_lanes.values()]:
             lane.close()
         self.channels.close()
+
+
+class _Deposed(Exception):
+    """A replica group's call was left: the member it waited on is no longer the primary."""
 
 
 class _Removed:
