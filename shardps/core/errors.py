@@ -61,6 +61,13 @@ class NotPrimary(Unavailable):
         self.redirect = redirect
 
 
+class LogFailed(Unavailable):
+    """The shard's write-ahead log could not write or fsync a record (a full, failing or vanished disk): the write
+    is not acknowledged, and the log refuses every later one: a failed fsync is never retried as if nothing
+    happened (the kernel may have dropped what it could not write). A replica group's member then leaves its group
+    and a backup takes over; a shard alone keeps serving reads until it is started again on a working disk."""
+
+
 class SyncStepFailed(ShardError):
     """A synchronous step failed (its straggler policy is "fail")."""
 

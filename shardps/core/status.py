@@ -50,6 +50,7 @@ TABLE: tuple[Status, ...] = (
     Status("unavailable", "UNAVAILABLE", errors.Unavailable, "ShardUnavailableError"),
     Status("not_primary", "UNAVAILABLE", errors.NotPrimary, "NotPrimaryError"),
     Status("data_region", "UNAVAILABLE", errors.RegionGone, "ShardUnavailableError"),
+    Status("log_failed", "UNAVAILABLE", errors.LogFailed, "ShardUnavailableError"),
     Status("unauthenticated", "UNAUTHENTICATED", errors.Unauthenticated, "AuthenticationError"),
     Status("data_session", "UNAUTHENTICATED", errors.SessionUnknown, "AuthenticationError"),
     Status("permission_denied", "PERMISSION_DENIED", errors.PermissionDenied, "PermissionDeniedError"),

@@ -322,6 +322,14 @@ class NoDurability:
     def close(self) -> None:
         return None
 
+    def disk_stalled_s(self) -> float:
+        """Seconds the log's write or fsync in progress has waited for the disk (0: none)."""
+        return 0.0
+
+    def disk_error(self) -> Optional[BaseException]:
+        """Why the log failed (it then refuses every write), or None."""
+        return None
+
 
 class CheckpointDurability(NoDurability):
     """``checkpoint``: checkpoints, and a log of schema changes (each fsynced before the reply). Log segments
@@ -391,6 +399,14 @@ class CheckpointDurability(NoDurability):
         if self._wal is not None:
             self._wal.close()
             self._wal = None
+
+    def disk_stalled_s(self) -> float:
+        w = self._wal
+        return w.stalled_s() if w is not None else 0.0
+
+    def disk_error(self) -> Optional[BaseException]:
+        w = self._wal
+        return w.error if w is not None else None
 
 
 class LogDurability(CheckpointDurability):

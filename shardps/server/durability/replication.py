@@ -90,6 +90,7 @@ class ReplicatedLog:
         self._kept_bytes = 0
         self._tickets: dict[int, int] = {}  # lsn -> the inner durability's ticket
         self._acks: dict[str, int] = {}  # backup -> the lsn it has in its log
+        self._originating = 0  # records of this member's own (as primary) being stored now (a slow disk's)
 
     # ---- the Durability protocol -------------------------------------------------------------
 
@@ -102,14 +103,28 @@ class ReplicatedLog:
         restore (before ``open``) nothing is stored or counted: restore counts what it replays."""
         if not self._open or not record[0] or not self.originates:
             return 0
-        ticket = self.inner.append(record)
         with self._cv:
+            self._originating += 1
+        try:
+            ticket = self.inner.append(record)
+        finally:
+            with self._cv:
+                self._originating -= 1
+                self._cv.notify_all()
+        with self._cv:  # numbered even if this member stepped down meanwhile: its log holds it (a divergence)
             self.lsn += 1
             self._keep(Shipped(self.lsn, self.epoch, record[0], bytes(record[1])))
             if ticket:
                 self._tickets[self.lsn] = ticket
             self._cv.notify_all()
             return self.lsn
+
+    def originating(self) -> int:
+        """Records of this member's own still being stored (it was primary; its disk is slow): until they are in its
+        log and numbered, it neither follows another primary nor stands in an election, or its log would hold them
+        unnumbered beside the new primary's (the same pushes applied twice, unseen)."""
+        with self._cv:
+            return self._originating
 
     def wait(self, ticket: int, durable: bool = False) -> None:
         """Return once the record of ``ticket`` is acknowledged: in this member's log (by its fsync policy) and, with
@@ -165,6 +180,12 @@ class ReplicatedLog:
             self._open = False
             self._cv.notify_all()
         self.inner.close()
+
+    def disk_stalled_s(self) -> float:
+        return self.inner.disk_stalled_s()
+
+    def disk_error(self) -> Optional[BaseException]:
+        return self.inner.disk_error()
 
     # ---- what the group needs ----------------------------------------------------------------
 
@@ -274,6 +295,9 @@ class ReplicatedLog:
         """A backup stores a record the primary shipped (the next LSN; of its last epoch or a later one, which begins
         there); a ticket to wait on."""
         with self._cv:
+            if self._originating:
+                raise Unavailable(f"record {shipped.lsn}: this member is still storing {self._originating} record(s) "
+                                  "of its own (it was the primary): it follows once they are in its log")
             if shipped.lsn != self.lsn + 1:
                 raise Diverged(f"record {shipped.lsn} does not follow this member's {self.lsn}")
             last = self.history[-1][0] if self.history else 0

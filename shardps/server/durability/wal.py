@@ -38,6 +38,8 @@ from typing import BinaryIO, Callable, Iterator, Optional
 
 import google_crc32c
 
+from shardps.core.errors import LogFailed
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IIB")
@@ -201,6 +203,7 @@ class WriteAheadLog:
         self._syncing = False  # the syncer fsyncs (``interval``, ``none``): the file stays open meanwhile
         self._closed = False
         self._error: Optional[BaseException] = None
+        self._busy_since = 0.0  # time.monotonic() a write or fsync began that has not returned (0: none)
         self.fsyncs = 0
         self.segment_bytes = 0  # bytes appended to this segment (since the last rotation: the last checkpoint)
         loop = self._flush_loop if fsync == "always" else self._sync_loop
@@ -221,7 +224,7 @@ class WriteAheadLog:
             if self._closed:
                 raise RuntimeError("write-ahead log is closed")
             if self._error is not None:
-                raise OSError(f"write-ahead log failed: {self._error}")
+                raise LogFailed(f"write-ahead log failed: {self._error}; nothing more is acknowledged")
             if self.policy == "always":
                 self._buffer.append(header)
                 self._buffer.append(payload)
@@ -239,11 +242,14 @@ class WriteAheadLog:
         log never holds a torn record followed by others; the log then refuses further appends."""
         f = self._file
         start = f.tell()
+        self._busy_since = time.monotonic()
         try:
             f.write(header)
             f.write(payload)
             f.flush()
+            self._busy_since = 0.0
         except BaseException as e:
+            self._busy_since = 0.0
             log.exception("write-ahead log write failed")
             self._error = e
             try:
@@ -251,7 +257,7 @@ class WriteAheadLog:
             except OSError:
                 log.exception("write-ahead log: could not cut off a failed write")
             self._cond.notify_all()
-            raise OSError(f"write-ahead log write failed: {e}") from e
+            raise LogFailed(f"write-ahead log write failed: {e}; the write is not acknowledged") from e
 
     def wait(self, ticket: int, durable: bool = False) -> None:
         """Block until the record of ``ticket`` is acknowledged by the policy: fsynced under ``always`` or with
@@ -264,9 +270,9 @@ class WriteAheadLog:
                 while self._durable < ticket and self._error is None:
                     self._cond.wait()
                 if self._durable < ticket:
-                    raise OSError(f"write-ahead log failed: {self._error}")
+                    raise LogFailed(f"write-ahead log failed: {self._error}; the write is not acknowledged")
             elif self._written < ticket:
-                raise OSError(f"write-ahead log failed: {self._error}")
+                raise LogFailed(f"write-ahead log failed: {self._error}; the write is not acknowledged")
 
     def _sync_loop(self) -> None:
         """``interval`` and ``none``: fsync what was written, every interval or when a caller asks."""
@@ -289,10 +295,13 @@ class WriteAheadLog:
         """fsync the file and count tickets up to ``upto`` durable (outside ``_cond``: appends go on)."""
         try:
             t0 = time.perf_counter()
+            self._busy_since = time.monotonic()
             os.fsync(self._file.fileno())
+            self._busy_since = 0.0
             if self._on_flush is not None:
                 self._on_flush(time.perf_counter() - t0, upto - self._durable)
         except BaseException as e:  # noqa: BLE001 - waiting callers must learn of it
+            self._busy_since = 0.0
             log.exception("write-ahead log fsync failed")
             self._done(upto, e)
             return
@@ -322,16 +331,31 @@ class WriteAheadLog:
                 self._writing = True
             try:
                 t0 = time.perf_counter()
+                self._busy_since = time.monotonic()
                 f.write(b"".join(data))
                 f.flush()
                 os.fsync(f.fileno())
+                self._busy_since = 0.0
                 if self._on_flush is not None:
                     self._on_flush(time.perf_counter() - t0, len(data) // 2)
             except BaseException as e:  # noqa: BLE001 - waiting pushes must learn of it
+                self._busy_since = 0.0
                 log.exception("write-ahead log write failed")
                 self._done(upto, e)
                 return
             self._done(upto, None)
+
+    def stalled_s(self) -> float:
+        """Seconds the write or fsync in progress has been waiting for the disk (0: none in progress). Read without
+        the log's lock, which a write blocked on the disk holds."""
+        since = self._busy_since
+        return time.monotonic() - since if since else 0.0
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the log failed (a write or an fsync did): it refuses every append from then on, and a failed fsync is
+        never retried as if nothing happened (the kernel may have dropped what it could not write)."""
+        return self._error
 
     def rotate(self) -> int:
         """Start a new segment (callers hold every table lock, so nothing is appended meanwhile); what the old

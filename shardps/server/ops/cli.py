@@ -57,7 +57,8 @@ SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
     ("replicas", int, 1, "members of this shard's replica group (one primary, the others backups); with more than "
      "one, --etcd and --member are needed"),
     ("member", str, None, "this process's member id in its replica group (unique in the group)"),
-    ("etcd", str, None, "etcd's client URL (http://host:2379): where a replica group elects its primary"),
+    ("etcd", str, None, "etcd's client URL (http://host:2379), or an etcd cluster's members' URLs joined by commas (each call goes "
+     "to the member that answered last, then to the others): where a replica group elects its primary"),
     ("cluster-name", str, "shardps", "the cluster's name in etcd (the prefix of its keys)"),
     ("ack", str, "quorum", "with replicas, when a write is acknowledged: quorum (a majority of the group has it in its "
      "log) or primary (this member has it; a failover may lose the last writes)"),

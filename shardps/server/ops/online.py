@@ -173,7 +173,14 @@ def _add(args: argparse.Namespace, data: dict[str, Any], calls: Any, driver: Any
         calls.add(list(args.add_address))
         if args.cluster_file and not data.get("launcher_pid"):  # a cluster file of our own: list them there
             data["addresses"] = list(data["addresses"]) + list(args.add_address)
-            pathlib.Path(args.cluster_file).write_text(json.dumps(data, indent=2))
+            if data.get("groups"):  # (what entries() reads: a --resume, and the clients, find them there)
+                data["groups"] = list(data["groups"]) + [[m for m in a.replace(",", "|").split("|") if m]
+                                                         for a in args.add_address]
+            if "num_shards" in data:
+                data["num_shards"] = len(entries(data))
+            tmp = pathlib.Path(f"{args.cluster_file}.tmp")
+            tmp.write_text(json.dumps(data, indent=2))
+            tmp.replace(args.cluster_file)
     new = list(range(before, len(calls)))
     for s in new:
         info = calls.info(s)

@@ -39,6 +39,19 @@ from shardps.v1 import shardps_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 << 20
+# Moves in a row that may fail before their commit (a replica group's primary failing over in the middle, say) and
+# be rolled back before the driver stops: each time what is left is settled (as --resume does) and the plan made
+# again. A move that fails once committing stops the driver at once (the source holds its writes meanwhile; the
+# journal says what to resume).
+MOVE_RETRIES = 5
+
+
+class RolledBack(ShardError):
+    """A move that failed before its commit, rolled back: nothing of it stands, so it can be planned again."""
+
+    def __init__(self, cause: ShardError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class ShardCalls:
@@ -76,6 +89,9 @@ class ShardCalls:
 
     def call(self, shard: int, method: str, request: Any, retry_s: Optional[float] = None) -> Any:
         """One call, retried (its replica group's primary found again) while the shard is unavailable."""
+        if shard >= len(self.primary):
+            raise ShardError(f"shard {shard} is in the slot map but not among the {len(self.primary)} shards given "
+                             "(the cluster file or --addresses must list every shard, the added ones too)")
         if not self.primary[shard]:
             raise ShardError(f"shard {shard} was removed from the cluster: it has no address")
         deadline = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
@@ -275,6 +291,7 @@ class Resharder:
     def run(self, active: list[int]) -> Progress:
         """Move slots until the map is balanced over ``active``."""
         t0 = time.monotonic()
+        failures = 0  # moves in a row that failed
         self.journal.active = sorted(active)
         self.journal.save()
         self.prepare(active)
@@ -286,7 +303,17 @@ class Resharder:
             total = len(steps)
             for k, step in enumerate(steps[:1]):
                 self.on_step(f"move {self.progress.moves + 1} ({total - k} planned): {step.describe()}")
-                self.move(step)
+                try:
+                    self.move(step)
+                    failures = 0
+                except RolledBack as e:  # a group's primary failed over before the commit, say: settled, planned again
+                    failures += 1
+                    if failures > MOVE_RETRIES:
+                        raise e.cause from None
+                    self.on_step(f"move failed ({e}); settling it and planning again ({failures} of "
+                                 f"{MOVE_RETRIES})")
+                    time.sleep(min(5.0, failures))
+                    self.settle()
         self.progress.seconds += time.monotonic() - t0
         return self.progress
 
@@ -318,9 +345,9 @@ class Resharder:
                     self.calls.migrate(T, "in_drop", move_id=move.id, table=spec.name, ids=codec.encode(gone))
             self.calls.migrate(T, "in_prepare", move_id=move.id, applied_json=applied)
             self.at("prepared", move)
-        except ShardError:
+        except ShardError as e:
             self._roll_back(move)
-            raise
+            raise RolledBack(e) from e
         self.journal.phase = "committing"
         self.journal.save()
         self.calls.migrate(S, "out_commit", move_id=move.id)

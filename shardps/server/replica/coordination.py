@@ -49,7 +49,8 @@ class Coordinator:
     """One member's view of etcd.
 
     Args:
-        endpoint: etcd's client URL ("http://127.0.0.1:2379").
+        endpoint: etcd's client URL ("http://127.0.0.1:2379"), or an etcd cluster's members' URLs joined by commas:
+            calls go to the member that answered last, and move on to the next when it does not.
         cluster: the cluster's name (keys are under it).
         shard_index: the group's shard index.
         member: this member's id.
@@ -63,10 +64,13 @@ class Coordinator:
 
         import etcd3gw
 
-        url = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
         self.endpoint = endpoint
-        self._client = etcd3gw.client(host=url.hostname or "127.0.0.1", port=url.port or 2379,
-                                      protocol=url.scheme or "http", timeout=timeout)
+        self._clients = []
+        for one in [e.strip() for e in endpoint.split(",") if e.strip()] or ["127.0.0.1:2379"]:
+            url = urlparse(one if "://" in one else f"http://{one}")
+            self._clients.append(etcd3gw.client(host=url.hostname or "127.0.0.1", port=url.port or 2379,
+                                                protocol=url.scheme or "http", timeout=timeout))
+        self._current = 0  # the member that answered last
         self.prefix = f"/shardps/{cluster}/shard-{shard_index}/"
         self.member = member
         self.ttl = ttl
@@ -81,10 +85,19 @@ class Coordinator:
     # ---- calls -----------------------------------------------------------------------------
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return self._client.post(self._client.get_url(path), json=body)  # type: ignore[no-any-return]
-        except Exception as e:  # noqa: BLE001 - requests' and etcd3gw's errors alike: etcd gave no answer
-            raise EtcdUnavailable(f"etcd at {self.endpoint}: {e}") from e
+        """One call, at the member that answered last, then at each other one in turn (each with the deadline)."""
+        first, error = self._current, None
+        for step in range(len(self._clients)):
+            i = (first + step) % len(self._clients)
+            client = self._clients[i]
+            try:
+                out = client.post(client.get_url(path), json=body)
+            except Exception as e:  # noqa: BLE001 - requests' and etcd3gw's errors alike: this member gave no answer
+                error = e
+                continue
+            self._current = i
+            return out  # type: ignore[no-any-return]
+        raise EtcdUnavailable(f"etcd at {self.endpoint}: {error}") from error
 
     def _range(self, key: str, prefix: bool = False) -> list[dict[str, Any]]:
         body: dict[str, Any] = {"key": _b64(key)}
@@ -158,29 +171,40 @@ class Coordinator:
                                "lease": self.lease_id})
 
     def members(self) -> dict[str, dict[str, Any]]:
-        """Every live member's key."""
+        """Every live member's key (with ``"_revision"``: the etcd revision it was last written at)."""
         out = {}
         for kv in self._range(self.prefix + "members/", prefix=True):
             name = _text(kv["key"])[len(self.prefix + "members/"):]
             try:
-                out[name] = json.loads(_text(kv.get("value", "")))
+                value = json.loads(_text(kv.get("value", "")))
+                if not isinstance(value, dict):
+                    raise ValueError("not an object")
+                value["_revision"] = int(kv.get("mod_revision", 0))
+                out[name] = value
             except ValueError:
                 log.warning("etcd: member key %s holds no JSON; ignored", name)
         return out
 
     def primary(self) -> Optional[Primary]:
         """The primary's key, or None (none elected, or its lease expired)."""
-        kvs = self._range(self.prefix + "primary")
+        return self.primary_at()[0]
+
+    def primary_at(self) -> tuple[Optional[Primary], int]:
+        """The primary's key (or None) and etcd's revision when it was read: any key written later has a larger
+        one (an election counts only reports written after it saw the primary's key gone)."""
+        out = self._post("/kv/range", {"key": _b64(self.prefix + "primary")})
+        revision = int(out.get("header", {}).get("revision", 0))
+        kvs = out.get("kvs", [])
         if not kvs:
-            return None
+            return None, revision
         kv = kvs[0]
         try:
             value = json.loads(_text(kv.get("value", "")))
             return Primary(str(value["member"]), str(value["address"]), int(kv["create_revision"]),
-                           int(kv.get("lease", 0)))
+                           int(kv.get("lease", 0))), revision
         except (ValueError, KeyError, TypeError):
             log.error("etcd: the primary key of %s holds no valid JSON: ignored", self.prefix)
-            return None
+            return None, revision
 
     def campaign(self, address: str) -> Optional[int]:
         """Create the primary's key for this member where there is none (one transaction); its epoch, or None when

@@ -1,13 +1,23 @@
 """One member of a replica group: its role, the election, fencing, and the two ends of replication.
 
 - **Election** (a thread, every ``poll_s``): the primary is whoever holds the group's key in etcd. When there is
-  none, every live member publishes where its log ends; after ``election_wait_s`` the member with the newest log
-  (the epoch of its last record, then its length; ties by member id) creates the key. Its etcd revision is the new
-  epoch. Members that lose follow the winner. etcd unreachable: nothing changes (no election can happen either).
+  none, every live member stops following, becomes a candidate and publishes where its log ends; after
+  ``election_wait_s`` the member with the newest log (the epoch of its last record, then its length; ties by member
+  id) among the candidates' reports written since the key was seen gone creates the key, provided (under ``--ack
+  quorum``) enough members reported to meet every quorum (2 of 3, 1 of 2, 3 of 5): every acknowledged record is in
+  a quorum's logs, so the newest of them holds them all (a lone member of three that hears etcd but not the others
+  never elects itself without what they hold). Its etcd revision is the new epoch. Members that lose follow
+  the winner. etcd unreachable: nothing changes (no election can happen either).
 - **Fencing**: a write is accepted only by the primary (``check_writable``, the shard's validator calls it), and
   acknowledged only while its lease is believed (``ReplicatedLog.fence``: a process frozen past its lease refuses
-  until etcd answers again, then steps down when its key is gone). A backup stores only records of the epoch of the
+  until etcd answers again, then steps down when its key is gone; under ``--ack primary``, where no quorum guards
+  the writes, only while etcd confirmed the lease within its TTL). A backup stores only records of the epoch of the
   primary it follows, which it learned from etcd, so a deposed primary cannot gather a quorum.
+- **A disk that stops**: a primary whose log has waited on its disk for longer than the lease (a blocked or dying
+  disk: fsync never returns) gives its key up, so a backup takes over instead of every client waiting on it; a
+  member whose log failed (a write or fsync error: never retried, the kernel may have dropped what it could not
+  write) leaves the group: it resigns and its process exits (``LOG_FAILED_EXIT``), as PostgreSQL panics since
+  fsyncgate; what failed to persist was never acknowledged.
 - **Backups** follow the primary (``connect``, the gRPC client of ``shardps.server.rpc.replication``): the records
   go into their own log, are acknowledged, then applied through the replay path; a backup whose log is not a prefix
   of the primary's (a deposed primary's unacknowledged records), or that fell behind what the primary keeps, gets a
@@ -18,7 +28,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,6 +45,19 @@ from shardps.server.shard.recovery import replay
 
 log = logging.getLogger(__name__)
 
+LOG_FAILED_EXIT = 3  # the exit code of a member whose write-ahead log failed
+
+
+def disk_trouble(log: ReplicatedLog, patience_s: float) -> str:
+    """Why a member's log cannot be trusted to store records now ("": it can): it failed, or a write or fsync has
+    waited on the disk for longer than ``patience_s``."""
+    error = log.disk_error()
+    if error is not None:
+        return f"its write-ahead log failed ({error})"
+    stalled = log.disk_stalled_s()
+    if stalled > patience_s:
+        return f"its write-ahead log has waited {stalled:.1f} s on its disk"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +111,8 @@ class ReplicaMember:
         self._following = 0  # the epoch of the primary the follow thread follows (0: none)
         self._threads: list[threading.Thread] = []
         self._applying = threading.local()  # set while this thread applies the primary's records
+        self._vacant_since: Optional[int] = None  # etcd's revision when the primary's key was first seen gone
+        self.exit: Any = None  # how a member whose log failed leaves (the server's; default: os._exit)
         self.log.originates = False
         self.log.fence = self.fence
         shard.check.guard = self.check_writable
@@ -141,8 +168,10 @@ class ReplicaMember:
                          + (f" (the primary is {where})" if where else " (an election is under way)"), where)
 
     def fence(self) -> None:
-        """Before a write is acknowledged: still the primary, with a lease believed held."""
-        if self.role != "primary" or not self.coord.fresh():
+        """Before a write is acknowledged: still the primary, with a lease believed held (under ``--ack primary``:
+        confirmed by etcd within its TTL)."""
+        confirmed = self.log.ack != "primary" or 0 <= self.coord.answered_s() < self.config.lease_ttl
+        if self.role != "primary" or not self.coord.fresh() or not confirmed:
             raise NotPrimary(f"member {self.config.member} cannot confirm it is still the primary (its etcd lease "
                              "is unconfirmed); the write is not acknowledged: retry", "")
 
@@ -158,37 +187,59 @@ class ReplicaMember:
     def _elect_loop(self) -> None:
         while not self._stop.wait(self.config.poll_s):
             try:
+                watch_disk(self)
                 self._elect_once()
             except EtcdUnavailable as e:
                 log.debug("shard %d member %s: %s", self.shard.index, self.config.member, e)
             except Exception:  # noqa: BLE001 - the election goes on
                 log.exception("shard %d member %s: election", self.shard.index, self.config.member)
 
+    def _disk_trouble(self) -> str:
+        return disk_trouble(self.log, self.config.lease_ttl)
+
     def _elect_once(self) -> None:
         if self.coord.lease_lost:  # frozen past the lease, or etcd forgot it: keys gone; start over
             self.step_down(None, "its etcd lease expired")
             self.coord.new_lease()
             self._publish()
-        current = self.coord.primary()
+        current, revision = self.coord.primary_at()
         if current is None:
+            if self._vacant_since is None:
+                self._vacant_since = revision
             self.step_down(None, "the primary's key is gone")
-            self._campaign()
-        elif current.member == self.config.member:
-            if current.lease != self.coord.lease_id:  # the key of this member's previous process: let it go
-                self.coord.resign(current.epoch)
+            self._campaign(self._vacant_since)
+            return
+        self._vacant_since = None
+        if current.member == self.config.member:
+            if current.lease != self.coord.lease_id or self._disk_trouble():  # the key of this member's previous
+                self.coord.resign(current.epoch)  # process, or a disk it cannot stand behind: let it go
             elif self.role != "primary":
                 self._become_primary(current)
         elif self.primary is None or self.primary.epoch != current.epoch or self.role == "primary":
             self.step_down(current, f"member {current.member} is the primary (epoch {current.epoch})")
 
-    def _campaign(self) -> None:
-        """Say where this member's log ends; after the wait, the newest log's member creates the key."""
+    def _campaign(self, since: int) -> None:
+        """Say where this member's log ends; after the wait, the newest log's member among the candidates that
+        reported since the key was seen gone (etcd revision ``since``) creates the key, if they are a majority of
+        the group under ``--ack quorum``."""
+        if self._disk_trouble() or self.log.originating():
+            return  # a member whose log cannot store records (or is still storing its own) does not lead
         self._publish()
         if self._stop.wait(self.config.election_wait_s):
             return
         mine = (self.log.last_epoch(), self.log.lsn, self.config.member)
+        reports = {name: m for name, m in self.coord.members().items()
+                   if m.get("role") == "candidate" and int(m.get("_revision", 0)) > since}
+        # every acknowledged record is in the logs of a quorum (n // 2 + 1 of the n members): reports from n minus
+        # that plus one members meet every quorum, so the newest among them holds every acknowledged record
+        n = self.log.group
+        need = n - (n // 2 + 1) + 1 if self.log.ack == "quorum" else 1
+        if len(set(reports) | {self.config.member}) < need:
+            log.debug("shard %d member %s: %d of the %d candidates an election needs have reported", self.shard.index,
+                      self.config.member, len(set(reports) | {self.config.member}), need)
+            return  # too few members hear etcd to know the newest log: wait (no primary beats a lossy one)
         best = max([(int(m.get("last_epoch", 0)), int(m.get("lsn", 0)), name)
-                    for name, m in self.coord.members().items()] + [mine])
+                    for name, m in reports.items()] + [mine])
         if best != mine:
             return  # the newest log's member campaigns; if it cannot, its key vanishes and this runs again
         epoch = self.coord.campaign(self.address)
@@ -198,6 +249,12 @@ class ReplicaMember:
                 self._become_primary(current)
 
     def _become_primary(self, current: Primary) -> None:
+        deadline = time.monotonic() + 10.0  # the records it stored as a backup are applied before it writes as primary
+        while self._following and time.monotonic() < deadline and not self._stop.is_set():
+            with self.lock:
+                if self._stream is not None:
+                    self._stream.close()
+            time.sleep(0.01)
         with self.lock:
             if self._stream is not None:
                 self._stream.close()
@@ -224,6 +281,7 @@ class ReplicaMember:
     # ---- a backup -----------------------------------------------------------------------------
 
     def _follow_loop(self) -> None:
+        warned: tuple[int, float] = (0, 0.0)  # (epoch, when): a primary that does not answer is told every 5 s
         while not self._stop.is_set():
             with self.lock:
                 target = self.primary if self.role == "backup" else None
@@ -233,12 +291,16 @@ class ReplicaMember:
             try:
                 self._follow(target)
             except Exception as e:  # noqa: BLE001 - reconnect after a pause; the election decides whom to follow
-                if not self._stop.is_set():
+                now = time.monotonic()
+                if not self._stop.is_set() and (warned[0] != target.epoch or now - warned[1] > 5.0):
+                    warned = (target.epoch, now)
                     log.warning("shard %d member %s: following %s: %s", self.shard.index, self.config.member,
                                 target.address, e)
             self._stop.wait(self.config.poll_s)
 
     def _follow(self, target: Primary) -> None:
+        if self.log.originating():  # its own records, from when it was primary, go into its log (and its count) first
+            return
         hello = Hello(self.config.cluster, self.shard.index, self.shard.num_shards, self.config.member,
                       self.log.lsn, self.log.last_epoch(), target.epoch)
         stream = self.connect(target.address, hello)
@@ -276,20 +338,26 @@ class ReplicaMember:
             stream.close()
 
     def _store(self, records: list[Shipped], stream: Stream) -> None:
-        """Records from the primary: into this member's log, acknowledged, then applied by the replay path."""
-        for rec in records:
-            with self.lock:
-                if self.role != "backup" or self.primary is None or rec.epoch > self.primary.epoch:
-                    raise Unavailable("no longer following this primary")
-            ticket = self.log.store(rec)
-            self.log.wait_stored(ticket, durable=rec.kind in durability.SCHEMA_KINDS)
-        stream.ack(records[-1].lsn)
-        self._applying.on = True
+        """Records from the primary: into this member's log, acknowledged, then applied by the replay path. Every
+        record stored is applied, whatever happens after it is stored (the stream closing under the acknowledgement,
+        this member stepping down mid-batch): its log, and the count its reports and elections read, hold it."""
+        stored: list[Shipped] = []
         try:
             for rec in records:
-                replay(self.shard, durability.read_record(rec.kind, rec.payload))
+                with self.lock:
+                    if self.role != "backup" or self.primary is None or rec.epoch > self.primary.epoch:
+                        raise Unavailable("no longer following this primary")
+                ticket = self.log.store(rec)
+                stored.append(rec)
+                self.log.wait_stored(ticket, durable=rec.kind in durability.SCHEMA_KINDS)
+            stream.ack(records[-1].lsn)
         finally:
-            self._applying.on = False
+            self._applying.on = True
+            try:
+                for rec in stored:
+                    replay(self.shard, durability.read_record(rec.kind, rec.payload))
+            finally:
+                self._applying.on = False
 
     # ---- what ShardInfo tells -----------------------------------------------------------------
 
@@ -301,3 +369,29 @@ class ReplicaMember:
                     "primary": primary, "group": self.log.group, "ack": self.log.ack,
                     "backups": self.log.acked() if self.role == "primary" else {},
                     "etcd_age_s": self.coord.answered_s()}
+
+
+def watch_disk(member: ReplicaMember) -> None:
+    """A primary whose disk stopped answering gives its key up; a member whose log failed leaves the group."""
+    why = member._disk_trouble()
+    if not why:
+        return
+    with member.lock:
+        primary = member.primary if member.role == "primary" else None
+    if primary is not None:
+        log.error("shard %d member %s: giving up the primary: %s", member.shard.index, member.config.member, why)
+        member.step_down(None, why)
+        try:
+            member.coord.resign(primary.epoch)
+        except EtcdUnavailable:
+            pass  # its lease runs out instead: it renews nothing it cannot stand behind
+    if member.log.disk_error() is not None and not member.stopping:
+        log.critical("shard %d member %s: %s: leaving the replica group (exit %d); what failed to persist was "
+                     "never acknowledged; replace the disk and start the member again: it rejoins with a copy",
+                     member.shard.index, member.config.member, why, LOG_FAILED_EXIT)
+        member._stop.set()
+        try:
+            member.coord.stop(revoke=True)
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+        (member.exit or os._exit)(LOG_FAILED_EXIT)
