@@ -204,7 +204,9 @@ def test_a_kill_mid_move_then_resume_keeps_exact_counts(tmp_path, victim, phase)
 
 
 def test_kill9_of_the_reshard_command_then_resume(tmp_path):
-    """shardps reshard killed with SIGKILL in the middle of its moves; shardps reshard --resume finishes."""
+    """shardps reshard killed with SIGKILL in the middle of its moves; shardps reshard --resume finishes. The cluster
+    file lists each shard's members under "groups" too, as replica groups' do: the shard --add-address named must be
+    listed there for --resume (it crashed with an IndexError when only "addresses" had it)."""
     cluster_file = tmp_path / "cluster.json"
     with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs")) as cluster:
         cluster.write_cluster_file(str(cluster_file))
@@ -217,6 +219,7 @@ def test_kill9_of_the_reshard_command_then_resume(tmp_path):
         new = cluster.addresses[2]
         data = json.loads(cluster_file.read_text())
         data["addresses"] = data["addresses"][:2]  # as an operator would: the new shard named on the command line
+        data["groups"] = [[a] for a in data["addresses"]]
         cluster_file.write_text(json.dumps(data))
         journal = pathlib.Path(str(cluster_file) + ".reshard.json")
         driver = subprocess.Popen([sys.executable, "-m", "shardps", "reshard", "--cluster-file", str(cluster_file),
@@ -242,6 +245,7 @@ def test_kill9_of_the_reshard_command_then_resume(tmp_path):
         out = _reshard(cluster_file, "--resume")
         assert "settled 1 move(s) in flight" in out and "slots per shard [5462, 5461, 5461]" in out, out
         assert not journal.exists()
+        assert json.loads(cluster_file.read_text())["groups"] == [[a] for a in cluster.addresses]
         time.sleep(0.3)
         trainers.finish()
         with Client(cluster.addresses) as c:
