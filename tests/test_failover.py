@@ -12,6 +12,9 @@ start them, or in-process servers on port 0 where a member's own steps are drive
    served rows without them (lost acknowledged writes).
 5. A shard whose log failed answered every write INTERNAL (the client gave up at once, unknown outcome); now it is
    UNAVAILABLE, kind ``log_failed``: the client retries, a group's member leaves, a backup takes over.
+7. A push whose record could not be appended (a full disk) was applied in memory first; its client's resend was then
+   answered as a duplicate, acknowledged though no log held it (lost at the next failover). Nothing is acknowledged
+   once the log failed.
 6. gRPC's reconnect backoff (to 120 s) kept a client from a member that had been unreachable once it became primary.
 """
 
@@ -244,6 +247,30 @@ def test_a_failed_log_answers_unavailable_not_internal(tmp_path):
         assert "internal error" not in shard.log()
     finally:
         shard.kill()
+
+
+def test_a_push_whose_record_did_not_fit_on_a_full_disk_is_never_acknowledged(tmp_path):
+    """Bug 7. The shard's disk fills (a small tmpfs): the push whose record cannot be written is applied in memory,
+    and its client sends it again with the same sequence number; the resend must not be answered as an applied
+    duplicate. The push fails UNAVAILABLE (the log failed), and so does every later one."""
+    from tests.lab import Lab, why_unavailable
+
+    if why_unavailable():
+        (pytest.fail if os.environ.get("SHARDPS_REQUIRE_LAB") == "1" else pytest.skip)(why_unavailable())
+    with Lab(["h"]) as lab:
+        disk = lab.disk("h", size_mb=16, kind="tmpfs")
+        shard = start_shard(0, 1, tmp_path, str(disk.path / "data"))
+        try:
+            with Client([shard.address], timeout=10, retry_timeout=2) as c:
+                c.create_table("t", num_embeddings=100, dim=64, optimizer=SGD(lr=1.0),
+                               initializer=Initializer("zeros"))
+                c.push("t", torch.arange(4), -torch.ones(4, 64), wait=True)
+                disk.fill()
+                for _ in range(2):
+                    with pytest.raises(ShardUnavailableError, match="write-ahead log"):
+                        c.push("t", torch.arange(100), -torch.ones(100, 64), wait=True)
+        finally:
+            shard.kill()
 
 
 def test_every_channel_to_a_shard_reconnects_within_a_second():

@@ -263,6 +263,9 @@ class WriteAheadLog:
         """Block until the record of ``ticket`` is acknowledged by the policy: fsynced under ``always`` or with
         ``durable``, in the file otherwise."""
         with self._cond:
+            if self._error is not None:  # nothing is acknowledged once the log failed: a record after it may be
+                # missing (its append failed), and what was written before a failed fsync may be gone (fsyncgate)
+                raise LogFailed(f"write-ahead log failed: {self._error}; the write is not acknowledged")
             if durable or self.policy == "always":
                 if self.policy != "always" and self._durable < ticket:
                     self._sync_wanted = max(self._sync_wanted, ticket)
