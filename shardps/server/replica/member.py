@@ -222,7 +222,7 @@ class ReplicaMember:
         """Say where this member's log ends; after the wait, the newest log's member among the candidates that
         reported since the key was seen gone (etcd revision ``since``) creates the key, if they are a majority of
         the group under ``--ack quorum``."""
-        if self._disk_trouble() or self.log.originating():
+        if self._disk_trouble() or self.log.originating() or not self._drained():
             return  # a member whose log cannot store records (or is still storing its own) does not lead
         self._publish()
         if self._stop.wait(self.config.election_wait_s):
@@ -248,13 +248,20 @@ class ReplicaMember:
             if current is not None and current.epoch == epoch:
                 self._become_primary(current)
 
-    def _become_primary(self, current: Primary) -> None:
-        deadline = time.monotonic() + 10.0  # the records it stored as a backup are applied before it writes as primary
+    def _drained(self, timeout: float = 5.0) -> bool:
+        """Stop following (its stream closed) and wait until the follow thread has stored, acknowledged and applied
+        the batch it had: a report of where this member's log ends, or its first write as primary, then comes after
+        every record it acknowledged. False: still following after ``timeout``."""
+        deadline = time.monotonic() + timeout
         while self._following and time.monotonic() < deadline and not self._stop.is_set():
             with self.lock:
                 if self._stream is not None:
                     self._stream.close()
             time.sleep(0.01)
+        return not self._following
+
+    def _become_primary(self, current: Primary) -> None:
+        self._drained(10.0)
         with self.lock:
             if self._stream is not None:
                 self._stream.close()
