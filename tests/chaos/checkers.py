@@ -149,6 +149,19 @@ def read_member_log(name: str, data_dir: pathlib.Path) -> MemberLog:
     return out
 
 
+def where_logged(ops: list[Op], logs: list[MemberLog]) -> dict[str, list[tuple[str, int, int, str, int]]]:
+    """For each operation (``client#k``): every (member, LSN, epoch, client id, seq) whose record holds its own row."""
+    want = {o.own_row: f"{o.client}#{o.k}" for o in ops}
+    out: dict[str, list[tuple[str, int, int, str, int]]] = {name: [] for name in want.values()}
+    for m in logs:
+        for r in m.records:
+            if r.ids is None:
+                continue
+            for i in set(r.ids.tolist()) & want.keys():
+                out[want[i]].append((m.name, r.lsn, r.epoch, r.client_id, r.seq))
+    return out
+
+
 def pushes_once_per_log(logs: list[MemberLog]) -> Finding:
     """No (client, seq) applied twice on any member (its log records every push it applied)."""
     dup = []

@@ -42,6 +42,7 @@ class Result:
     error: str = ""
     findings: list[dict[str, Any]] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
+    stall_by_fault: list[tuple[str, float]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -78,9 +79,10 @@ class Workload:
         return sorted(self.dir.glob("c*.jsonl"))
 
 
-def _stalls(events: list[Event], ops: list[history.Op], end: float, settle_s: float = 10.0) -> list[float]:
-    """Per fault of a primary and per client: the longest the client went without an acknowledgment from the fault
-    until ``settle_s`` after the heal that lifted it (the whole window when none came)."""
+def _stalls(events: list[Event], ops: list[history.Op], end: float, settle_s: float = 10.0) -> list[tuple[str, float]]:
+    """Per fault of a primary and per client: (the fault's name, the longest the client went without an
+    acknowledgment from the fault until ``settle_s`` after the heal that lifted it; the whole window when none
+    came)."""
     out = []
     clients = sorted({o.client for o in ops})
     for i, ev in enumerate(events):
@@ -92,10 +94,10 @@ def _stalls(events: list[Event], ops: list[history.Op], end: float, settle_s: fl
             oks = sorted(o.completed for o in ops if o.client == c and o.outcome == "ok" and o.completed
                          and ev.t < o.completed <= stop and ev.group in (o.shards or [ev.group]))
             if not oks:
-                out.append(stop - ev.t)
+                out.append((ev.name, stop - ev.t))
                 continue
             gaps = [oks[0] - ev.t] + [b - a for a, b in zip(oks, oks[1:])]
-            out.append(max(gaps))
+            out.append((ev.name, max(gaps)))
     return out
 
 
@@ -150,7 +152,8 @@ def run_session(scenarios: list[Scenario], scale: Scale, seed: int, out: pathlib
         r.applied_twice = sum((o.client, o.k) in keys for o in classes["twice"])
         r.divergent = divergent
         events = [Event(**e) for e in r.events]
-        r.stalls = _stalls(events, ops, end)
+        r.stall_by_fault = _stalls(events, ops, end)
+        r.stalls = [x for _, x in r.stall_by_fault]
         if r.stalls:
             r.stall_p50_s, r.stall_max_s = statistics.median(r.stalls), max(r.stalls)
         r.findings = [asdict(f) for f in findings]
@@ -186,6 +189,10 @@ def _check(cluster: ChaosCluster, ops: list[history.Op], settled: bool) -> tuple
         cluster.kill(m)
     logs = {g: [checkers.read_member_log(m.name, m.data_dir) for m in cluster.group(g)] for g in groups}
     flat = [m for ls in logs.values() for m in ls]
+    if classes["lost"] or classes["twice"]:  # where the members' logs hold those operations' records, if anywhere
+        for f in findings:
+            if f.checker == "exactly once (rows)":
+                f.data["in_logs"] = checkers.where_logged(classes["lost"] + classes["twice"], flat)
     findings.append(checkers.pushes_once_per_log(flat))
     findings.append(checkers.log_agreement(logs))
     claimed = cluster.epochs_claimed()
@@ -225,6 +232,17 @@ def report(results: list[Result], out: pathlib.Path, meta: dict[str, Any]) -> st
     rows = [{**asdict(r), "checks": "ok" if r.ok else ("ERROR" if r.error else "FAILED: " + ", ".join(r.checks_failed))}
             for r in results]
     text = table(rows, COLUMNS)
+    by_fault: dict[str, list[float]] = {}
+    for r in results:
+        for name, stall in r.stall_by_fault:
+            by_fault.setdefault(name, []).append(stall)
+    if by_fault:
+        stalls = [{"fault": name, "n": len(xs), "p50": statistics.median(xs), "max": max(xs)}
+                  for name, xs in sorted(by_fault.items())]
+        text += "\n\nclients' stall after each fault of a primary (longest gap between acknowledgements, per client)\n"
+        text += table(stalls, [("fault", "fault", ""), ("n", "n", "d"), ("p50", "stall p50 s", ".2f"),
+                               ("max", "stall max s", ".2f")])
+        meta = {**meta, "stall_by_fault": stalls}
     out.mkdir(parents=True, exist_ok=True)
     (out / "chaos.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2, default=str))
     (out / "chaos.txt").write_text(text + "\n")

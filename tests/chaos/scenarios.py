@@ -23,7 +23,7 @@ class Scale:
     mixed_s: float  # how long the mixed scenario runs
 
 
-SHORT = Scale(rounds=1, hold_s=4.0, gap_s=1.5, mixed_s=20.0)
+SHORT = Scale(rounds=1, hold_s=3.0, gap_s=1.0, mixed_s=12.0)
 FULL = Scale(rounds=3, hold_s=6.0, gap_s=4.0, mixed_s=300.0)
 
 
@@ -120,6 +120,11 @@ def clocks(n: Nemesis, rng: random.Random, scale: Scale) -> None:
         _round(n, scale, lambda: n.jump_clock(p, +30))
         p = n.primary()
         _round(n, scale, lambda: n.jump_clock(p, -30))
+        if scale.rounds == 1:  # the short run: the fast backup alone
+            p = n.primary()
+            b = rng.choice(n.backups(0, p))
+            _round(n, scale, lambda: (n.restart(b, Clock(rate=2.0)), time.sleep(1.0), n.kill(p, of_primary=True)))
+            return
         p = n.primary()
         b = rng.choice(n.backups(0, p))
 
