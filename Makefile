@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-gpu fuzz fairness failover lint codegen bench clean docker-deps docker-base wheelhouse docker-test docker-etcd
+.PHONY: setup demo test test-gpu fuzz fairness failover chaos lint codegen bench clean docker-deps docker-base wheelhouse docker-test docker-etcd
 
 setup: $(STAMP)
 
@@ -59,6 +59,14 @@ fairness: $(STAMP)
 KILLS ?= 10
 failover: $(STAMP)
 	SHARDPS_REPLICA_KILLS=$(KILLS) $(BIN)/python -m pytest -q -s tests/test_replicas.py -k killed_again
+
+# The fault campaign at length (tests/chaos, docs/reliability.md): every scenario on a cluster of its own in the lab
+# (root, Debian's etcd-server, nftables, fiu-utils), 3 rounds each and MIXED_S seconds of mixed faults; CHAOS_SEED
+# varies it. CI runs the short version (tests/test_chaos.py). Writes benchmarks/results/chaos/chaos.{json,txt}.
+CHAOS_SEED ?= 1
+MIXED_S ?= 300
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos --seed $(CHAOS_SEED) --mixed-s $(MIXED_S)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff mypy
