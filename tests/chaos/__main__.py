@@ -1,6 +1,6 @@
 """``python -m tests.chaos``: run the campaign's scenarios, print the table, write chaos.json and chaos.txt.
 
-    python -m tests.chaos                       # every scenario at length, each on a cluster of its own (make chaos)
+    python -m tests.chaos                       # every scenario at length (make chaos)
     python -m tests.chaos --short               # one round of each, scenarios of one spec sharing a cluster (CI)
     python -m tests.chaos --scenario disks --seed 7
 
@@ -18,9 +18,8 @@ from tests.chaos.scenarios import BY_NAME, FULL, SCENARIOS, SHORT, Scenario
 
 
 def sessions(chosen: list[Scenario], short: bool) -> list[list[Scenario]]:
-    """Short: scenarios of one spec share a cluster (in the table's order); at length each has its own."""
-    if not short:
-        return [[s] for s in chosen]
+    """Scenarios of one spec share a cluster, in the table's order (each runs on a healed, settled cluster; its row
+    counts the operations invoked in its window)."""
     out: list[list[Scenario]] = []
     for s in chosen:
         for group in out:

@@ -24,7 +24,7 @@ class Scale:
 
 
 SHORT = Scale(rounds=1, hold_s=3.0, gap_s=1.0, mixed_s=12.0)
-FULL = Scale(rounds=3, hold_s=6.0, gap_s=4.0, mixed_s=300.0)
+FULL = Scale(rounds=2, hold_s=5.0, gap_s=2.0, mixed_s=240.0)
 
 
 @dataclass(frozen=True)

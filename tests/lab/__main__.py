@@ -23,7 +23,7 @@ def main() -> int:
     found = sweep(everything=args.all)
     for kind, items in found.items():
         for item in items:
-            print(f"removed {kind[:-1] if kind.endswith('s') else kind}: {item}")
+            print(f"removed {'netns' if kind == 'netns' else kind[:-1]}: {item}")
     if not any(found.values()):
         print("nothing to sweep")
     return 0
