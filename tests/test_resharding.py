@@ -604,6 +604,64 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
         calls.close()
 
 
+class _DriverKilled(Exception):
+    """The driver stopping between two steps, as SIGKILL would stop it (no roll back)."""
+
+
+def test_a_move_cut_short_while_copying_is_rolled_back_on_both_sides_when_a_backup_is_listed_first(tmp_path, etcd):
+    """The campaign's reshard scenario (tests/chaos): the driver stopped while copying a move; the groups' cluster
+    file lists a backup before the primary. Resuming, the driver must ask the source's primary how the move stands
+    (a backup holds none of a source's moves in flight, it would say "unknown") and roll both sides back: it once
+    rolled back the target only, and the source's copy held its slots for good ("its slots are moving already" at
+    every resume after). Then the reshard finishes and every row keeps its value."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
+                      etcd=etcd.url, serve_args=["--ack", "quorum"]) as cluster:
+        with Client(cluster.addresses) as c:
+            _tables(c)
+            ids = torch.arange(ROWS)
+            c.push("t", ids, torch.ones(ROWS, 4))
+            c.flush()
+        cluster.add_shards(1)
+        finder = ShardCalls(cluster.addresses, retry_s=30)
+        deadline = time.monotonic() + 30
+        for s in range(3):  # every group's primary found (the new one's election may still run)
+            while finder.info(s).replica.role != "primary":
+                assert time.monotonic() < deadline, f"shard {s} has no primary"
+                time.sleep(0.2)
+                finder._find_primary(s)
+        # each group listed backup first, as a cluster file written before a failover lists it
+        backup_first = ["|".join(sorted(members, key=lambda a: a == finder.primary[s]))
+                        for s, members in enumerate(finder.entries)]
+        assert all(e.split("|")[0] != finder.primary[s] for s, e in enumerate(backup_first))
+        finder.close()
+
+        def at(phase: str, move: Move) -> None:
+            if phase == "copied":
+                raise _DriverKilled(move.id)
+
+        calls = ShardCalls(backup_first, retry_s=30)
+        journal = Journal(tmp_path / "journal.json", batch_slots=4096)
+        driver = Resharder(calls, journal, at=at)
+        driver.ensure_lineage()
+        with pytest.raises(_DriverKilled):
+            driver.run([0, 1, 2])
+        cut = Move.from_json(journal.move)
+        calls.close()
+
+        calls = ShardCalls(backup_first, retry_s=30)  # the resumed command: a new process
+        resumed = Resharder(calls, Journal.load(journal.path))
+        assert resumed.settle() == 1
+        for shard in (cut.source, cut.target):
+            assert calls.migrate(shard, "status", move_id=cut.id).state == "aborted"
+            assert not calls.info(shard).slots.moves, f"shard {shard} still holds a move in flight"
+        resumed.run([0, 1, 2])
+        assert resumed.map.slot_counts().tolist() == [5462, 5461, 5461]
+        calls.close()
+        with Client(cluster.addresses) as c:
+            got = c.pull("t", ids)[:, 0].numpy()
+            assert (got == -1).all(), f"{int((got != -1).sum())} rows lost their push"
+
+
 @pytest.mark.parametrize("restart", ["replaying the log", "from a checkpoint"])
 def test_a_push_a_leaving_shard_applied_unanswered_is_not_applied_again_where_its_rows_went(tmp_path, restart):
     """docs/resharding.md#exactly-once-across-shards: a push shard 2 applied, whose answer its client never got, is

@@ -142,7 +142,7 @@ def run_session(scenarios: list[Scenario], scale: Scale, seed: int, out: pathlib
         end = time.monotonic()
         ops = history.load(workload.files())
         findings, classes, divergent = _check(cluster, ops, settled)
-        _keep_logs(lab, out, scenarios)
+        _keep_logs(lab, out, scenarios, data=not all(f.ok for f in findings))
     for i, r in enumerate(results):
         t0 = windows[i][0] if i else 0.0
         t1 = windows[i][1] if i + 1 < len(windows) else float("inf")
@@ -233,8 +233,10 @@ def _check(cluster: ChaosCluster, ops: list[history.Op], settled: bool) -> tuple
     return findings, classes, int(conv.data.get("divergent", 0))
 
 
-def _keep_logs(lab: Lab, out: pathlib.Path, scenarios: list[Scenario]) -> None:
-    """The members', clients' and etcd's logs and the histories, kept beside the results (the lab goes)."""
+def _keep_logs(lab: Lab, out: pathlib.Path, scenarios: list[Scenario], data: bool = False) -> None:
+    """The members', clients' and etcd's logs and the histories, kept beside the results (the lab goes); with
+    ``data`` (a check failed) the members' data directories too (their logs and checkpoints, to read the records
+    with ``shardps.server.durability.wal``)."""
     dest = out / "logs" / "+".join(s.name for s in scenarios)[:120]
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True, exist_ok=True)
@@ -243,6 +245,16 @@ def _keep_logs(lab: Lab, out: pathlib.Path, scenarios: list[Scenario]) -> None:
             shutil.copy(p, dest / p.name)
         except OSError:
             pass
+    if data and (lab.dir / "data").is_dir():
+        shutil.copytree(lab.dir / "data", dest / "data", ignore_dangling_symlinks=True, dirs_exist_ok=True,
+                        copy_function=_copy_quietly)
+
+
+def _copy_quietly(src: str, dst: str) -> None:
+    try:
+        shutil.copy2(src, dst)
+    except OSError:
+        pass
 
 
 COLUMNS = [("scenario", "scenario", ""), ("family", "#", "d"), ("operations", "ops", ",d"),

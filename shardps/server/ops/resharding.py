@@ -67,6 +67,7 @@ class ShardCalls:
         self.metadata = bearer(token) if token else None
         self.entries: list[list[str]] = []
         self.primary: list[str] = []
+        self._located: set[int] = set()  # replica groups whose primary was asked for (not taken as the first member)
         self._channels: dict[str, grpc.Channel] = {}
         self.add(entries)
 
@@ -96,10 +97,25 @@ class ShardCalls:
             raise ShardError(f"shard {shard} was removed from the cluster: it has no address")
         deadline = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
         delay = 0.1
+        if shard not in self._located:  # a group's first member may be a backup: every call goes to its primary
+            self._located.add(shard)
+            self._find_primary(shard)
         while True:
             address = self.primary[shard]
             try:
-                return self._method(address, method)(request, timeout=self.timeout, metadata=self.metadata)
+                reply = self._method(address, method)(request, timeout=self.timeout, metadata=self.metadata)
+                if method != "ShardInfo" or reply.replica.role in ("", "primary"):
+                    return reply
+                # ShardInfo answered by a backup (the primary moved since it was found): its moves in flight are
+                # not the primary's; asked again of the primary
+                if time.monotonic() + delay > deadline:
+                    raise ShardError(f"shard {shard}: no primary of its replica group answered within "
+                                     f"{self.retry_s if retry_s is None else retry_s:g} s (last: {address}, a "
+                                     f"{reply.replica.role})")
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                self._find_primary(shard)
+                continue
             except grpc.RpcError as e:
                 kind = dict(e.trailing_metadata() or ()).get(status.KIND_METADATA, "")
                 transient = e.code() == grpc.StatusCode.UNAVAILABLE or kind == "not_primary"
@@ -430,9 +446,12 @@ class Resharder:
         for shard in self.reachable():
             for m in self.calls.info(shard).slots.moves:
                 holders.setdefault(m.id, []).append((shard, m.role, int(m.peer)))
-        if self.journal.move:
+        if self.journal.move:  # both sides, whichever of them listed it (a side that lost it aborts as never begun)
             mv = Move.from_json(self.journal.move)
-            holders.setdefault(mv.id, [(mv.source, "source", mv.target), (mv.target, "target", mv.source)])
+            parts = holders.setdefault(mv.id, [])
+            for side in ((mv.source, "source", mv.target), (mv.target, "target", mv.source)):
+                if not any(s == side[0] and role == side[1] for s, role, _ in parts):
+                    parts.append(side)
         for move_id, parts in holders.items():
             sources = [s for s, role, _ in parts if role == "source"]
             source = sources[0] if sources else next(peer for _, role, peer in parts if role == "target")

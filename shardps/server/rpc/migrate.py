@@ -79,8 +79,10 @@ def handle(shard: Shard, request: pb.MigrateRequest) -> pb.MigrateResponse:
     m, op, mid = shard.migrations, request.op, request.move_id
     if op not in ("install", "announce") and (not mid or len(mid) > 64):
         raise InvalidArgument(f"Migrate {op}: a move id of 1 to 64 characters is required")
-    if op not in ("status", "out_ids", "out_rows"):
-        shard.check.writable(f"slot migration step {op!r}")
+    # Every step, the reads (status, out_ids, out_rows) too, on a replica group's primary only: a move in flight on
+    # a source lives in its primary's memory, so a backup would answer "unknown" of one handing over (the driver
+    # then rolled back a target and left the source's copy holding its slots for good).
+    shard.check.writable(f"slot migration step {op!r}")
     out = pb.MigrateResponse()
     if op == "out_begin":
         out.version = m.out_begin(_move(request))
@@ -192,15 +194,18 @@ class ArrivalResolver:
 
 
 def _ask_status(address: str, move_id: str) -> str:
-    """The source's state of ``move_id`` (empty when it cannot be asked now)."""
-    ch = outbound.channel(address)
-    try:
-        call: Any = ch.unary_unary(protocol.METHODS["Migrate"].path,
-                                   request_serializer=pb.MigrateRequest.SerializeToString,
-                                   response_deserializer=pb.MigrateResponse.FromString)
-        return str(call(pb.MigrateRequest(op="status", move_id=move_id), timeout=5,
-                        metadata=outbound.metadata()).state)
-    except grpc.RpcError:
-        return ""
-    finally:
-        ch.close()
+    """The source's state of ``move_id``, from its replica group's primary (a backup refuses: it holds none of the
+    source's moves in flight); empty when it cannot be asked now."""
+    for member in [a for a in address.replace(",", "|").split("|") if a]:
+        ch = outbound.channel(member)
+        try:
+            call: Any = ch.unary_unary(protocol.METHODS["Migrate"].path,
+                                       request_serializer=pb.MigrateRequest.SerializeToString,
+                                       response_deserializer=pb.MigrateResponse.FromString)
+            return str(call(pb.MigrateRequest(op="status", move_id=move_id), timeout=5,
+                            metadata=outbound.metadata()).state)
+        except grpc.RpcError:
+            continue
+        finally:
+            ch.close()
+    return ""
