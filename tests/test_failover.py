@@ -157,6 +157,58 @@ def test_records_a_backup_stored_are_applied_even_when_its_acknowledgement_fails
         server.stop(checkpoint=False)
 
 
+def test_a_push_that_waited_while_its_member_stepped_down_is_refused_not_applied(tmp_path, etcd):
+    """Bug 11. A push reaches the primary and waits there (a checkpoint's hold here; in the campaign, slots arriving
+    from a move); meanwhile the member steps down. When the wait ends, the push must be refused, not applied: a
+    backup's log appended nothing of it and its wait checked nothing, so it was applied and acknowledged with no
+    record behind it, and lost (the reshard scenario's lost acknowledgement)."""
+    server = _member(tmp_path, etcd, 0)
+    try:
+        member, shard = server.replica, server.shard
+        assert member is not None
+        member.stop()  # no election thread: this test plays the member's steps
+        member._applying.on = True  # the table comes as its primary's record would
+        shard.create_table(_spec())
+        member._applying.on = False
+        with member.lock:
+            member.role, member.primary = "primary", Primary("m0", server.address, 7, 0)
+        member.log.begin_epoch(7)
+        member.log.originates = True
+        shard.gate.close()  # a checkpoint's hold: the push waits
+        at_gate = threading.Event()
+        gate_wait = shard.gate.wait
+
+        def wait_at_gate(timeout):
+            at_gate.set()
+            return gate_wait(timeout)
+
+        shard.gate.wait = wait_at_gate  # type: ignore[method-assign]
+        outcome: list = []
+
+        def push() -> None:
+            try:
+                with Client([server.address], timeout=20, retry_timeout=2) as c:
+                    c.push("t", torch.tensor([3, 5]), -torch.ones(2, 2), wait=True)
+                outcome.append("acknowledged")
+            except Exception as e:  # noqa: BLE001 - the outcome
+                outcome.append(e)
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        assert at_gate.wait(20), "the push never reached the gate"
+        member.step_down(None, "the test")
+        shard.gate.open()
+        pusher.join(30)
+        assert outcome and outcome[0] != "acknowledged", "a push applied by a member that stepped down was " \
+                                                         "acknowledged"
+        assert isinstance(outcome[0], ShardUnavailableError), outcome
+        rows, _ = shard.read_rows(shard.registry.get("t", dense=False), np.array([3, 5], np.int64))
+        assert np.array_equal(np.asarray(rows), np.zeros((2, 2), np.float32)), rows  # not applied
+        assert member.log.lsn == 0 and member.log.originating() == 0  # nothing of its own logged
+    finally:
+        server.stop(checkpoint=False)
+
+
 def _spec():
     from shardps.core.optim import SGD as ServerSGD
     from shardps.core.specs import Initializer as Init

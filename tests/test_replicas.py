@@ -16,7 +16,7 @@ import pytest
 import torch
 from shardps_client import SGD, Client, Initializer, NotPrimaryError
 
-from shardps.core.errors import InvalidArgument
+from shardps.core.errors import InvalidArgument, NotPrimary
 from shardps.server.durability.modes import NoDurability
 from shardps.server.durability.replication import Diverged, ReplicatedLog, Shipped
 from shardps.server.ops.etcd import INSTALL, LocalEtcd, etcd_binary
@@ -397,7 +397,14 @@ def test_the_replicated_log_numbers_keeps_and_checks_records():
     backup = ReplicatedLog(NoDurability(), group=3)
     backup.open()
     backup.originates = False
-    assert backup.append((3, b"own")) == 0  # a backup never originates records
+    with pytest.raises(NotPrimary, match="not the primary"):  # a backup never originates records: refused
+        backup.append((3, b"own"))
+    with pytest.raises(NotPrimary, match="stepped down"), backup.origin():  # nor applies a change of its own
+        pytest.fail("a backup applied a change of its own")
+    backup.applying = lambda: True  # what its primary shipped, applied here: stored already, nothing appended
+    assert backup.append((3, b"primary's")) == 0
+    backup.applying = lambda: False
+    assert backup.lsn == 0
     backup.store(Shipped(1, 7, 3, b"one"))
     with pytest.raises(Diverged):
         backup.store(Shipped(3, 7, 3, b"gap"))

@@ -17,6 +17,7 @@ one, so a deposed primary cannot gather a quorum.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Union
 
-from shardps.core.errors import InvalidArgument, Unavailable
+from shardps.core.errors import InvalidArgument, NotPrimary, Unavailable
 from shardps.core.files import fsync_dir
 from shardps.server.durability import wal
 from shardps.server.durability.modes import CheckpointDurability, NoDurability, Record
@@ -83,6 +84,7 @@ class ReplicatedLog:
         self.history: list[tuple[int, int]] = []  # (epoch, first lsn written in it), ascending
         self.fence: Callable[[], None] = lambda: None  # raises when this member may not acknowledge a write
         self.originates = True  # False on a backup: it stores only what its primary ships, never records of its own
+        self.applying: Callable[[], bool] = lambda: False  # True in a thread applying the primary's records here
         self.epochs_path = epochs_path
         self._open = False
         self._cv = threading.Condition()
@@ -90,7 +92,8 @@ class ReplicatedLog:
         self._kept_bytes = 0
         self._tickets: dict[int, int] = {}  # lsn -> the inner durability's ticket
         self._acks: dict[str, int] = {}  # backup -> the lsn it has in its log
-        self._originating = 0  # records of this member's own (as primary) being stored now (a slow disk's)
+        self._originating = 0  # changes and records of this member's own (as primary) under way (a slow disk's)
+        self._origin = threading.local()  # .depth: this thread is inside ``origin()``
 
     # ---- the Durability protocol -------------------------------------------------------------
 
@@ -98,12 +101,45 @@ class ReplicatedLog:
         self.inner.open()
         self._open = True
 
+    @contextlib.contextmanager
+    def origin(self) -> Iterator[None]:
+        """Around a change of this member's own (a push, a migration's rows: applied, then its record appended):
+        NotPrimary unless this member is the primary now, when the change has not been applied. A request that
+        passed the primary's check at its start may have waited (for arriving slots, a checkpoint) while the member
+        stepped down: it is refused here instead of being applied and answered with no record behind it (a
+        backup's ``append`` stored nothing and its wait checked nothing: the campaign's reshard scenario found such
+        a push acknowledged and lost). Inside, the record is appended even if the member steps down meanwhile
+        (numbered: the divergence a whole copy repairs; its wait's fence refuses the acknowledgement), and the
+        member follows no other primary until it is in (``originating``)."""
+        if self.applying():  # a backup applying what its primary shipped: the primary's change
+            yield
+            return
+        with self._cv:
+            if self._open and not self.originates:
+                raise NotPrimary("this member stepped down while the request waited: not applied; retry on the "
+                                 "primary")
+            self._originating += 1
+        self._origin.depth = getattr(self._origin, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._origin.depth -= 1
+            with self._cv:
+                self._originating -= 1
+                self._cv.notify_all()
+
     def append(self, record: Record) -> int:
         """Store a record (callers hold the lock that orders it): in the inner log, numbered, kept for backups. During
-        restore (before ``open``) nothing is stored or counted: restore counts what it replays."""
-        if not self._open or not record[0] or not self.originates:
+        restore (before ``open``) nothing is stored or counted: restore counts what it replays. NotPrimary on a
+        member that is not the primary, unless inside ``origin`` (the change it records is applied already)."""
+        if not self._open or not record[0]:
             return 0
         with self._cv:
+            if not self.originates and not getattr(self._origin, "depth", 0):
+                if self.applying():  # a backup applying what its primary shipped: the primary's record, stored
+                    return 0
+                raise NotPrimary("this member is not the primary: it records nothing of its own; retry on the "
+                                 "primary")
             self._originating += 1
         try:
             ticket = self.inner.append(record)

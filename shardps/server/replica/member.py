@@ -115,6 +115,7 @@ class ReplicaMember:
         self.exit: Any = None  # how a member whose log failed leaves (the server's; default: os._exit)
         self.log.originates = False
         self.log.fence = self.fence
+        self.log.applying = lambda: bool(getattr(self._applying, "on", False))
         shard.check.guard = self.check_writable
 
     # ---- lifecycle ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ with the staleness the log recorded.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from contextlib import contextmanager
@@ -402,7 +403,11 @@ class UpdatePath:
                     slots.wait_for(t.spec, ids, True, f"{what} to {t.spec.name!r}")
                     continue
             try:
-                yield
+                # (a replica group's member: refused unless it is the primary now; it may have stepped down while
+                # this request waited above, ReplicatedLog.origin)
+                origin = getattr(self.durability, "origin", None)
+                with origin() if origin is not None else contextlib.nullcontext():
+                    yield
             finally:
                 t.lock.release()
             return
@@ -425,7 +430,8 @@ class UpdatePath:
 
     def sweep(self, t: Table, max_slots: int) -> int:
         """Evict the expired rows of the next slice of ``t`` (logged); how many."""
-        with t.lock:
+        origin = getattr(self.durability, "origin", None)  # (a replica group's backup sweeps nothing of its own)
+        with t.lock, origin() if origin is not None else contextlib.nullcontext():
             if not self.gate.is_open:  # a checkpoint is being taken: next time
                 return 0
             gone = t.sweep(self.version, max_slots)
