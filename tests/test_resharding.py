@@ -656,6 +656,22 @@ def test_a_move_cut_short_while_copying_is_rolled_back_on_both_sides_when_a_back
             assert not calls.info(shard).slots.moves, f"shard {shard} still holds a move in flight"
         resumed.run([0, 1, 2])
         assert resumed.map.slot_counts().tolist() == [5462, 5461, 5461]
+
+        # The driver stopped right after a source (a group) committed: the target (a group) asks the source's
+        # primary itself, and activates without any driver (ArrivalResolver; the source's address is its group's)
+        def stop_after_commit(phase: str, move: Move) -> None:
+            if phase == "committed":
+                raise _DriverKilled(move.id)
+
+        back = Resharder(calls, Journal(tmp_path / "back.json", batch_slots=4096), at=stop_after_commit)
+        with pytest.raises(_DriverKilled) as stopped:
+            back.run([0, 1])
+        move_id = str(stopped.value)
+        target = Move.from_json(back.journal.move).target
+        deadline = time.monotonic() + 30
+        while calls.migrate(target, "status", move_id=move_id).state != "active":
+            assert time.monotonic() < deadline, "the target never activated a move its source committed"
+            time.sleep(0.2)
         calls.close()
         with Client(cluster.addresses) as c:
             got = c.pull("t", ids)[:, 0].numpy()

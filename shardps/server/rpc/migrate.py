@@ -144,8 +144,8 @@ class ArrivalResolver:
     activates (the source committed) or drops it (the source gave it up, or never knew it): the pair settles
     without the driver."""
 
-    def __init__(self, shard: Shard, acting: Callable[[], bool] = lambda: True, after_s: float = 3.0,
-                 every_s: float = 1.0, ask: Callable[[str, str], str] | None = None) -> None:
+    def __init__(self, shard: Shard, acting: Callable[[], bool] = lambda: True, after_s: float = 1.0,
+                 every_s: float = 0.5, ask: Callable[[str, str], str] | None = None) -> None:
         self.shard = shard
         self.acting = acting  # False on a replica group's backup: its primary settles moves
         self.after_s = after_s
