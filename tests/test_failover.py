@@ -157,6 +157,37 @@ def test_records_a_backup_stored_are_applied_even_when_its_acknowledgement_fails
         server.stop(checkpoint=False)
 
 
+def test_a_candidate_reports_where_its_log_ends_only_once_its_follow_thread_has_stored_its_batch(tmp_path, etcd):
+    """Bug 10. A member that stepped down while its follow thread was storing a batch reported where its log ended
+    without that batch (records it had acknowledged to the old primary): an election could then pick a log that
+    lacks them. Its report must come after the batch is stored."""
+    server = _member(tmp_path, etcd, 0)
+    try:
+        member = server.replica
+        assert member is not None
+        member.stop()  # no election thread: this test plays the member's steps
+        reported: list[int] = []
+        member._publish = lambda: reported.append(member.log.lsn)  # type: ignore[method-assign]
+        with member.lock:
+            member.role, member.primary = "candidate", None
+            member._following = 7  # the follow thread holds a batch of the old primary's (epoch 7)
+        lsn = member.log.lsn
+
+        def store_the_batch() -> None:
+            time.sleep(0.5)
+            member.log.lsn = lsn + 3  # the batch's three records stored, acknowledged, applied
+            member._following = 0
+
+        follower = threading.Thread(target=store_the_batch)
+        follower.start()
+        member._stop.clear()
+        member._campaign(since=0)
+        follower.join(10)
+        assert reported and reported[0] == lsn + 3, f"reported {reported}: before its batch ({lsn + 3}) was stored"
+    finally:
+        server.stop(checkpoint=False)
+
+
 def test_a_push_that_waited_while_its_member_stepped_down_is_refused_not_applied(tmp_path, etcd):
     """Bug 11. A push reaches the primary and waits there (a checkpoint's hold here; in the campaign, slots arriving
     from a move); meanwhile the member steps down. When the wait ends, the push must be refused, not applied: a
