@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,torchrec]'
+	$(BIN)/python -m pip install -q --no-deps torchrec==1.8.0  # (its fbgemm-gpu requirement is fbgemm-gpu-cpu here)
 	$(BIN)/python -m shardps.core.kernels  # the kernels compiled ahead of time (with a C compiler) and numba's cache
 	rm -f $(VENV)/.installed-*
 	touch $@

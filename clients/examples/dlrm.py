@@ -11,6 +11,7 @@ same model trained locally with torch.optim runs afterwards for comparison.
     python -m clients.examples.dlrm                       # local cluster, 2 async workers
     python -m clients.examples.dlrm --mode sync --prefetch
     python -m clients.examples.dlrm --dense ddp           # MLPs by DistributedDataParallel, embeddings on the shards
+    python -m clients.examples.dlrm --model torchrec      # TorchRec's own DLRM over the collection (shardps[torchrec])
     torchrun --nproc-per-node 2 -m clients.examples.dlrm --cluster-file shardps-cluster.json
 """
 
@@ -155,6 +156,31 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, z], dim=1)).squeeze(1)
 
 
+class TorchRecDLRM(nn.Module):
+    """TorchRec's own model (``torchrec.models.dlrm.DLRM``) over the collection, fed TorchRec's own
+    ``KeyedJaggedTensor``: a TorchRec user's model with its tables on the shards. Same widths as ``DLRM`` above
+    (TorchRec's dense arch ends in a ReLU, its over arch in a Linear)."""
+
+    def __init__(self, ebc: RemoteEmbeddingBagCollection, dim: int) -> None:
+        super().__init__()
+        try:
+            from torchrec.models.dlrm import DLRM as TorchRecModel
+            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchRecKJT
+        except Exception as e:  # noqa: BLE001 - said, with the fix
+            raise SystemExit(f"--model torchrec: torchrec cannot be imported ({type(e).__name__}: {e}); install "
+                             "pip install 'shardps[torchrec]' and pip install --no-deps torchrec==1.8.0 "
+                             "(docs/client.md#torchrec)") from e
+        self.kjt = TorchRecKJT
+        self.dlrm = TorchRecModel(embedding_bag_collection=ebc, dense_in_features=NUM_DENSE,
+                                  dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1])
+
+    def forward(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        b = sparse.shape[0]
+        kjt = self.kjt.from_lengths_sync(FEATURES, sparse.t().reshape(-1),
+                                         torch.ones(b * NUM_SPARSE, dtype=torch.int64), stride=b)
+        return self.dlrm(dense, kjt).squeeze(1)
+
+
 def table_name(f: int) -> str:
     return f"dlrm.C{f}"
 
@@ -209,8 +235,10 @@ def evaluate(model: nn.Module, ids: np.ndarray, dense: np.ndarray, labels: np.nd
 
 
 def mlp_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The model's parameters other than embedding tables (the bottom and top MLPs)."""
-    return [p for n, p in model.named_parameters() if not n.startswith("emb.")]
+    """The model's parameters other than embedding tables (the bottom and top MLPs; a collection's per-table
+    placeholders, where optimizers are chosen the TorchRec way, hold no rows and are left out)."""
+    return [p for n, p in model.named_parameters()
+            if not n.startswith("emb.") and not getattr(p, "_shardps_table_slot", False)]
 
 
 def dense_fingerprint(model: nn.Module) -> float:
@@ -240,7 +268,7 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
                                           feature_names=[feature], pooling=PoolingType.SUM)
                        for name, feature in zip(names, FEATURES)]
             ebc = RemoteEmbeddingBagCollection(configs, client, device=device, create=False)  # tables made above
-            model = DLRM(ebc, args.dim).to(device)
+            model = (TorchRecDLRM if args.model == "torchrec" else DLRM)(ebc, args.dim).to(device)
 
             def ids_fn(b: tuple) -> dict[str, torch.Tensor]:
                 return ebc.ids_of(sparse_kjt(b[0]))
@@ -353,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embeddings", choices=("collection", "tables"), default="collection",
                    help="the tables as one RemoteEmbeddingBagCollection (one pass for all tables per step) or "
                         "one RemoteEmbedding module per table")
+    p.add_argument("--model", choices=("ours", "torchrec"), default="ours",
+                   help="the model over the collection: this example's DLRM, or TorchRec's own "
+                        "torchrec.models.dlrm.DLRM fed TorchRec's KeyedJaggedTensor (pip install 'shardps[torchrec]')")
     p.add_argument("--prefetch", action="store_true", help="pull the next batch's rows while the current one trains")
     p.add_argument("--dense-lag", type=int, default=0,
                    help="steps the MLP's values may lag behind (async mode): 1 lets a step start before the last "
@@ -384,12 +415,14 @@ def main() -> int:
         p.error("--dense-lag needs --mode async (synchronous and SSP steps bound staleness themselves)")
     if args.dense_lag and args.dense == "ddp":
         p.error("--dense-lag applies to --dense shards (DDP's all-reduce keeps the replicas in step)")
+    if args.model == "torchrec" and args.embeddings != "collection":
+        p.error("--model torchrec takes the tables as one collection (--embeddings collection)")
     if args.cache_steps and args.mode == "sync":
         p.error("--cache-steps needs --mode async or ssp (a synchronous step takes every worker's gradients)")
     ident = worker_identity()
     if ident is not None:  # one worker (under torchrun or started below)
         return worker(args, worker_addresses(args), *ident)
-    print(f"DLRM: {NUM_SPARSE} sparse features x {args.rows:,} rows (dim {args.dim}, {args.embeddings}) + "
+    print(f"{'TorchRec DLRM' if args.model == 'torchrec' else 'DLRM'}: {NUM_SPARSE} sparse features x {args.rows:,} rows (dim {args.dim}, {args.embeddings}) + "
           f"{NUM_DENSE} dense; "
           f"{args.train:,} training samples, {args.workers} worker(s), mode {args.mode}"
           f"{', prefetch' if args.prefetch else ''}{f', cache {args.cache_steps} steps' if args.cache_steps else ''}",
@@ -418,7 +451,7 @@ def main() -> int:
             results["local_one_thread"] = train_local(args, threads=1)
     if args.dense == "ddp":
         results["shardps"]["dense_fingerprints"] = [r["dense_fingerprint"] for r in ranks]
-    label = f"shardps ({args.workers} workers, {args.mode}{', DDP dense' if args.dense == 'ddp' else ''})"
+    label = f"shardps ({'TorchRec DLRM, ' if args.model == 'torchrec' else ''}{args.workers} workers, {args.mode}{', DDP dense' if args.dense == 'ddp' else ''})"
     lines = [("best achievable (planted truth)", results["best_auc"], None),
              (label, results["shardps"]["auc"], results["shardps"]["samples_per_s"])]
     if "local" in results:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from torch import nn
 from shardps.core.optim import Optimizer
 from shardps.core.specs import Initializer
 from shardps_client.client import Client, Versions
+from shardps_client.collection_layout import Layout as _Layout
+from shardps_client.collection_layout import Step as _Step
+from shardps_client.collection_optim import TableSlot, choose, in_backward, slot_key, warn_default
 from shardps_client.sparse import JaggedTensor, KeyedTensor
 
 PLANS_KEPT = 4  # plans ids_of made that a forward may take (a Prefetcher's depth ahead)
@@ -67,96 +70,110 @@ class EmbeddingConfig(EmbeddingBagConfig):
     pooling: Union[PoolingType, str] = PoolingType.NONE
 
 
-def _pooling(p: Any) -> str:
-    """"sum", "mean" or "none" of a PoolingType (ours or TorchRec's) or a string."""
-    name = str(getattr(p, "name", p)).lower()
-    if name not in ("sum", "mean", "none"):
-        raise ValueError(f"pooling must be SUM, MEAN or NONE, got {p!r}")
-    return name
+def _containers(features: Any) -> tuple[Any, Any]:
+    """The output containers (KeyedTensor, JaggedTensor) of the input's library: TorchRec's own for TorchRec's
+    KeyedJaggedTensor (its methods all there for TorchRec's models), ``shardps_client.sparse``'s otherwise."""
+    if type(features).__module__.startswith("torchrec."):
+        import sys
 
-
-class _Layout:
-    """Which feature reads which table, and how tables group into shared local weights (equal width and
-    pooling, contiguous in the collection's table order)."""
-
-    def __init__(self, configs: list[Any], pooled: bool) -> None:
-        names = [c.name for c in configs]
-        if len(set(names)) != len(names) or not all(names):
-            raise ValueError(f"every table needs a name of its own, got {names}")
-        features = [f for c in configs for f in c.feature_names]
-        if len(set(features)) != len(features):
-            raise ValueError(f"a feature may read one table only, got {features}")
-        if not features:
-            raise ValueError("a collection needs at least one feature")
-        self.pools = [_pooling(c.pooling) if pooled else "none" for c in configs]
-        if pooled and "none" in self.pools:
-            raise ValueError("an embedding bag collection pools its bags: SUM or MEAN")
-        # Tables in group order (equal (dim, pooling) adjacent), so each group's unique rows are contiguous.
-        order = sorted(range(len(configs)), key=lambda i: (configs[i].embedding_dim, self.pools[i], i))
-        self.configs = [configs[i] for i in order]
-        self.pools = [self.pools[i] for i in order]
-        self.tables = [c.name for c in self.configs]
-        self.dims = np.array([c.embedding_dim for c in self.configs], dtype=np.int64)
-        self.rows = np.array([c.num_embeddings for c in self.configs], dtype=np.int64)
-        self.features = features  # in config order: the output's keys
-        self.table_of = {f: order.index(i) for i, c in enumerate(configs) for f in c.feature_names}
-        self.feature_dims = [int(self.dims[self.table_of[f]]) for f in features]  # the output's column widths
-        self.feature_starts = np.concatenate([[0], np.cumsum(self.feature_dims)]).astype(np.int64)
-        keys = [(c.embedding_dim, p) for c, p in zip(self.configs, self.pools)]
-        self.groups: list[tuple[int, int]] = []  # [first table, end table) per group
-        for t, k in enumerate(keys):
-            if t and keys[t - 1] == k:
-                self.groups[-1] = (self.groups[-1][0], t + 1)
-            else:
-                self.groups.append((t, t + 1))
-        self.group_of_table = np.zeros(len(self.tables), dtype=np.int64)
-        for g, (a, b) in enumerate(self.groups):
-            self.group_of_table[a:b] = g
-        # Packing (table, id) into one int64: table t's ids start at base[t] (ids are checked in range first).
-        self.base = np.concatenate([[0], np.cumsum(self.rows)[:-1]]).astype(np.int64)
-        if self.rows.sum() >= 2**62:
-            raise ValueError("the tables of one collection hold at most 2^62 rows in all")
-
-
-@dataclass
-class _Step:
-    """One forward's plan: per table its unique ids, per value its row in its group's local weight."""
-
-    uniq: list[np.ndarray]  # per table (layout order), sorted unique ids
-    local: np.ndarray  # per value (input order): row in its group's weight
-    group_of_value: np.ndarray
-    feature_pos: dict[str, int]  # feature -> its index among the input's keys
-    lengths: np.ndarray  # [keys, stride] bag lengths
-    stride: int
+        jagged = sys.modules.get("torchrec.sparse.jagged_tensor")
+        if jagged is not None:
+            return jagged.KeyedTensor, jagged.JaggedTensor
+    return KeyedTensor, JaggedTensor
 
 
 class _RemoteCollection(nn.Module):
     def __init__(self, tables: list[Any], client: Client, device: Any, create: bool, wire_dtype: Optional[str],
-                 pooled: bool) -> None:
+                 pooled: bool, optimizer: Optional[Optimizer] = None) -> None:
         super().__init__()
         self.client = client
         self.device = torch.device(device) if device is not None else None
         self.wire_dtype = wire_dtype
         self._configs = list(tables)
         self.layout = _Layout(self._configs, pooled)
-        for c in self._configs:
-            if create:
-                # (TorchRec's own configs have neither field: the client's defaults then)
-                client.create_table(c.name, c.embedding_dim, c.num_embeddings, optimizer=getattr(c, "optimizer", None),
-                                    initializer=getattr(c, "initializer", None))
-            spec = client.table_spec(c.name)
-            if (spec.dim, spec.num_embeddings) != (c.embedding_dim, c.num_embeddings):
-                raise ValueError(f"table {c.name!r} on the shards is {spec.num_embeddings} x {spec.dim}, the config "
-                                 f"says {c.num_embeddings} x {c.embedding_dim}")
+        self._optimizer = optimizer
+        # One placeholder per table where TorchRec's modules keep their tables (``embedding_bags`` of an
+        # EmbeddingBagCollection, ``embeddings`` of an EmbeddingCollection): what apply_optimizer_in_backward marks.
+        self._slots_name = "embedding_bags" if pooled else "embeddings"
+        keys = {slot_key(c.name): c.name for c in self._configs}
+        if len(keys) < len(self._configs):
+            raise ValueError("table names that differ only in '.' against '_' cannot share a collection: "
+                             f"{sorted(c.name for c in self._configs)}")
+        setattr(self, self._slots_name, nn.ModuleDict({slot_key(c.name): TableSlot(c.embedding_dim)
+                                                       for c in self._configs}))
+        self._created = False
+        self._said: dict[str, int] = {}  # table -> in-backward optimizers seen on its slot (checked when it grows)
+        if not create:
+            self._created = True
+            self._check_specs()
+        elif all(choose(c, optimizer, self.slot(c.name))[0] is not None for c in self._configs):
+            self.create_tables()  # every optimizer known now; else at the first forward (collection_optim)
         self.last_versions: dict[str, Versions] = {}
         self._open: Optional[_StepPushes] = None  # the last step's pushes, until every gradient arrived
         self._planned: list[tuple[tuple, torch.Tensor, torch.Tensor, _Step]] = []  # ids_of's plans, for forward
+
+    # ---- the tables and their optimizers ---------------------------------------------------
+
+    @property
+    def slots(self) -> nn.ModuleDict:
+        """Each table's placeholder (``collection_optim.TableSlot``), by ``slot_key`` of its name."""
+        return getattr(self, self._slots_name)
+
+    def slot(self, table: str) -> TableSlot:
+        """The placeholder of ``table``."""
+        return cast(TableSlot, self.slots[slot_key(table)])
+
+    def create_tables(self) -> None:
+        """Create the tables on the shards (an existing one must have the same spec), each with the optimizer its
+        config, the collection or ``apply_optimizer_in_backward`` gave it (``collection_optim``)."""
+        for c in self._configs:
+            optimizer, _ = choose(c, self._optimizer, self.slot(c.name))
+            if optimizer is None:
+                warn_default(c.name)
+            self.client.create_table(c.name, c.embedding_dim, c.num_embeddings, optimizer=optimizer,
+                                     initializer=getattr(c, "initializer", None))
+            self._said[c.name] = len(getattr(self.slot(c.name).weight, "_optimizer_classes", ()))
+        self._created = True
+        self._check_specs()
+
+    def _check_specs(self) -> None:
+        for c in self._configs:
+            spec = self.client.table_spec(c.name)
+            if (spec.dim, spec.num_embeddings) != (c.embedding_dim, c.num_embeddings):
+                raise ValueError(f"table {c.name!r} on the shards is {spec.num_embeddings} x {spec.dim}, the config "
+                                 f"says {c.num_embeddings} x {c.embedding_dim}")
+
+    def _ready(self) -> None:
+        """Before a step: the tables made (with an optimizer applied in backward since construction), and an
+        optimizer applied in backward after they were made checked against theirs."""
+        if not self._created:
+            self.create_tables()
+        for c in self._configs:
+            slot = self.slot(c.name)
+            n = len(getattr(slot.weight, "_optimizer_classes", ()))
+            if n == self._said.get(c.name, 0):
+                continue
+            self._said[c.name] = n
+            wanted = in_backward(slot, c.name)
+            have = self.client.table_spec(c.name).optimizer
+            if wanted is not None and wanted != have:
+                raise ValueError(f"table {c.name!r} trains with {have!r} on the shards, but apply_optimizer_in_backward "
+                                 f"asks for {wanted!r}: a table's optimizer is fixed when it is created (apply it "
+                                 "before the collection's first forward, or give the collection optimizer=)")
+
+    def _zero(self, g: int, device: Any) -> torch.Tensor:
+        """0 through the placeholders of group ``g``'s tables: added to its local weight, so each placeholder gets a
+        (zero-size) gradient at every backward, as DistributedDataParallel expects of every parameter."""
+        a, b = self.layout.groups[g]
+        total = sum(self.slot(t).weight.sum() for t in self.layout.tables[a:b])
+        return total.to(device) if isinstance(total, torch.Tensor) else torch.zeros((), device=device)
 
     # ---- the plan of a step (numpy; every check before anything is pulled) ----------------
 
     def plan(self, features: Any) -> _Step:
         """Check ``features`` (a KeyedJaggedTensor) and deduplicate its ids per table, all tables at once (or
         take the plan ``ids_of`` made for the same input, as a ``Prefetcher`` asks for it a step ahead)."""
+        self._ready()
         keys = tuple(features.keys())
         values, lengths = features.values(), features.lengths()
         for i, (k, v, n, step) in enumerate(self._planned):
@@ -213,6 +230,7 @@ class _RemoteCollection(nn.Module):
 
     def ids_of(self, features: Any) -> dict[str, torch.Tensor]:
         """``{table: unique ids}`` a forward of ``features`` pulls: the ``ids_fn`` of a ``Prefetcher``."""
+        self._ready()
         step = self._plan(features)
         values, lengths = features.values(), features.lengths()
         if values.device.type == "cpu" and lengths.device.type == "cpu":  # (kept for forward: the prefetch's depth)
@@ -244,6 +262,7 @@ class _RemoteCollection(nn.Module):
             if pushes is not None:
                 w.requires_grad_(True)
                 w.register_hook(pushes.hook(g))
+                w = w + self._zero(g, device)
             weights.append(w)
         return weights
 
@@ -330,13 +349,16 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
         is_weighted: inputs carry a weight per id (per-sample weights; SUM pooling).
         device: where outputs live (default: the input's device); CPU or CUDA.
         create: create the tables on the shards (an existing table must have the same spec), or only check
-            that they exist with the configured shape.
+            that they exist with the configured shape. A table without an optimizer (below) is created at the first
+            forward, so TorchRec's ``apply_optimizer_in_backward`` on the collection's parameters (one placeholder per
+            table in ``embedding_bags``) can give it one (``shardps_client.collection_optim``).
         wire_dtype: "float32" (default of the client), "float16" or "bfloat16" for pulls and pushes.
+        optimizer: the shards' optimizer of every table whose config names none (TorchRec's configs name none).
     """
 
     def __init__(self, tables: list[Any], client: Client, is_weighted: bool = False, device: Any = None,
-                 create: bool = True, wire_dtype: Optional[str] = None) -> None:
-        super().__init__(tables, client, device, create, wire_dtype, pooled=True)
+                 create: bool = True, wire_dtype: Optional[str] = None, optimizer: Optional[Optimizer] = None) -> None:
+        super().__init__(tables, client, device, create, wire_dtype, pooled=True, optimizer=optimizer)
         self._is_weighted = is_weighted
         self._column_maps: dict[tuple[str, ...], torch.Tensor] = {}
         if is_weighted and "mean" in self.layout.pools:
@@ -393,7 +415,7 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
                 out = out.index_select(1, where)
             else:
                 out = torch.zeros(B, int(lay.feature_starts[-1]), device=device, dtype=out.dtype).index_copy(1, where, out)
-        kt = KeyedTensor(lay.features, lay.feature_dims, out)
+        kt = _containers(features)[0](lay.features, lay.feature_dims, out)
         kt.shardps_versions = self.last_versions  # type: ignore[attr-defined]
         return kt
 
@@ -421,8 +443,8 @@ class RemoteEmbeddingCollection(_RemoteCollection):
     """
 
     def __init__(self, tables: list[Any], client: Client, device: Any = None, create: bool = True,
-                 wire_dtype: Optional[str] = None) -> None:
-        super().__init__(tables, client, device, create, wire_dtype, pooled=False)
+                 wire_dtype: Optional[str] = None, optimizer: Optional[Optimizer] = None) -> None:
+        super().__init__(tables, client, device, create, wire_dtype, pooled=False, optimizer=optimizer)
 
     def embedding_configs(self) -> list[Any]:
         return self._configs
@@ -441,11 +463,12 @@ class RemoteEmbeddingCollection(_RemoteCollection):
                 rows[g] = (np.flatnonzero(mask), F.embedding(torch.from_numpy(step.local[mask]).to(device), w))
         per_key = step.lengths.sum(1)
         starts = np.concatenate([[0], np.cumsum(per_key)])
+        jagged = _containers(features)[1]
         out = {}
         for i, k in enumerate(keys):
             g = int(lay.group_of_table[lay.table_of[k]])
             where, emb = rows.get(g, (np.zeros(0, np.int64), None))
             lo, hi = np.searchsorted(where, [starts[i], starts[i + 1]])
             values = emb[lo:hi] if emb is not None else torch.zeros(0, int(lay.dims[lay.table_of[k]]), device=device)
-            out[k] = JaggedTensor(values, lengths=torch.from_numpy(step.lengths[i].copy()))
+            out[k] = jagged(values, lengths=torch.from_numpy(step.lengths[i].copy()))
         return out

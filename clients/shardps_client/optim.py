@@ -85,7 +85,9 @@ class ShardedOptimizer:
         # together at step(): one PushBatch per shard instead of one call per tensor.
         self._pushes = client.hold_pushes()
         named = list(params.named_parameters() if isinstance(params, nn.Module) else params)
-        self.params = {prefix + name: p for name, p in named if p.requires_grad}
+        # (a collection's table placeholders hold no values: the tables are the shards' already)
+        self.params = {prefix + name: p for name, p in named
+                       if p.requires_grad and not getattr(p, "_shardps_table_slot", False)}
         #: tensor name on the shards -> the parameters it holds (one, or a bucket's in order).
         self.tensors = _buckets(self.params, prefix, bucket_bytes)
         self._versions: dict[str, Versions] = {}

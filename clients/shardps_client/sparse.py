@@ -1,4 +1,4 @@
-"""TorchRec's sparse containers, for where torchrec cannot be installed: ``JaggedTensor``,
+"""TorchRec's sparse containers for installs without torchrec: ``JaggedTensor``,
 ``KeyedJaggedTensor`` (a batch of variable-length id lists per feature) and ``KeyedTensor`` (pooled
 embeddings of several features side by side).
 

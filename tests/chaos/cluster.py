@@ -4,7 +4,7 @@ their own, the clients and an agent on the control host.
 Hosts: ``ctl`` (clients, agent, the ``shardps reshard`` command), ``e0``.. (etcd), ``g<i>m<j>`` (member j of group
 i, i.e. of shard index i). Every member runs ``shardps serve`` as a user runs it, with ``--replicas``, its data
 dir (on a small ext4 disk of its own when the scenario needs disk faults), libfiu preloaded when it needs fsync
-faults, libfaketime when it needs its clock moved.
+faults, the lab's clock shim when it needs its clock moved.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Spec:
     lease_ttl: int = 2
     disks: bool = False  # each member's data on an ext4 disk of its own (full, blocked, slow, failing)
     failpoints: bool = False  # libfiu in every member (fsync errors)
-    clocks: bool = False  # libfaketime in every member (clock jumps)
+    clocks: bool = False  # the lab's clock shim in every member (clock jumps)
     spare_groups: int = 0  # groups started empty, for resharding onto (``shardps reshard --add-address``)
     extra: tuple[str, ...] = ()
 

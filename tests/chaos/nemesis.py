@@ -1,7 +1,7 @@
 """Faults by name on a campaign's cluster, each recorded with its time (``events``), and ``heal`` for all of them.
 
 Network faults are the lab's (nftables cuts in the hosts' namespaces, the fault proxy on a link); process faults
-are signals (SIGKILL, SIGSTOP/SIGCONT) to a member's process; clock faults libfaketime's file of a member started
+are signals (SIGKILL, SIGSTOP/SIGCONT) to a member's process; clock faults rewrite the clock file of a member started
 with a clock; disk faults the member's own small ext4 disk (full, blocked, slow, failing) and libfiu's fsync
 points in its process.
 """

@@ -236,7 +236,7 @@ SCENARIOS = [
     Scenario("freeze-primary-and-lose-etcd-leader", 6, "the primary frozen (SIGSTOP) as etcd's leader dies (3 etcd "
              "members: the new leader refreshes every lease, so the frozen primary's outlives its TTL)",
              BASE, freeze_and_lose_etcd_leader),
-    Scenario("clocks", 7, "the primary's clock jumps +30 s and -30 s (libfaketime); a member's clock runs twice as "
+    Scenario("clocks", 7, "the primary's clock jumps +30 s and -30 s (the lab's clock shim); a member's clock runs twice as "
              "fast, a backup's while the primary dies, then the primary's own", BASE, clocks),
     Scenario("disks", 8, "disks of the primary and of a backup: blocked (fsfreeze), fsync failing with EIO (libfiu), "
              "full, slow, dead (EIO on everything, then replaced)", BASE, disks),

@@ -224,7 +224,7 @@ class Lab:
               clock: Optional[Clock] = None, failpoints: bool = False, log: Optional[str] = None,
               cwd: Optional[str] = None, pipes: bool = False) -> LabProcess:
         """Start ``argv`` on host ``name`` (its own process group; output to ``log``, by default a file in the lab's
-        directory). ``clock``: its own clock (libfaketime); ``failpoints``: libfiu preloaded (``.failpoints``);
+        directory). ``clock``: its own clock (the clock shim, clock.py); ``failpoints``: libfiu preloaded (``.failpoints``);
         ``pipes``: its stdin and stdout are pipes (``.popen.stdin``/``.stdout``), stderr goes to the log."""
         h = self.host(name)
         full_env = dict(os.environ)
