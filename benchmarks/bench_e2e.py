@@ -40,13 +40,13 @@ DLRM = "clients.examples.dlrm"  # run as python -m from ROOT
 
 
 # Variants of the shardps runs: (label, extra dlrm.py arguments); --cache-steps adds cached ones.
-VARIANTS = [("no", []), ("yes", ["--prefetch"]), ("yes, dense lag 1", ["--prefetch", "--dense-lag", "1"]),
-            ("yes, DDP dense", ["--prefetch", "--dense", "ddp"]),
-            ("yes, per-table modules", ["--prefetch", "--embeddings", "tables"])]
+VARIANTS = [("no", ["--prefetch-depth", "0"]), ("yes", []), ("yes, dense lag 1", ["--dense-lag", "1"]),
+            ("yes, DDP dense", ["--dense", "ddp"]),
+            ("yes, per-table modules", ["--embeddings", "tables"])]
 
 
 def cached(k: int) -> tuple[str, list[str]]:
-    return f"yes, lag 1, cache {k}", ["--prefetch", "--dense-lag", "1", "--cache-steps", str(k)]
+    return f"yes, lag 1, cache {k}", ["--dense-lag", "1", "--cache-steps", str(k)]
 
 
 def fwd_bwd(r: dict) -> float:

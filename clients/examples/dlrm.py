@@ -8,8 +8,8 @@ RemoteEmbedding per table instead). The click log is synthetic with a planted gr
 truth (each id has a true effect), so the best achievable AUC is known. The
 same model trained locally with torch.optim runs afterwards for comparison.
 
-    python -m clients.examples.dlrm                       # local cluster, 2 async workers
-    python -m clients.examples.dlrm --mode sync --prefetch
+    python -m clients.examples.dlrm                       # local cluster, 2 async workers, pipelined
+    python -m clients.examples.dlrm --mode sync --prefetch-depth 0   # each batch pulled just before its step
     python -m clients.examples.dlrm --dense ddp           # MLPs by DistributedDataParallel, embeddings on the shards
     python -m clients.examples.dlrm --model torchrec      # TorchRec's own DLRM over the collection (shardps[torchrec])
     torchrun --nproc-per-node 2 -m clients.examples.dlrm --cluster-file shardps-cluster.json
@@ -289,10 +289,10 @@ def worker(args: argparse.Namespace, addresses: list[str], rank: int, world: int
             net, dense_opt = model, None
             opt = ShardedOptimizer(client, model, optimizer=Adam(lr=args.dense_lr), prefix=f"dlrm.{args.mode}.",
                                    sync=sync, dense_lag=args.dense_lag)
-        # All 8 tables' rows of a batch are pulled in one round trip per shard; with --prefetch,
-        # while the previous batch trains.
+        # All 8 tables' rows of a batch are pulled in one round trip per shard, while the previous batch trains
+        # (--prefetch-depth 1, the default: TrainPipeline's way, written out here to time forward + backward).
         data = Prefetcher(batches(ids, dense, labels, args.batch_size, device), client, ids_fn,
-                          depth=1 if args.prefetch else 0)
+                          depth=args.prefetch_depth)
         steps = (len(labels) + args.batch_size - 1) // args.batch_size
         progress = Progress(steps, f"shardps rank {rank}", enabled=rank == 0)
         clock = StepClock()
@@ -384,7 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=("ours", "torchrec"), default="ours",
                    help="the model over the collection: this example's DLRM, or TorchRec's own "
                         "torchrec.models.dlrm.DLRM fed TorchRec's KeyedJaggedTensor (pip install 'shardps[torchrec]')")
-    p.add_argument("--prefetch", action="store_true", help="pull the next batch's rows while the current one trains")
+    p.add_argument("--prefetch-depth", type=int, default=1,
+                   help="batches whose rows are pulled ahead while the current one trains (default 1: pipelined; 0: "
+                        "each batch's rows pulled just before its step, after the last step's pushes)")
+    p.add_argument("--prefetch", action="store_const", const=1, dest="prefetch_depth",
+                   help="the same as --prefetch-depth 1, the default (kept for older commands)")
     p.add_argument("--dense-lag", type=int, default=0,
                    help="steps the MLP's values may lag behind (async mode): 1 lets a step start before the last "
                         "step's new values are back")
@@ -425,7 +429,7 @@ def main() -> int:
     print(f"{'TorchRec DLRM' if args.model == 'torchrec' else 'DLRM'}: {NUM_SPARSE} sparse features x {args.rows:,} rows (dim {args.dim}, {args.embeddings}) + "
           f"{NUM_DENSE} dense; "
           f"{args.train:,} training samples, {args.workers} worker(s), mode {args.mode}"
-          f"{', prefetch' if args.prefetch else ''}{f', cache {args.cache_steps} steps' if args.cache_steps else ''}",
+          f"{f', prefetch depth {args.prefetch_depth}' if args.prefetch_depth else ', no prefetch'}{f', cache {args.cache_steps} steps' if args.cache_steps else ''}",
           flush=True)
     results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
     os.environ["SHARDPS_RESULTS_DIR"] = results_dir

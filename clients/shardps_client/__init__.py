@@ -32,6 +32,7 @@ from shardps_client.errors import (
 )
 from shardps_client.nn import RemoteEmbedding, RemoteEmbeddingBag
 from shardps_client.optim import ShardedOptimizer
+from shardps_client.pipeline import TrainPipeline
 from shardps_client.prefetch import Prefetcher
 from shardps_client.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from shardps_client.transport import TLS
@@ -39,7 +40,7 @@ from shardps_client.transport import TLS
 __all__ = [
     "Client", "Versions", "RemoteEmbedding", "RemoteEmbeddingBag", "RemoteEmbeddingBagCollection",
     "RemoteEmbeddingCollection", "EmbeddingBagConfig", "EmbeddingConfig", "PoolingType", "KeyedJaggedTensor",
-    "JaggedTensor", "KeyedTensor", "ShardedOptimizer", "Prefetcher", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "DiskTier", "SyncPolicy", "SyncStepError",
+    "JaggedTensor", "KeyedTensor", "ShardedOptimizer", "Prefetcher", "TrainPipeline", "SGD", "Adagrad", "Adam", "Initializer", "Staleness", "Admission", "Eviction", "DiskTier", "SyncPolicy", "SyncStepError",
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
     "TLS", "AuthenticationError", "PermissionDeniedError", "ReadOnlyError", "ExportGapError", "NotPrimaryError",

@@ -1,0 +1,131 @@
+"""``TrainPipeline``: training pipelined by default, in TorchRec's shape (``progress(batches)``). The exact mode
+(depth 0) trains bit for bit as local ``torch.optim.SGD`` over ``nn.EmbeddingBag`` (the reference); the default
+(depth 1) asks for the next batch's rows before the current step's forward, and loses or doubles no update (a model
+whose gradients do not depend on the rows read, so the end state is known whatever the staleness). Real shards
+(in-process gRPC servers on port 0)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from shardps_client import (
+    SGD,
+    Client,
+    EmbeddingBagConfig,
+    Initializer,
+    KeyedJaggedTensor,
+    RemoteEmbeddingBag,
+    RemoteEmbeddingBagCollection,
+    ShardedOptimizer,
+    TrainPipeline,
+)
+from torch import nn
+
+from tests.conftest import running_cluster
+
+ROWS, DIM, BATCH, STEPS = 50, 4, 8, 12
+FEATURES = ["f0", "f1"]
+
+
+def kjt_batches(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        lengths = torch.randint(1, 4, (len(FEATURES) * BATCH,), generator=g)
+        values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=g)
+        yield KeyedJaggedTensor.from_lengths_sync(FEATURES, values, lengths, stride=BATCH), torch.rand(BATCH, generator=g)
+
+
+class Model(nn.Module):
+    """A collection and a linear head; returns its loss, as TorchRec's DLRMTrain does."""
+
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.head = nn.Linear(DIM * len(FEATURES), 1)
+
+    def forward(self, kjt, labels):
+        return F.binary_cross_entropy_with_logits(self.head(self.ebc(kjt).values()).squeeze(1), labels)
+
+
+def test_exact_mode_trains_as_local_sgd_bit_for_bit():
+    torch.manual_seed(0)
+    configs = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name=f"t{i}", feature_names=[f],
+                                  optimizer=SGD(lr=0.5), initializer=Initializer("normal", std=0.3, seed=i))
+               for i, f in enumerate(FEATURES)]
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        model = Model(RemoteEmbeddingBagCollection(configs, c))
+        local_tables = [nn.EmbeddingBag(ROWS, DIM, mode="sum") for _ in FEATURES]
+        with torch.no_grad():
+            for i, t in enumerate(local_tables):
+                t.weight.copy_(c.pull(f"t{i}", torch.arange(ROWS)))
+        head = copy.deepcopy(model.head)
+        opt = torch.optim.SGD(model.head.parameters(), lr=0.5)
+        local_opt = torch.optim.SGD([*head.parameters(), *(t.weight for t in local_tables)], lr=0.5)
+        pipeline = TrainPipeline(model, opt, depth=0)
+        losses = list(pipeline.run(kjt_batches(1)))
+        pipeline.flush()
+        assert pipeline.steps == STEPS
+        for step, (kjt, labels) in enumerate(kjt_batches(1)):
+            local_opt.zero_grad()
+            d = kjt.to_dict()
+            pooled = torch.cat([t(d[f].values(), d[f].offsets()[:-1]) for t, f in zip(local_tables, FEATURES)], dim=1)
+            loss = F.binary_cross_entropy_with_logits(head(pooled).squeeze(1), labels)
+            loss.backward()
+            local_opt.step()
+            assert torch.equal(loss.detach(), losses[step].detach()), step
+        for i, t in enumerate(local_tables):
+            assert torch.equal(c.pull(f"t{i}", torch.arange(ROWS)), t.weight.detach()), f"t{i}"
+
+
+def test_default_pulls_the_next_batch_during_the_step_and_loses_no_update():
+    """Gradients that do not depend on the rows read (loss = sum of the rows times fixed weights): whatever rows a
+    pipelined step read, the end state is known: each row moved by -lr x its count x the weight."""
+    weights = torch.arange(1, DIM + 1, dtype=torch.float32)
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("items", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+
+        class Bag(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.items = RemoteEmbeddingBag(c, "items", mode="sum")
+
+            def forward(self, ids, offsets):
+                events.append("forward")
+                return (self.items(ids, offsets) * weights).sum()
+
+        events: list[str] = []
+        asked = c.prefetch_many
+
+        def prefetch_many(requests, *args, **kwargs):
+            events.append("prefetch")
+            return asked(requests, *args, **kwargs)
+
+        c.prefetch_many = prefetch_many  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(3)
+        data = [(torch.randint(0, ROWS, (BATCH * 2,), generator=g), torch.arange(0, BATCH * 2, 2)) for _ in range(STEPS)]
+        model = Bag()
+        pipeline = TrainPipeline(model, ShardedOptimizer(c, model), ids_fn=lambda b: {"items": b[0]})
+        batches = iter(data)
+        for _ in range(STEPS):
+            pipeline.progress(batches)
+        with pytest.raises(StopIteration):
+            pipeline.progress(batches)
+        pipeline.flush()
+        # the rows of batch i+1 were asked for before batch i's forward (batch 0's and 1's before the first)
+        assert events[:3] == ["prefetch", "prefetch", "forward"], events[:6]
+        assert events.count("prefetch") == STEPS and events.count("forward") == STEPS
+        counts = torch.bincount(torch.cat([ids for ids, _ in data]), minlength=ROWS).float()
+        assert torch.equal(c.pull("items", torch.arange(ROWS)), -counts[:, None] * weights[None, :])
+
+
+def test_a_pipeline_needs_to_know_the_rows():
+    with running_cluster(1) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("items", num_embeddings=ROWS, dim=DIM)
+        model = nn.Sequential(RemoteEmbeddingBag(c, "items"))
+        with pytest.raises(ValueError, match="ids_fn"):
+            TrainPipeline(model, ShardedOptimizer(c, model), client=c)
+        with pytest.raises(ValueError, match="client="):
+            TrainPipeline(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
