@@ -75,6 +75,19 @@ class Workload:
             if p.alive():  # its open operation stays unknown
                 p.stop(9)
 
+    def started(self, timeout: float) -> bool:
+        """Wait until every client has an acknowledged push (each has imported torch and found its primaries: on a
+        busy machine that takes seconds, and a fault injected before it would find no operation to disturb)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            paths = self.files()
+            if len(paths) == len(self.procs) and all('"type":"ok"' in p.read_text() for p in paths):
+                return True
+            if not all(p.alive() for p in self.procs):
+                return False
+            time.sleep(0.2)
+        return False
+
     def files(self) -> list[pathlib.Path]:
         return sorted(self.dir.glob("c*.jsonl"))
 
@@ -119,7 +132,12 @@ def run_session(scenarios: list[Scenario], scale: Scale, seed: int, out: pathlib
             return results
         nemesis = Nemesis(cluster)
         workload = Workload(cluster, spec.clients, seed)
-        time.sleep(1.0)  # the clients connected
+        if not workload.started(120):
+            for r in results:
+                r.error = "the clients did not acknowledge a first push in 120 s"
+            workload.stop()
+            _keep_logs(lab, out, scenarios)
+            return results
         for s, r in zip(scenarios, results):
             t0 = time.monotonic()
             first = len(nemesis.events)

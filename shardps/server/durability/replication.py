@@ -48,6 +48,41 @@ class Diverged(Exception):
     """A member's log does not agree with the primary's at its end: it needs a whole copy."""
 
 
+class Backlog:
+    """The recent records a primary keeps for backups that fall behind, about ``keep_bytes`` of them (callers lock)."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._records: collections.deque[Shipped] = collections.deque()
+        self._bytes = 0
+
+    def add(self, shipped: Shipped) -> None:
+        self._records.append(shipped)
+        self._bytes += len(shipped.payload) + 64
+        while self._bytes > self.keep_bytes and len(self._records) > 1:
+            self._bytes -= len(self._records.popleft().payload) + 64
+
+    def clear(self) -> None:
+        self._records.clear()
+        self._bytes = 0
+
+    def since(self, after: int, max_records: int, max_bytes: int) -> Optional[list[Shipped]]:
+        """The records after LSN ``after``, at most ``max_records`` and about ``max_bytes`` (at least one); None when
+        the first of them is no longer kept."""
+        if not self._records or self._records[0].lsn > after + 1:
+            return None
+        start = after + 1 - self._records[0].lsn
+        out: list[Shipped] = []
+        size = 0
+        for i in range(start, min(len(self._records), start + max_records)):
+            rec = self._records[i]
+            if out and size + len(rec.payload) > max_bytes:
+                break
+            out.append(rec)
+            size += len(rec.payload)
+        return out
+
+
 class ReplicatedLog:
     """A ``Durability`` (the modes' protocol) over ``inner`` that numbers, stamps, keeps and waits for records.
 
@@ -88,8 +123,7 @@ class ReplicatedLog:
         self.epochs_path = epochs_path
         self._open = False
         self._cv = threading.Condition()
-        self._kept: collections.deque[Shipped] = collections.deque()
-        self._kept_bytes = 0
+        self._kept = Backlog(keep_bytes)
         self._tickets: dict[int, int] = {}  # lsn -> the inner durability's ticket
         self._acks: dict[str, int] = {}  # backup -> the lsn it has in its log
         self._originating = 0  # changes and records of this member's own (as primary) under way (a slow disk's)
@@ -149,7 +183,7 @@ class ReplicatedLog:
                 self._cv.notify_all()
         with self._cv:  # numbered even if this member stepped down meanwhile: its log holds it (a divergence)
             self.lsn += 1
-            self._keep(Shipped(self.lsn, self.epoch, record[0], bytes(record[1])))
+            self._kept.add(Shipped(self.lsn, self.epoch, record[0], bytes(record[1])))
             if ticket:
                 self._tickets[self.lsn] = ticket
             self._cv.notify_all()
@@ -233,7 +267,6 @@ class ReplicatedLog:
             self.history = sorted({(int(e), int(s)) for e, s in history if int(s) <= lsn + 1})
             self.epoch = self.history[-1][0] if self.history else 0
             self._kept.clear()
-            self._kept_bytes = 0
             self._save_epochs()
 
     def begin_epoch(self, epoch: int) -> None:
@@ -314,18 +347,7 @@ class ReplicatedLog:
                 self._cv.wait_for(lambda: self.lsn > after or not self._open, timeout)
             if after >= self.lsn:
                 return []
-            if not self._kept or self._kept[0].lsn > after + 1:
-                return None
-            start = after + 1 - self._kept[0].lsn
-            out: list[Shipped] = []
-            size = 0
-            for i in range(start, min(len(self._kept), start + max_records)):
-                rec = self._kept[i]
-                if out and size + len(rec.payload) > max_bytes:
-                    break
-                out.append(rec)
-                size += len(rec.payload)
-            return out
+            return self._kept.since(after, max_records, max_bytes)
 
     def store(self, shipped: Shipped) -> int:
         """A backup stores a record the primary shipped (the next LSN; of its last epoch or a later one, which begins
@@ -347,7 +369,7 @@ class ReplicatedLog:
         ticket = self.inner.append((shipped.kind, shipped.payload))
         with self._cv:
             self.lsn = shipped.lsn
-            self._keep(shipped)
+            self._kept.add(shipped)
             self._cv.notify_all()
         return ticket
 
@@ -355,9 +377,3 @@ class ReplicatedLog:
         """A backup's stored record is in its log, by its fsync policy (``durable``: fsynced)."""
         if ticket:
             self.inner.wait(ticket, durable)
-
-    def _keep(self, shipped: Shipped) -> None:
-        self._kept.append(shipped)
-        self._kept_bytes += len(shipped.payload) + 64
-        while self._kept_bytes > self.keep_bytes and len(self._kept) > 1:
-            self._kept_bytes -= len(self._kept.popleft().payload) + 64
