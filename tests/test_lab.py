@@ -275,8 +275,9 @@ def test_disks_fill_block_fail_and_fsyncs_fail(lab):
 
 
 _OWNER = textwrap.dedent("""
-    import os, sys, time
+    import faulthandler, os, signal, sys, time
     sys.path.insert(0, {root!r})
+    faulthandler.register(signal.SIGUSR1)  # where it is, should it not end (the test asks before it fails)
     from tests.lab import Lab
     lab = Lab(["a", "b"]).start()
     print("LAB", lab.id, flush=True)
@@ -313,7 +314,14 @@ def test_nothing_is_left_behind(how, tmp_path):
         assert [n for n in os.listdir(NETNS_DIR) if n.startswith(lab_id)]
         assert os.path.exists(f"/proc/{pid}") and disk in pathlib.Path("/proc/self/mounts").read_text()
         owner.send_signal({"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}[how])
-    owner.wait(60)
+    try:
+        owner.wait(120)
+    except subprocess.TimeoutExpired:
+        owner.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        owner.kill()
+        owner.wait(10)
+        pytest.fail(f"the lab's owner did not end within 120 s of {how}; its output and stacks:\n{out.read_text()}")
     if how == "raise":
         assert "failing on purpose" in out.read_text()
     if how == "sigkill":  # nobody cleaned up: the next lab's sweep does

@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-s", type=float, default=None, help="seconds of the mixed scenario")
     p.add_argument("--out", default="benchmarks/results/chaos", help="where chaos.json, chaos.txt and logs go")
     args = p.parse_args(argv)
-    chosen = [BY_NAME[n] for n in args.scenario] if args.scenario else list(SCENARIOS)
+    chosen = [BY_NAME[n] for n in args.scenario] if args.scenario else [s for s in SCENARIOS
+                                                                        if s.short or not args.short]
     scale = SHORT if args.short else FULL
     if args.mixed_s is not None:
         from dataclasses import replace
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for group in sessions(chosen, args.short):
         print(f"chaos: session {', '.join(s.name for s in group)} ...", flush=True)
+        t1 = time.monotonic()
         results += run_session(group, scale, args.seed, out)
+        print(f"chaos: session took {time.monotonic() - t1:.0f} s", flush=True)
         for r in results[-len(group):]:
             state = "ok" if r.ok else ("ERROR " + r.error.splitlines()[-1] if r.error else
                                         "FAILED " + ", ".join(r.checks_failed))

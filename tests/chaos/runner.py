@@ -75,18 +75,30 @@ class Workload:
             if p.alive():  # its open operation stays unknown
                 p.stop(9)
 
-    def started(self, timeout: float) -> bool:
-        """Wait until every client has an acknowledged push (each has imported torch and found its primaries: on a
-        busy machine that takes seconds, and a fault injected before it would find no operation to disturb)."""
+    def acknowledged_since(self, t: float, timeout: float) -> bool:
+        """Wait until every client has a push acknowledged after ``t`` (time.monotonic(), the clients' clock too): at
+        the start each has imported torch and found its primaries (seconds on a busy machine), after a scenario each
+        has come through its faults. A scenario begun before would find no operation to disturb, or count the last
+        one's stall as its own."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             paths = self.files()
-            if len(paths) == len(self.procs) and all('"type":"ok"' in p.read_text() for p in paths):
+            if len(paths) == len(self.procs) and all(self._last_ok(p) > t for p in paths):
                 return True
             if not all(p.alive() for p in self.procs):
                 return False
             time.sleep(0.2)
         return False
+
+    @staticmethod
+    def _last_ok(path: pathlib.Path) -> float:
+        for line in reversed(path.read_text().splitlines()):
+            if '"type":"ok"' in line:
+                try:
+                    return float(json.loads(line)["t"])
+                except (ValueError, KeyError):
+                    continue
+        return float("-inf")
 
     def files(self) -> list[pathlib.Path]:
         return sorted(self.dir.glob("c*.jsonl"))
@@ -132,7 +144,7 @@ def run_session(scenarios: list[Scenario], scale: Scale, seed: int, out: pathlib
             return results
         nemesis = Nemesis(cluster)
         workload = Workload(cluster, spec.clients, seed)
-        if not workload.started(120):
+        if not workload.acknowledged_since(float("-inf"), 120):
             for r in results:
                 r.error = "the clients did not acknowledge a first push in 120 s"
             workload.stop()
@@ -149,6 +161,8 @@ def run_session(scenarios: list[Scenario], scale: Scale, seed: int, out: pathlib
                 nemesis.heal()
                 if not cluster.settle(90, exact=False):
                     r.error = r.error or f"the cluster did not settle after the scenario: {cluster.info()}"
+                elif not workload.acknowledged_since(time.monotonic(), 60):
+                    r.error = r.error or "the clients made no progress within 60 s of the scenario's end"
             except Exception:  # noqa: BLE001
                 r.error = r.error or "healing failed: " + traceback.format_exc()[-3000:]
             windows.append((t0, time.monotonic()))

@@ -23,7 +23,7 @@ class Scale:
     mixed_s: float  # how long the mixed scenario runs
 
 
-SHORT = Scale(rounds=1, hold_s=3.0, gap_s=1.0, mixed_s=12.0)
+SHORT = Scale(rounds=1, hold_s=2.5, gap_s=0.5, mixed_s=10.0)
 FULL = Scale(rounds=2, hold_s=5.0, gap_s=2.0, mixed_s=240.0)
 
 
@@ -37,6 +37,7 @@ class Scenario:
     # --ack primary: acknowledged writes the old primary had not shipped may be lost when it dies, but only those
     # acknowledged within this many seconds before a fault of a primary (the bound checked and published)
     loss_window_s: float = 0.0
+    short: bool = True  # in the short run (CI: one of each family)
 
 
 BASE = Spec(etcd=3, disks=True, failpoints=True, clocks=True)
@@ -120,8 +121,9 @@ def freeze_and_lose_etcd_leader(n: Nemesis, rng: random.Random, scale: Scale) ->
 def clocks(n: Nemesis, rng: random.Random, scale: Scale) -> None:
     for _ in range(scale.rounds):
         p = n.primary()
-        _round(n, scale, lambda: n.jump_clock(p, +30))
-        p = n.primary()
+        if scale.rounds > 1:  # (the short run: the backward jump, which makes a lease look longer, alone)
+            _round(n, scale, lambda: n.jump_clock(p, +30))
+            p = n.primary()
         _round(n, scale, lambda: n.jump_clock(p, -30))
         if scale.rounds == 1:  # the short run: the fast backup alone
             p = n.primary()
@@ -149,7 +151,7 @@ def disks(n: Nemesis, rng: random.Random, scale: Scale) -> None:
     faults = [("freeze", True), ("fsync", True), ("full", True), ("slow", True), ("fail", True),
               ("freeze", False), ("fsync", False), ("full", False), ("slow", False), ("fail", False)]
     if scale.rounds == 1:  # the short run: each fault once, on the primary or a backup
-        faults = [("freeze", True), ("fsync", True), ("full", True), ("slow", False), ("fail", False)]
+        faults = [("freeze", True), ("fsync", True), ("full", True), ("fail", False)]
     for kind, on_primary in faults:
         p = n.primary()
         m = p if on_primary else rng.choice(n.backups(0, p))
@@ -229,7 +231,7 @@ SCENARIOS = [
              slow_replication_then_kill),
     Scenario("slow-replication-then-kill-ack-primary", 4, "the same under --ack primary: what the old primary had "
              "acknowledged but not shipped is lost (measured, bounded by the replication lag)",
-             Spec(etcd=1, ack="primary"), slow_replication_then_kill, loss_window_s=1.0),
+             Spec(etcd=1, ack="primary"), slow_replication_then_kill, loss_window_s=1.0, short=False),
     Scenario("answers-lost-during-failover", 5, "the primary applies pushes whose answers are lost on the way back, "
              "then dies or freezes: the clients resend, outcomes unknown until the new primary answers",
              BASE, answers_lost_during_failover),
