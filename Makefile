@@ -62,10 +62,10 @@ failover: $(STAMP)
 	SHARDPS_REPLICA_KILLS=$(KILLS) $(BIN)/python -m pytest -q -s tests/test_replicas.py -k killed_again
 
 # The fault campaign at length (tests/chaos, docs/reliability.md): every scenario on a cluster of its own in the lab
-# (root, Debian's etcd-server, nftables, fiu-utils), 3 rounds each and MIXED_S seconds of mixed faults; CHAOS_SEED
+# (root, Debian's etcd-server, nftables, fiu-utils), 2 rounds each and MIXED_S seconds of mixed faults; CHAOS_SEED
 # varies it. CI runs the short version (tests/test_chaos.py). Writes benchmarks/results/chaos/chaos.{json,txt}.
 CHAOS_SEED ?= 1
-MIXED_S ?= 300
+MIXED_S ?= 240
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos --seed $(CHAOS_SEED) --mixed-s $(MIXED_S)
 
