@@ -53,7 +53,7 @@ class Result:
 class Workload:
     """The campaign's clients (``tests.chaos.workload``), each a process on the control host."""
 
-    def __init__(self, cluster: ChaosCluster, clients: int, seed: int) -> None:
+    def __init__(self, cluster: ChaosCluster, clients: int, seed: int, gap_s: float = 0.0) -> None:
         self.cluster = cluster
         self.dir = cluster.lab.dir / "histories"
         self.dir.mkdir(exist_ok=True)
@@ -62,7 +62,7 @@ class Workload:
         for i in range(clients):
             self.procs.append(cluster.lab.spawn("ctl", [
                 sys.executable, "-m", "tests.chaos.workload", str(cluster.cluster_file), str(self.dir / f"c{i}.jsonl"),
-                str(i), str(seed * 100 + i), str(self.stop_file)], cwd=str(ROOT),
+                str(i), str(seed * 100 + i), str(self.stop_file), str(gap_s)], cwd=str(ROOT),
                 log=str(cluster.lab.dir / f"client-{i}.log")))
 
     def stop(self, timeout: float = 120.0) -> None:
@@ -143,7 +143,7 @@ def run_session(scenarios: list[Scenario], scale: Scale, seed: int, out: pathlib
             _keep_logs(lab, out, scenarios)
             return results
         nemesis = Nemesis(cluster)
-        workload = Workload(cluster, spec.clients, seed)
+        workload = Workload(cluster, spec.clients, seed, scale.op_gap_s)
         if not workload.acknowledged_since(float("-inf"), 120):
             for r in results:
                 r.error = "the clients did not acknowledge a first push in 120 s"

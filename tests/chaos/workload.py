@@ -7,7 +7,10 @@ operation ``ok`` when the push is acknowledged, ``fail`` when the client's error
 anything was applied (a bad request), ``info`` (unknown) on anything else: a timeout, a shard unavailable after
 the client's retries, a primary that could not confirm it may acknowledge (it may have applied it).
 
-    python -m tests.chaos.workload CLUSTER_FILE HISTORY CLIENT_INDEX SEED STOP_FILE
+    python -m tests.chaos.workload CLUSTER_FILE HISTORY CLIENT_INDEX SEED STOP_FILE [GAP_S]
+
+GAP_S: seconds between operations (0: back to back; the short run's 0.01 keeps a stall measured to 10 ms at a
+fraction of the CPU).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def create_table(cluster_file: str) -> None:
 
 def main(argv: list[str]) -> int:
     cluster_file, history, index, seed, stop_file = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
+    gap_s = float(argv[5]) if len(argv) > 5 else 0.0
     import logging
 
     import torch
@@ -73,6 +77,8 @@ def main(argv: list[str]) -> int:
             else:
                 rec.complete(k, "ok")
             k += 1
+            if gap_s:
+                time.sleep(gap_s)
     rec.close()
     return 0
 
