@@ -278,6 +278,9 @@ _OWNER = textwrap.dedent("""
     import faulthandler, os, signal, sys, time
     sys.path.insert(0, {root!r})
     faulthandler.register(signal.SIGUSR1)  # where it is, should it not end (the test asks before it fails)
+    # Ctrl-C as in a terminal: a process started with SIGINT ignored (as an xdist worker's children can be, after
+    # some library set it so there) keeps it ignored, and the owner slept on through the test's SIGINT
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from tests.lab import Lab
     lab = Lab(["a", "b"]).start()
     print("LAB", lab.id, flush=True)
@@ -295,6 +298,7 @@ _OWNER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("how", ["raise", "sigint", "sigterm", "sigkill"])
 def test_nothing_is_left_behind(how, tmp_path):
     require_lab()
