@@ -24,7 +24,7 @@ class Scale:
     op_gap_s: float = 0.0  # each client's pause between operations (the short run's: the suite's CPU)
 
 
-SHORT = Scale(rounds=1, hold_s=2.5, gap_s=0.5, mixed_s=10.0, op_gap_s=0.01)
+SHORT = Scale(rounds=1, hold_s=2.5, gap_s=0.5, mixed_s=8.0, op_gap_s=0.02)
 FULL = Scale(rounds=2, hold_s=5.0, gap_s=2.0, mixed_s=240.0)
 
 

@@ -9,7 +9,7 @@ the client's retries, a primary that could not confirm it may acknowledge (it ma
 
     python -m tests.chaos.workload CLUSTER_FILE HISTORY CLIENT_INDEX SEED STOP_FILE [GAP_S]
 
-GAP_S: seconds between operations (0: back to back; the short run's 0.01 keeps a stall measured to 10 ms at a
+GAP_S: seconds between operations (0: back to back; the short run's 0.02 keeps a stall measured to 20 ms at a
 fraction of the CPU).
 """
 
