@@ -61,7 +61,8 @@ class Initializer:
 
         "normal": value j of a row is ``float32(mean + std * z)``, z drawn by a
         256-layer ziggurat from 64-bit hashes of (seed, id, j): no transcendental
-        function for 99% of the values, about 0.1 us per 64-dim row compiled.
+        function for 99% of the values; compiled, 0.41-0.50 us of CPU per 64-dim row here (the 64-bit hash per value
+        is most of it: a ziggurat pass without its rare slow path measured no faster).
         "uniform": each hash of (seed, id, column pair) gives two 24-bit uniforms.
         """
         n = len(ids)
