@@ -26,11 +26,12 @@ seam: they see every change, in order, and the cuts of checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Protocol, Union
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol, Union
 
 import numpy as np
 
@@ -287,6 +288,16 @@ class Durability(Protocol):
     def close(self) -> None:
         """Release files; nothing is appended afterwards."""
 
+    def origin(self) -> ContextManager[None]:
+        """Around a change of this shard's own, applied and then recorded (a replica group's member refuses one
+        unless it is the primary: ``ReplicatedLog.origin``)."""
+
+    def disk_stalled_s(self) -> float:
+        """Seconds the log's write or fsync in progress has waited for the disk (0: none)."""
+
+    def disk_error(self) -> Optional[BaseException]:
+        """Why the log failed (it then refuses every write), or None."""
+
 
 class NoDurability:
     """``none``: nothing is written."""
@@ -321,6 +332,10 @@ class NoDurability:
 
     def close(self) -> None:
         return None
+
+    def origin(self) -> ContextManager[None]:
+        """A shard alone applies and records every change of its own."""
+        return contextlib.nullcontext()
 
     def disk_stalled_s(self) -> float:
         """Seconds the log's write or fsync in progress has waited for the disk (0: none)."""

@@ -10,7 +10,6 @@ with the staleness the log recorded.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from contextlib import contextmanager
@@ -405,8 +404,7 @@ class UpdatePath:
             try:
                 # (a replica group's member: refused unless it is the primary now; it may have stepped down while
                 # this request waited above, ReplicatedLog.origin)
-                origin = getattr(self.durability, "origin", None)
-                with origin() if origin is not None else contextlib.nullcontext():
+                with self.durability.origin():
                     yield
             finally:
                 t.lock.release()
@@ -430,8 +428,7 @@ class UpdatePath:
 
     def sweep(self, t: Table, max_slots: int) -> int:
         """Evict the expired rows of the next slice of ``t`` (logged); how many."""
-        origin = getattr(self.durability, "origin", None)  # (a replica group's backup sweeps nothing of its own)
-        with t.lock, origin() if origin is not None else contextlib.nullcontext():
+        with t.lock, self.durability.origin():  # (a replica group's backup sweeps nothing of its own)
             if not self.gate.is_open:  # a checkpoint is being taken: next time
                 return 0
             gone = t.sweep(self.version, max_slots)
