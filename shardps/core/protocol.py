@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -15,6 +16,13 @@ from shardps.core import wire
 from shardps.v1 import shardps_pb2 as pb
 
 SERVICE = "shardps.v1.Shard"
+
+
+def group_members(entry: str) -> list[str]:
+    """A shard's entry in an address list or cluster file: its address, or its replica group's members joined by "|"
+    (or ","); what clients, the reshard driver and a shard asking a source group all read it as."""
+    return [m.strip() for m in re.split(r"[|,]", entry) if m.strip()]
+
 # gRPC channel options of every channel to a shard (clients', tools', a backup's to its primary): a channel whose
 # connection failed reconnects within a second. gRPC's own backoff grows to 120 s, and a client whose channel to a
 # replica group's member backed off that far after a network fault could not reach it once it became the primary.

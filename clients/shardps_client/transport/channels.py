@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import re
 import threading
 import time
 from typing import Any, Optional, Sequence
@@ -102,9 +101,7 @@ class Channels:
             ch.close()
 
 
-def members(entry: str) -> list[str]:
-    """A shard's entry in an address list: its address, or its replica group's members joined by "|" (or ",")."""
-    return [m.strip() for m in re.split(r"[|,]", entry) if m.strip()]
+members = protocol.group_members  # a shard's entry: its address, or its replica group's members
 
 
 GRACE_S = 0.1  # once a member has said it is the primary, how long the others' answers are waited for

@@ -160,6 +160,7 @@ def _online(args: argparse.Namespace) -> int:
 
 def _add(args: argparse.Namespace, data: dict[str, Any], calls: Any, driver: Any) -> list[int]:
     """Start (or take) the new shards; their indices."""
+    from shardps.core.protocol import group_members
     from shardps.server.ops import launcher
 
     before = len(calls)
@@ -174,8 +175,7 @@ def _add(args: argparse.Namespace, data: dict[str, Any], calls: Any, driver: Any
         if args.cluster_file and not data.get("launcher_pid"):  # a cluster file of our own: list them there
             data["addresses"] = list(data["addresses"]) + list(args.add_address)
             if data.get("groups"):  # (what entries() reads: a --resume, and the clients, find them there)
-                data["groups"] = list(data["groups"]) + [[m for m in a.replace(",", "|").split("|") if m]
-                                                         for a in args.add_address]
+                data["groups"] = list(data["groups"]) + [group_members(a) for a in args.add_address]
             if "num_shards" in data:
                 data["num_shards"] = len(entries(data))
             tmp = pathlib.Path(f"{args.cluster_file}.tmp")

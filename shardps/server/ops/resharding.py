@@ -73,7 +73,7 @@ class ShardCalls:
 
     def add(self, entries: list[str]) -> None:
         for e in entries:
-            members = [m for m in e.replace(",", "|").split("|") if m]
+            members = protocol.group_members(e)
             self.entries.append(members)
             self.primary.append(members[0] if members else "")
 

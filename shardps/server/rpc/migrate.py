@@ -196,7 +196,7 @@ class ArrivalResolver:
 def _ask_status(address: str, move_id: str) -> str:
     """The source's state of ``move_id``, from its replica group's primary (a backup refuses: it holds none of the
     source's moves in flight); empty when it cannot be asked now."""
-    for member in [a for a in address.replace(",", "|").split("|") if a]:
+    for member in protocol.group_members(address):
         ch = outbound.channel(member)
         try:
             call: Any = ch.unary_unary(protocol.METHODS["Migrate"].path,
