@@ -45,6 +45,7 @@ from shardps_client import (
     ShardedOptimizer,
     SyncPolicy,
 )
+from shardps_client.collection_optim import is_table_slot
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -238,7 +239,7 @@ def mlp_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The model's parameters other than embedding tables (the bottom and top MLPs; a collection's per-table
     placeholders, where optimizers are chosen the TorchRec way, hold no rows and are left out)."""
     return [p for n, p in model.named_parameters()
-            if not n.startswith("emb.") and not getattr(p, "_shardps_table_slot", False)]
+            if not n.startswith("emb.") and not is_table_slot(p)]
 
 
 def dense_fingerprint(model: nn.Module) -> float:

@@ -50,6 +50,12 @@ class TableSlot(nn.Module):
         self.weight._shardps_table_slot = True  # type: ignore[attr-defined]  # (ShardedOptimizer leaves it out)
 
 
+def is_table_slot(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a collection's table placeholder (no rows: the table lives on the shards), which dense
+    optimizers and DDP's parameter lists leave out."""
+    return bool(getattr(p, "_shardps_table_slot", False))
+
+
 def slot_key(table: str) -> str:
     """A table's key among a collection's placeholders: its name, with '_' for '.' (a module's name has none;
     TorchRec's own tables have such names, so ``ebc.embedding_bags[name]`` reads as in TorchRec)."""

@@ -28,6 +28,7 @@ from torch import nn
 from shardps.core.optim import SGD, Optimizer
 from shardps.core.specs import Staleness, SyncPolicy
 from shardps_client.client import Client, DensePull, MiB, Versions
+from shardps_client.collection_optim import is_table_slot
 from shardps_client.errors import ShardpsError
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,7 @@ class ShardedOptimizer:
         self._pushes = client.hold_pushes()
         named = list(params.named_parameters() if isinstance(params, nn.Module) else params)
         # (a collection's table placeholders hold no values: the tables are the shards' already)
-        self.params = {prefix + name: p for name, p in named
-                       if p.requires_grad and not getattr(p, "_shardps_table_slot", False)}
+        self.params = {prefix + name: p for name, p in named if p.requires_grad and not is_table_slot(p)}
         #: tensor name on the shards -> the parameters it holds (one, or a bucket's in order).
         self.tensors = _buckets(self.params, prefix, bucket_bytes)
         self._versions: dict[str, Versions] = {}
