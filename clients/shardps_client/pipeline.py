@@ -65,12 +65,13 @@ class TrainPipeline:
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  forward: Optional[Callable[[nn.Module, Any], Any]] = None) -> None:
         self.model = model
-        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.optimizers: list[Any] = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         collections = [m for m in model.modules() if callable(getattr(m, "ids_of", None))]
-        remote = [m.client for m in model.modules() if isinstance(getattr(m, "client", None), Client)]
-        self.client = client if client is not None else (remote[0] if remote else None)
-        if self.client is None:
+        remote = [c for m in model.modules() if isinstance(c := getattr(m, "client", None), Client)]
+        found = client if client is not None else (remote[0] if remote else None)
+        if found is None:
             raise ValueError("TrainPipeline: give client= (the model holds no shardps module to take it from)")
+        self.client: Client = found
         if ids_fn is None:
             if len(collections) != 1:
                 raise ValueError(f"TrainPipeline: the model holds {len(collections)} shardps collections; give "
