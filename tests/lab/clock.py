@@ -15,16 +15,13 @@ timeout: ``sem_clockwait``, which it does not wrap) hangs; with ``FAKETIME_DONT_
 
 from __future__ import annotations
 
-import hashlib
 import mmap
-import os
 import pathlib
-import shutil
 import struct
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
+
+from tests.lab.cbuild import compiled
 
 SOURCE = pathlib.Path(__file__).with_name("clockshim.c")
 _LAYOUT = struct.Struct("<qdQ")  # offset_ns, rate, seq
@@ -32,20 +29,8 @@ _LAYOUT = struct.Struct("<qdQ")  # offset_ns, rate, seq
 
 def library() -> str:
     """The compiled shim (built with the C compiler on first use, kept per source hash in the temp dir)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    out = pathlib.Path(tempfile.gettempdir()) / f"shardps-lab-clock-{digest}.so"
-    if out.exists():
-        return str(out)
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("clock faults need a C compiler (Debian: gcc)")
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    r = subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl", "-lpthread"],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"building the lab's clock shim failed:\n{r.stderr}")
-    os.replace(tmp, out)
-    return str(out)
+    return str(compiled(SOURCE, "shardps-lab-clock", "the lab's clock shim", ("-shared", "-fPIC"),
+                        ("-ldl", "-lpthread"), ".so"))
 
 
 @dataclass

@@ -10,15 +10,13 @@ timeout, as TCP makes of a lost segment) or blackholes, and it can reset every c
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pathlib
-import shutil
 import socket
 import subprocess
-import tempfile
 from typing import Any, Optional
+
+from tests.lab.cbuild import compiled
 
 SOURCE = pathlib.Path(__file__).with_name("proxy.c")
 DIRECTIONS = ("up", "down", "both")
@@ -26,19 +24,7 @@ DIRECTIONS = ("up", "down", "both")
 
 def binary() -> pathlib.Path:
     """The compiled proxy (built with the C compiler on first use, kept per source hash in the temp dir)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
-    out = pathlib.Path(tempfile.gettempdir()) / f"shardps-lab-proxy-{digest}"
-    if out.exists():
-        return out
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("the lab's proxy needs a C compiler (Debian: gcc)")
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    r = subprocess.run([cc, "-O2", "-Wall", "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"building the lab proxy failed:\n{r.stderr}")
-    os.replace(tmp, out)  # atomic: a concurrent build of the same source writes the same file
-    return out
+    return compiled(SOURCE, "shardps-lab-proxy", "the lab's proxy")
 
 
 class Proxy:
