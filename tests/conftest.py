@@ -101,3 +101,22 @@ def client2(cluster2: list[ShardServer], request: pytest.FixtureRequest) -> Iter
                 data_plane=request.param) as c:
         yield c
         assert set(c.transport.data_planes()) <= _TRAVELS[request.param]
+
+
+def require_etcd() -> None:
+    """Skip where Debian's etcd-server is not installed; fail instead where CI sets SHARDPS_REQUIRE_ETCD=1 (it
+    installs it there, so a missing etcd is a broken setup)."""
+    from shardps.server.ops.etcd import INSTALL, etcd_binary
+
+    if etcd_binary() is None:
+        (pytest.fail if os.environ.get("SHARDPS_REQUIRE_ETCD") else pytest.skip)(INSTALL)
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real etcd on loopback, its data in the test's directory (``require_etcd``)."""
+    from shardps.server.ops.etcd import LocalEtcd
+
+    require_etcd()
+    with LocalEtcd(str(tmp_path / "etcd")) as e:
+        yield e

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -38,10 +37,9 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
 
         require_lab()
     if name == "replicas":
-        from shardps.server.ops.etcd import INSTALL, etcd_binary
+        from tests.conftest import require_etcd
 
-        if etcd_binary() is None:  # CI installs it (SHARDPS_REQUIRE_ETCD=1): there a missing etcd fails
-            (pytest.fail if os.environ.get("SHARDPS_REQUIRE_ETCD") else pytest.skip)(INSTALL)
+        require_etcd()
     out = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--quick", "--out", str(tmp_path), *extra],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

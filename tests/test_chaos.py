@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from shardps.server.ops.etcd import INSTALL, etcd_binary
 from tests.chaos.scenarios import BY_NAME, SCENARIOS
+from tests.conftest import require_etcd
 from tests.test_lab import require_lab
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -27,8 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(900)
 def test_every_scenario_family_keeps_every_acknowledged_write_exactly_once(tmp_path):
     require_lab()
-    if etcd_binary() is None:
-        (pytest.fail if os.environ.get("SHARDPS_REQUIRE_ETCD") else pytest.skip)(INSTALL)
+    require_etcd()
     seed = os.environ.get("SHARDPS_CHAOS_SEED", "1")
     out = subprocess.run([sys.executable, "-m", "tests.chaos", "--short", "--seed", seed, "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=840)

@@ -36,21 +36,12 @@ from shardps.core.errors import Unavailable
 from shardps.server.durability import modes as durability
 from shardps.server.durability.modes import NoDurability
 from shardps.server.durability.replication import Diverged, ReplicatedLog, Shipped
-from shardps.server.ops.etcd import INSTALL, LocalEtcd, etcd_binary
 from shardps.server.replica.coordination import Primary
 from shardps.server.replica.member import ReplicaConfig
 from shardps.server.rpc import ServerConfig, ShardServer
 from shardps.server.shard.facade import ShardConfig
 from shardps.v1 import shardps_pb2 as pb
 from tests.procs import start_shard
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    if etcd_binary() is None:
-        (pytest.fail if os.environ.get("SHARDPS_REQUIRE_ETCD") else pytest.skip)(INSTALL)
-    with LocalEtcd(str(tmp_path / "etcd")) as e:
-        yield e
 
 
 def _member(tmp_path, etcd, m: int, group: int = 3) -> ShardServer:

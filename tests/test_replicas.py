@@ -19,7 +19,7 @@ from shardps_client import SGD, Client, Initializer, NotPrimaryError
 from shardps.core.errors import InvalidArgument, NotPrimary
 from shardps.server.durability.modes import NoDurability
 from shardps.server.durability.replication import Diverged, ReplicatedLog, Shipped
-from shardps.server.ops.etcd import INSTALL, LocalEtcd, etcd_binary
+from shardps.server.ops.etcd import LocalEtcd
 from shardps.server.replica.coordination import Coordinator
 from shardps.server.rpc.replication import frame_of
 from shardps.v1 import shardps_pb2 as pb
@@ -27,16 +27,6 @@ from tests.procs import start_shard
 
 ROWS = 2000
 KILLS = int(os.environ.get("SHARDPS_REPLICA_KILLS", "3"))  # make failover runs 10
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    if etcd_binary() is None:
-        if os.environ.get("SHARDPS_REQUIRE_ETCD"):
-            pytest.fail(INSTALL)
-        pytest.skip(INSTALL)
-    with LocalEtcd(str(tmp_path / "etcd")) as e:
-        yield e
 
 
 class Group:

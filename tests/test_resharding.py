@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -330,16 +329,6 @@ def test_slot_moved_errors_reach_clients_that_cannot_reroute():
     assert isinstance(err, SlotMovedError) and err.owner == "b:2"
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    from shardps.server.ops.etcd import INSTALL, LocalEtcd, etcd_binary
-
-    if etcd_binary() is None:  # CI installs it (SHARDPS_REQUIRE_ETCD=1): there a missing etcd fails
-        (pytest.fail if os.environ.get("SHARDPS_REQUIRE_ETCD") else pytest.skip)(INSTALL)
-    with LocalEtcd(str(tmp_path / "etcd")) as e:
-        yield e
-
-
 @contextlib.contextmanager
 def _two_shards_and_a_third_joining(tmp_path, *more_tables: str):
     """Two shards holding the test's tables (and ``more_tables``, like "t"), a third joined, and a driver to move
@@ -547,12 +536,7 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
         trainers = Trainers(lambda: Client(two, retry_timeout=120))
         cluster.add_shards(1)
         calls = ShardCalls(cluster.addresses, retry_s=30)
-        deadline = time.monotonic() + 30
-        for s in range(3):  # every group's primary found (the new one's election may still run)
-            while calls.info(s).replica.role != "primary":
-                assert time.monotonic() < deadline, f"shard {s} has no primary"
-                time.sleep(0.2)
-                calls._find_primary(s)
+        _find_primaries(calls, 3)
         calls.retry_s = 0  # the commit's failed quorum wait stops the driver at once
         killed: list[int] = []
 
@@ -604,6 +588,16 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
         calls.close()
 
 
+def _find_primaries(calls: ShardCalls, shards: int, timeout: float = 30.0) -> None:
+    """Point ``calls`` at every group's primary, waiting for any election still running (a new group's)."""
+    deadline = time.monotonic() + timeout
+    for s in range(shards):
+        while calls.info(s).replica.role != "primary":
+            assert time.monotonic() < deadline, f"shard {s} has no primary"
+            time.sleep(0.2)
+            calls._find_primary(s)
+
+
 class _DriverKilled(Exception):
     """The driver stopping between two steps, as SIGKILL would stop it (no roll back)."""
 
@@ -623,12 +617,7 @@ def test_a_move_cut_short_while_copying_is_rolled_back_on_both_sides_when_a_back
             c.flush()
         cluster.add_shards(1)
         finder = ShardCalls(cluster.addresses, retry_s=30)
-        deadline = time.monotonic() + 30
-        for s in range(3):  # every group's primary found (the new one's election may still run)
-            while finder.info(s).replica.role != "primary":
-                assert time.monotonic() < deadline, f"shard {s} has no primary"
-                time.sleep(0.2)
-                finder._find_primary(s)
+        _find_primaries(finder, 3)
         # each group listed backup first, as a cluster file written before a failover lists it
         backup_first = ["|".join(sorted(members, key=lambda a: a == finder.primary[s]))
                         for s, members in enumerate(finder.entries)]

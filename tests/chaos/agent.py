@@ -19,17 +19,23 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 
-def _info(address: str, timeout: float = 0.5) -> Optional[dict[str, Any]]:
+def _shard_info(address: str, timeout: float) -> Any:
+    """A member's ShardInfo answer (None: no answer within ``timeout``)."""
     import grpc
+    from shardps_client.transport.channels import Stub
 
     from shardps.v1 import shardps_pb2 as pb
 
     try:
         with grpc.insecure_channel(address) as ch:
-            stub = ch.unary_unary("/shardps.v1.Shard/ShardInfo", request_serializer=pb.ShardInfoRequest.SerializeToString,
-                                  response_deserializer=pb.ShardInfoResponse.FromString)
-            info = stub(pb.ShardInfoRequest(), timeout=timeout)
+            return Stub(ch).ShardInfo(pb.ShardInfoRequest(), timeout=timeout)
     except grpc.RpcError:
+        return None
+
+
+def _info(address: str, timeout: float = 0.5) -> Optional[dict[str, Any]]:
+    info = _shard_info(address, timeout)
+    if info is None:
         return None
     r = info.replica
     return {"role": r.role, "epoch": r.epoch, "lsn": r.lsn, "primary": r.primary, "version": info.version,
@@ -48,22 +54,12 @@ def _etcd(endpoint: str) -> Optional[dict[str, Any]]:
 
 def _slot_map(addresses: list[str]) -> Any:
     """The cluster's newest slot map, as its members hold it (None: none answers)."""
-    import grpc
-
     from shardps.core.slots import SlotMap
-    from shardps.v1 import shardps_pb2 as pb
 
     best = None
     for a in addresses:
-        try:
-            with grpc.insecure_channel(a) as ch:
-                stub = ch.unary_unary("/shardps.v1.Shard/ShardInfo",
-                                      request_serializer=pb.ShardInfoRequest.SerializeToString,
-                                      response_deserializer=pb.ShardInfoResponse.FromString)
-                info = stub(pb.ShardInfoRequest(), timeout=2)
-        except grpc.RpcError:
-            continue
-        if info.HasField("slots") and info.slots.map_json:
+        info = _shard_info(a, 2.0)
+        if info is not None and info.HasField("slots") and info.slots.map_json:
             m = SlotMap.from_json(json.loads(info.slots.map_json))
             if best is None or m.epoch > best.epoch:
                 best = m

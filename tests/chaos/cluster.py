@@ -141,9 +141,8 @@ class ChaosCluster:
         for i in range(self.spec.etcd):
             host = f"e{i}"
             self.etcd.append(EtcdMember(i, host, self.lab.address(host), cport, pport, self.lab.dir / "etcd" / host))
-        initial = ",".join(f"e{e.index}=http://{e.address}:{e.peer_port}" for e in self.etcd)
         for e in self.etcd:
-            self._spawn_etcd(e, initial, "new")
+            self._spawn_etcd(e, "new")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             r = self.lab.run("ctl", [sys.executable, "-c", "import sys, urllib.request\n"
@@ -154,8 +153,9 @@ class ChaosCluster:
             time.sleep(0.2)
         raise TimeoutError("etcd did not become healthy: " + self.etcd[0].proc.log()[-2000:])  # type: ignore[union-attr]
 
-    def _spawn_etcd(self, e: EtcdMember, initial: str, state: str) -> None:
+    def _spawn_etcd(self, e: EtcdMember, state: str) -> None:
         peer = f"http://{e.address}:{e.peer_port}"
+        initial = ",".join(f"e{x.index}=http://{x.address}:{x.peer_port}" for x in self.etcd)
         e.data_dir.parent.mkdir(parents=True, exist_ok=True)
         e.proc = self.lab.spawn(e.host, [etcd_binary() or "etcd", "--name", f"e{e.index}", "--data-dir", str(e.data_dir),
                                          "--listen-client-urls", e.url, "--advertise-client-urls", e.url,
@@ -171,8 +171,7 @@ class ChaosCluster:
     def restart_etcd(self, e: EtcdMember) -> None:
         if e.proc is not None and e.proc.alive():
             e.proc.stop(signal.SIGKILL)
-        initial = ",".join(f"e{x.index}=http://{x.address}:{x.peer_port}" for x in self.etcd)
-        self._spawn_etcd(e, initial, "existing" if len(self.etcd) > 1 else "new")
+        self._spawn_etcd(e, "existing" if len(self.etcd) > 1 else "new")
 
     def etcd_leader(self) -> Optional[EtcdMember]:
         assert self.agent is not None
