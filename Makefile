@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-gpu fuzz fairness failover chaos lint codegen bench clean docker-deps docker-base wheelhouse docker-test docker-etcd
+.PHONY: setup demo test test-gpu fuzz fairness failover chaos tier-budget lint codegen bench clean docker-deps docker-base wheelhouse docker-test docker-etcd
 
 setup: $(STAMP)
 
@@ -68,6 +68,10 @@ CHAOS_SEED ?= 1
 MIXED_S ?= 240
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos --seed $(CHAOS_SEED) --mixed-s $(MIXED_S)
+
+# The disk tier's memory budget at 512 MiB (CI runs it at 64): a shard's RSS through a 2 GB fill and a Zipf loop.
+tier-budget: $(STAMP)
+	SHARDPS_TIER_BUDGET_LONG=1 $(BIN)/python -m pytest -q -s tests/test_disk_tier.py -k rss
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff mypy

@@ -6,12 +6,15 @@
   with --max-memory-mb --budget-mb; the table's tier takes --memory-mb of it.
 - Memory and disk: each tiered shard's largest RSS as a multiple of its budget, disk bytes per row, the
   tier's hit rate.
-- Restart: a tiered shard stopped with SIGTERM (it checkpoints: its hot rows, and the RocksDB checkpoint's
+- Restart: a tiered shard stopped with SIGTERM (it checkpoints: its hot rows, and its segments'
   hard links) and started again: seconds until it serves, against the RAM table's shard.
-- Stores (--stores): the embedded key-value stores the disk tier could use, measured on the same rows
-  (--store-rows records of 276 bytes, batches of the workload's unique Zipf ids): bulk load, a batch read, a
-  batch write, and the RSS a process holds after reading: RocksDB (rocksdict) and LMDB (lmdb, skipped when
-  not installed).
+- CPU: the shards' CPU seconds over each measured loop, per row, and for the tiered table the CPU a miss costs above
+  the RAM table's (its CPU per row less the RAM table's, over its misses per row).
+- Stores (--stores): the cold stores the disk tier could use, measured on the same rows (--store-rows records of
+  276 bytes, batches of the workload's unique Zipf ids): bulk load, a batch read, a batch write, and the RSS a
+  process holds after reading: the tier's own segment files (``segments``), RocksDB as the tier used it before
+  (rocksdict), RocksDB tuned for point reads (1 KiB blocks, no checksum checks on reads) and LMDB (lmdb, skipped
+  when not installed).
 
     python -m benchmarks.bench_tiered                     # 20M rows, 1 GiB per shard (several minutes)
     python -m benchmarks.bench_tiered --quick             # smoke run
@@ -94,6 +97,12 @@ def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, sta
     return n / (time.perf_counter() - t0), i
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _restart_s(cluster: LocalCluster, index: int) -> tuple[float, float]:
     """(seconds a SIGTERM takes, checkpoint included; seconds the restarted shard takes to serve again)."""
     p = cluster.procs[index]
@@ -126,13 +135,17 @@ def run_table(tiered: bool, args: argparse.Namespace, batches: dict[str, list[to
                 for dist, bs in batches.items():
                     _, at = _loop(c, "t", bs, args.warmup)
                     before = c.describe_table("t")
+                    cpu0 = sum(_cpu_s(pid) for pid in pids)
                     out[f"{dist}_rows_per_s"], end = _loop(c, "t", bs, args.seconds, at)
+                    out[f"{dist}_shard_us_per_row"] = ((sum(_cpu_s(pid) for pid in pids) - cpu0) * 1e6
+                                                       / (out[f"{dist}_rows_per_s"] * args.seconds))
                     out[f"{dist}_batches_reused"] = max(0, end - len(bs))
                     if tiered:  # over the measured seconds alone
                         after = c.describe_table("t")
                         hits = sum(a.tier_hits - b.tier_hits for a, b in zip(after, before))
                         misses = sum(a.tier_misses - b.tier_misses for a, b in zip(after, before))
                         out[f"{dist}_hit_rate"] = hits / max(hits + misses, 1)
+                        out[f"{dist}_misses_per_row"] = misses / max(hits + misses, 1)
                     progress.step(f"{label}: {dist}")
                 peak = watch.stop()
                 info = c.describe_table("t")
@@ -159,7 +172,20 @@ def _store_probe(kind: str, rows: int, batches: list[np.ndarray], path: str, que
         return ids.astype(">u8").view("V8").tolist()  # type: ignore[no-any-return]
 
     rss0 = rss_bytes(os.getpid())
-    if kind == "rocksdb":
+    if kind == "segments":
+        from shardps.server.storage.records import RecordCodec
+        from shardps.server.storage.segments import SegmentStore
+
+        codec = RecordCodec(64, [])
+        store = SegmentStore(pathlib.Path(path), codec)
+        one = np.frombuffer(value, codec.dtype)
+
+        def put(ids: np.ndarray) -> None:
+            store.put(ids.astype(np.int64), np.repeat(one, ids.shape[0]))
+
+        def get(ids: np.ndarray) -> None:
+            store.get(ids.astype(np.int64))
+    elif kind.startswith("rocksdb"):
         import rocksdict
 
         opts = rocksdict.Options(raw_mode=True)
@@ -168,11 +194,18 @@ def _store_probe(kind: str, rows: int, batches: list[np.ndarray], path: str, que
         tab = rocksdict.BlockBasedOptions()
         tab.set_block_cache(rocksdict.Cache(32 * MIB))
         tab.set_bloom_filter(10, False)
+        if kind == "rocksdb-tuned":  # point reads: a block per row's neighbourhood, checksums not checked on reads
+            tab.set_block_size(1024)
         opts.set_block_based_table_factory(tab)
         db = rocksdict.Rdict(path, opts)
         wo = rocksdict.WriteOptions()
         wo.disable_wal = True  # type: ignore[method-assign,assignment]
         db.set_write_options(wo)
+        ro = rocksdict.ReadOptions()
+        ro.fill_cache(False)  # as the tier read: its rows go into the hot set
+        if kind == "rocksdb-tuned":
+            ro.set_verify_checksums(False)
+        db.set_read_options(ro)
 
         def put(ids: np.ndarray) -> None:
             wb = rocksdict.WriteBatch(raw_mode=True)
@@ -224,7 +257,8 @@ def run_stores(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
     batches = unique_batches(5, 40, 8192, args.store_rows, 1.1)
     out = []
     ctx = mp.get_context("spawn")
-    for kind, module in (("rocksdb", "rocksdict"), ("lmdb", "lmdb")):
+    for kind, module in (("segments", "numpy"), ("rocksdb", "rocksdict"), ("rocksdb-tuned", "rocksdict"),
+                         ("lmdb", "lmdb")):
         if importlib.util.find_spec(module) is None:
             progress.step(f"{kind}: {module} not installed, skipped")
             continue
@@ -269,18 +303,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     zipf = [torch.from_numpy(b) for b in unique_batches(7, args.batches, 8192, args.rows, 1.1)]
     uniform = [torch.from_numpy(b) for b in unique_batches(8, args.batches, 8192, args.rows, None)]
     batches = {"zipf": zipf, "uniform": uniform}
-    progress = Progress(2 * 4 + (0 if args.no_stores else 2), "tiered")
+    progress = Progress(2 * 4 + (0 if args.no_stores else 4), "tiered")
     rows = [run_table(False, args, batches, progress), run_table(True, args, batches, progress)]
     ram = rows[0]
     for r in rows:
         for dist in batches:
             r[f"x_ram_{dist}"] = r[f"{dist}_rows_per_s"] / ram[f"{dist}_rows_per_s"]
         r["x_ram_restart"] = r["restart_s"] / ram["restart_s"]
+        for dist in batches:  # CPU a miss costs above a row in RAM
+            if r.get(f"{dist}_misses_per_row"):
+                r[f"{dist}_us_per_miss"] = ((r[f"{dist}_shard_us_per_row"] - ram[f"{dist}_shard_us_per_row"])
+                                            / r[f"{dist}_misses_per_row"])
     stores = [] if args.no_stores else run_stores(args, progress)
     print(table(rows, [("table", "table", ""), ("zipf_rows_per_s", "Zipf rows/s", ",.0f"),
                        ("x_ram_zipf", "x RAM", ".2f"), ("uniform_rows_per_s", "uniform rows/s", ",.0f"),
                        ("x_ram_uniform", "x RAM", ".2f"), ("zipf_hit_rate", "Zipf hits", ".3f"),
                        ("uniform_hit_rate", "uniform hits", ".3f"),
+                       ("zipf_shard_us_per_row", "Zipf shard us/row", ".2f"), ("zipf_us_per_miss", "us/miss", ".1f"),
+                       ("uniform_shard_us_per_row", "uniform shard us/row", ".2f"),
+                       ("uniform_us_per_miss", "us/miss", ".1f"),
                        ("peak_rss_mib", "peak RSS MiB", ",.0f"), ("rss_x_budget", "RSS x budget", ".2f"),
                        ("disk_bytes_per_row", "disk B/row", ".0f"), ("mem_bytes_per_row", "RAM B/row", ".1f"),
                        ("restart_s", "restart s", ".2f"), ("x_ram_restart", "x RAM", ".2f"),

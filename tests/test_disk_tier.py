@@ -4,6 +4,7 @@ loopback; the reference is the same table kept wholly in RAM (itself checked aga
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from shardps.core.exports import load_tables, read_safetensors
 from shardps.server.ops.reshard import reshard
 from shardps.server.rpc import ServerConfig, ShardServer
 from shardps.server.shard.facade import ShardConfig
-from shardps.server.storage.disk import MARKER, DiskTierError, DiskTiers, RecordCodec, decode_keys, encode_keys
+from shardps.server.storage.disk import MARKER, DiskTierError, DiskTiers, RecordCodec
 from tests.procs import start_shard
 
 DIM = 8
@@ -39,7 +40,7 @@ def _server(i: int, n: int, tmp: pathlib.Path, **kw: object) -> ShardServer:
     return ShardServer(config, ServerConfig()).start()
 
 
-def _pair(c: Client, rows: int, memory_mb: float = 1, optimizer=None, dim: int = DIM) -> None:
+def _pair(c: Client, rows: int, memory_mb: float = 4, optimizer=None, dim: int = DIM) -> None:
     """A table with a disk tier ("disk") and the same table in RAM ("ram"): same initializer, same optimizer."""
     for name, storage in (("disk", DiskTier(memory_mb=memory_mb)), ("ram", "memory")):
         c.create_table(name, dim=dim, num_embeddings=rows, optimizer=optimizer or SGD(lr=0.1),
@@ -50,19 +51,16 @@ def _all(c: Client, name: str, rows: int, chunk: int = 20_000) -> torch.Tensor:
     return torch.cat([c.pull(name, torch.arange(lo, min(rows, lo + chunk))) for lo in range(0, rows, chunk)])
 
 
-def test_records_and_keys_round_trip():
+def test_records_round_trip():
     codec = RecordCodec(3, ["sum"])
     rng = np.random.default_rng(0)
     fields = {"rows": rng.standard_normal((5, 3)).astype(np.float32), "state.sum": rng.random((5, 3)).astype(np.float32),
               "steps": np.arange(5, dtype=np.int32), "last_version": np.arange(5, dtype=np.int64) << 40,
               "last_time": np.full(5, 7, np.uint32), "touches": np.arange(5, dtype=np.int32)}
-    back = codec.decode(codec.encode(fields))
+    back = codec.pack(fields)
+    assert back.dtype.itemsize == 3 * 4 * 2 + 20
     for k, v in fields.items():
         np.testing.assert_array_equal(back[k], v)
-    ids = np.array([0, 1, 255, 2**62, 2**63 - 1, 12345], np.int64)
-    keys = encode_keys(ids)
-    assert all(len(k) == 10 for k in keys)
-    np.testing.assert_array_equal(decode_keys(keys), ids)
 
 
 def test_table_ten_times_its_memory_trains_exactly_like_the_same_table_in_ram(tmp_path):
@@ -115,33 +113,50 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def test_shard_memory_stays_within_the_budget_whatever_the_rows(tmp_path):
-    """A shard process filling a 316 MB table with a disk tier of 8 MB: from RocksDB's start on, its RSS grows by the
-    tier's memory plus RocksDB's bounded caches (8 MB block cache, 16-32 MB of memtables) and its compactions'
-    buffers, never by the table: at every quarter of the rows it stays under a fixed bound, half the table's size."""
-    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--disk-cache-mb", "8"])
+# What a shard holds beyond its tables' budget, in MiB, as docs/storage.md states it: a client's pushes in flight (4
+# here, of 4 MB) and their numpy temporaries, the C heap's free memory kept up to its trim threshold (16 MiB), and the
+# segment mappings' pages between two drops (8 MiB at most). Measured: 29-33 MB with one push at a time.
+TIER_OVERHEAD_MB = 64
+
+
+@pytest.mark.parametrize("memory_mb", [64, pytest.param(512, marks=pytest.mark.skipif(
+    not os.environ.get("SHARDPS_TIER_BUDGET_LONG"), reason="2 GB of rows: run by make tier-budget"))])
+def test_a_shards_rss_stays_within_the_tiers_memory_mb_through_a_fill_and_a_zipf_loop_at_four_times_it(tmp_path, memory_mb):
+    """A shard process with a table four times its disk tier's memory_mb (64 MiB; 512 in make tier-budget): from the
+    tier's start on, its RSS (read from /proc) grows by at most memory_mb plus the stated overhead, at every quarter
+    of a fill and through a Zipf(1.1) loop of pulls and pushes. The index of the rows on disk is inside memory_mb."""
+    shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"))
     try:
-        with Client([shard.address]) as c:
-            c.create_table("warm", dim=4, num_embeddings=100, storage=DiskTier(memory_mb=1))  # RocksDB opened first
-            c.push("warm", torch.arange(100), torch.ones(100, 4), wait=True)
+        with Client([shard.address], max_inflight_pushes=4) as c:
+            c.create_table("warm", dim=4, num_embeddings=100, storage=DiskTier(memory_mb=1))  # the tier's code loaded
+            for _ in range(3):
+                c.push("warm", torch.arange(100), torch.ones(100, 4), wait=True)
             start = _rss_mb(shard.proc.pid)
-            rows = 1_200_000
+            rows = int(4 * memory_mb * (1 << 20) / (64 * 4 + 58))  # a row in RAM: values, metadata, flags, index
             c.create_table("big", dim=64, num_embeddings=rows, optimizer=SGD(lr=0.1), initializer=Initializer("zeros"),
-                           storage=DiskTier(memory_mb=8))
-            grown = []
-            for lo in range(0, rows, 15_000):
-                ids = torch.arange(lo, min(rows, lo + 15_000))
+                           storage=DiskTier(memory_mb=memory_mb))
+            grown, step = [], 16_384
+            for lo in range(0, rows, step):
+                ids = torch.arange(lo, min(rows, lo + step))
                 c.push("big", ids, torch.ones(ids.shape[0], 64))
-                if (lo + 15_000) % (rows // 4) == 0:
+                if (lo // step) % max(1, rows // step // 4) == 0:
+                    c.flush()
+                    grown.append(_rss_mb(shard.proc.pid) - start)
+            c.flush()
+            rng = np.random.default_rng(0)
+            for k in range(40):
+                ids = torch.from_numpy(np.unique((rng.zipf(1.1, 8192) - 1) % rows))
+                got = c.pull("big", ids)
+                c.push("big", ids, torch.ones(ids.shape[0], 64))
+                if k % 8 == 7:
                     c.flush()
                     grown.append(_rss_mb(shard.proc.pid) - start)
             (t,) = c.describe_table("big")
-            table_mb = t.num_rows * (64 * 4 + 20) / (1 << 20)
-            assert t.num_rows == rows and table_mb > 300 and t.hot_rows < rows / 30
-            bound = 8 + 8 + 32 + 100  # the tier, the block cache, memtables, compaction and allocator slack
-            assert max(grown) < bound < table_mb / 2, f"RSS grew by {grown} MB for a {table_mb:.0f} MB table"
+            assert t.num_rows == rows and t.hot_rows < rows / 3 and t.promoted > 0
+            print(f"memory_mb {memory_mb}: RSS grew by {[round(g) for g in grown]} MB")
+            assert max(grown) <= memory_mb + TIER_OVERHEAD_MB, f"RSS grew by {[round(g) for g in grown]} MB"
             got = c.pull("big", torch.arange(0, rows, 997))
-            assert torch.equal(got, torch.full(got.shape, -0.1))  # every row pushed once, none lost
+            assert (got <= -0.1 + 1e-6).all()  # every row pushed at least once, none lost
     finally:
         shard.kill()
 
@@ -163,7 +178,7 @@ def test_kill9_mid_training_restarts_with_every_acknowledged_push(tmp_path):
             with Client([s.address for s in shards], timeout=10, retry_timeout=60) as c:
                 while not stop.is_set():
                     ids = rng.choice(rows, size=4000, replace=False)
-                    c.push("cnt", torch.from_numpy(ids), torch.ones(4000, 2), wait=True)
+                    c.push("cnt", torch.from_numpy(ids), torch.ones(4000, 16), wait=True)
                     counts[ids] += 1
                     acked[0] += 1
         except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -171,8 +186,8 @@ def test_kill9_mid_training_restarts_with_every_acknowledged_push(tmp_path):
 
     try:
         with Client([s.address for s in shards]) as c:
-            c.create_table("cnt", dim=2, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
-                           storage=DiskTier(memory_mb=1))
+            c.create_table("cnt", dim=16, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           storage=DiskTier(memory_mb=4))
         thread = threading.Thread(target=trainer)
         thread.start()
         for kill in range(4):
@@ -225,8 +240,8 @@ def _trained_shard(tmp_path: pathlib.Path, checkpoints: int) -> tuple[torch.Tens
 def test_a_damaged_disk_tier_checkpoint_falls_back_or_stops_the_start_naming_it(tmp_path):
     expected, data = _trained_shard(tmp_path, checkpoints=2)
     newest = sorted((data / "disk" / "checkpoints").iterdir())[-1]
-    for sst in newest.glob("*.sst"):  # gone (its files are hard links: those it shares live on in the older one)
-        sst.unlink()
+    for seg in newest.glob("t-*/seg-*.dat"):  # gone (hard links: those it shares live on in the older one)
+        seg.unlink()
     shard = start_shard(0, 1, tmp_path, str(data))  # the previous checkpoint and the log behind it
     try:
         with Client([shard.address]) as c:
@@ -239,8 +254,10 @@ def test_a_damaged_disk_tier_checkpoint_falls_back_or_stops_the_start_naming_it(
     only.mkdir()
     expected, data = _trained_shard(only, checkpoints=1)
     (tier,) = (data / "disk" / "checkpoints").iterdir()
-    for sst in tier.glob("*.sst"):
-        sst.write_bytes(b"not a table file")
+    segs = sorted(tier.glob("t-*/seg-*.dat"))
+    assert segs
+    for seg in segs:  # as long as it was, its bytes damaged (the checksum finds it)
+        seg.write_bytes(b"x" * seg.stat().st_size)
     with pytest.raises(RuntimeError, match=str(tier)):
         start_shard(0, 1, only, str(data)).kill()  # (one that starts anyway is stopped, and the test fails)
 
@@ -298,7 +315,7 @@ def test_a_full_disk_refuses_requests_and_loses_nothing_acknowledged(tmp_path, s
     counts = np.zeros(rows, np.int64)
     with ShardServer(config).start() as server, Client([server.address]) as c:
         c.create_table("cnt", dim=16, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
-                       storage=DiskTier(memory_mb=4))
+                       storage=DiskTier(memory_mb=16))
         refused = None
         for lo in range(0, rows, 10_000):
             ids = np.arange(lo, lo + 10_000)
@@ -310,7 +327,7 @@ def test_a_full_disk_refuses_requests_and_loses_nothing_acknowledged(tmp_path, s
             counts[ids] += 1
         assert refused is not None and str(small_fs / "disk") in str(refused) and "free" in str(refused)
         with pytest.raises(RequestTooLargeError, match="free"):  # larger than memory: refused before any part
-            c.push("cnt", torch.arange(rows - 40_000, rows), torch.ones(40_000, 16), wait=True)
+            c.push("cnt", torch.arange(rows - 60_000, rows), torch.ones(60_000, 16), wait=True)  # one message
         filler.unlink()
         for lo in range(0, rows, 10_000):
             ids = np.arange(lo, lo + 10_000)

@@ -92,6 +92,27 @@ def zeros(shape: Union[int, tuple[int, ...]], dtype: Any) -> np.ndarray:
     return np.frombuffer(pages, dtype=dt, count=nbytes // dt.itemsize).reshape(dims)
 
 
+_MADVISE = getattr(_LIBC, "madvise", None)
+if _MADVISE is not None:
+    _MADVISE.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _MADVISE.restype = ctypes.c_int
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+
+
+def release_pages(arr: np.ndarray, first_row: int) -> None:
+    """Give the whole pages of ``arr`` (C-contiguous, one of ``zeros``' own mappings) from row ``first_row`` on back
+    to the OS: they read as zeros when touched again. Arrays on the heap, or without madvise, are left as they are."""
+    if _MADVISE is None or arr.nbytes < _OWN_PAGES or not arr.flags.c_contiguous or first_row >= arr.shape[0]:
+        return
+    start = arr.ctypes.data + first_row * (arr.nbytes // arr.shape[0])
+    end = arr.ctypes.data + arr.nbytes
+    lo = -(-start // _PAGE) * _PAGE
+    hi = end // _PAGE * _PAGE
+    if hi > lo:
+        _MADVISE(lo, hi - lo, _MADV_DONTNEED)
+
+
 def full(shape: Union[int, tuple[int, ...]], value: Any, dtype: Any) -> np.ndarray:
     """``np.full``, on pages of its own when 1 MiB or larger."""
     out = zeros(shape, dtype)

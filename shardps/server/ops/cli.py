@@ -48,10 +48,8 @@ SERVE_FLAGS: list[tuple[str, Any, object, str]] = [
     ("checkpoint-log-ratio", float, 1.0, "and not before the log since the last checkpoint is this many times that "
                                          "checkpoint's size: a large table is not rewritten for every "
                                          "--checkpoint-log-mb of log (0: --checkpoint-log-mb alone)"),
-    ("disk-dir", str, None, "where tables with a disk tier keep their cold rows (RocksDB; local disk; default: "
-     "<data-dir>/disk, none without --data-dir)"),
-    ("disk-cache-mb", int, 32, "RocksDB's block cache of the disk tier in MiB, shared by its tables (memory beyond "
-     "--max-memory-mb)"),
+    ("disk-dir", str, None, "where tables with a disk tier keep their cold rows (segment files; local disk; "
+     "default: <data-dir>/disk, none without --data-dir)"),
     ("disk-min-free-mb", int, 256, "free space the disk tier keeps on its file system: a write back that would leave "
      "less is refused (the request, with nothing applied)"),
     ("replicas", int, 1, "members of this shard's replica group (one primary, the others backups); with more than "
@@ -383,7 +381,7 @@ def run_serve(args: argparse.Namespace) -> int:
             shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,
             durability=args.durability, fsync=args.fsync, fsync_interval_s=args.fsync_interval,
             worker_timeout_s=args.worker_timeout, wal_recovery=args.wal_recovery,
-            serve_from=args.serve_from, disk_dir=args.disk_dir, disk_cache_mb=args.disk_cache_mb,
+            serve_from=args.serve_from, disk_dir=args.disk_dir,
             disk_min_free_mb=args.disk_min_free_mb, replicas=args.replicas, ack=args.ack,
             quorum_timeout_s=args.quorum_timeout, join=bool(args.join), handover_hold_s=args.handover_hold,
             limits=Limits(

@@ -89,7 +89,6 @@ class ShardConfig:
             (``shardps.server.exports.serving``); pushes and table changes are refused.
         disk_dir: where tables with a disk tier keep their cold rows (``shardps.server.storage.disk``; default:
             ``<data_dir>/disk``, none without a data dir).
-        disk_cache_mb: RocksDB's block cache of the disk tier, MiB (beyond the tables' memory budget).
         disk_min_free_mb: free space the disk tier keeps on its file system: a write that would leave less is
             refused (RocksDB stops after a write that fails for want of space).
         join: a shard added to a running cluster (``shardps reshard --add``): it owns no slot until the driver moves
@@ -116,7 +115,6 @@ class ShardConfig:
     wal_recovery: str = "fail"
     serve_from: Optional[str] = None
     disk_dir: Optional[str] = None
-    disk_cache_mb: int = 32
     disk_min_free_mb: int = 256
     replicas: int = 1
     ack: str = "quorum"
@@ -139,8 +137,6 @@ class ShardConfig:
             raise ValueError(f"wal_recovery must be one of {WAL_RECOVERY}, got {self.wal_recovery!r}")
         if self.keep_checkpoints < 2:
             raise ValueError("keep_checkpoints must be >= 2 (the previous good one is kept)")
-        if self.disk_cache_mb < 1:
-            raise ValueError(f"disk_cache_mb must be >= 1, got {self.disk_cache_mb}")
         if self.replicas < 1 or self.ack not in ACKS:
             raise ValueError(f"replicas must be >= 1 and ack one of {ACKS}, got {self.replicas}, {self.ack!r}")
         if self.replicas > 1 and (self.serve_from or (self.data_dir and self.durability == "checkpoint")):
@@ -150,7 +146,7 @@ class ShardConfig:
     def disk_tiers(self) -> Optional[DiskTiers]:
         """The shard's disk tier (opened on first use), or None when it has neither a disk dir nor a data dir."""
         root = self.disk_dir or (str(pathlib.Path(self.data_dir) / "disk") if self.data_dir else None)
-        return DiskTiers(pathlib.Path(root), self.shard_index, self.num_shards, self.disk_cache_mb,
+        return DiskTiers(pathlib.Path(root), self.shard_index, self.num_shards,
                          self.disk_min_free_mb) if root else None
 
 

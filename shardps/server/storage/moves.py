@@ -103,7 +103,7 @@ def write_state(t: Table, ids: np.ndarray, arrays: dict[str, np.ndarray], stamp:
     in_memory = slots >= 0
     if t.hot is not None and not in_memory.all():  # rows not in memory go to disk as they are
         cold = ids[~in_memory]
-        found, _ = t.hot.store.get(cold)
+        found = t.hot.store.contains(cold)
         fields = {k[len("meta."):] if k.startswith("meta.") else k: v[~in_memory] for k, v in arrays.items()}
         fields["last_version"] = np.full(cold.shape[0], stamp, np.int64)
         t.hot.store.put(cold, fields)
@@ -131,7 +131,7 @@ def drop(t: Table, ids: np.ndarray, version: int) -> int:
     t.remove(present, CAUSE_MOVED, check=False, version=version)
     if t.hot is None:
         return int(present.shape[0])
-    found, _ = t.hot.store.get(ids)
+    found = t.hot.store.contains(ids)
     if found.any():
         t.hot.store.delete(ids[found])
         t.hot.disk_rows -= int(found.sum())

@@ -12,7 +12,7 @@ import numpy as np
 
 from shardps.core import kernels
 from shardps.core.errors import ResourceExhausted
-from shardps.core.memory import grown, zeros
+from shardps.core.memory import grown, release_pages, zeros
 from shardps.server.storage.budget import MemoryBudget
 from shardps.server.storage.index import DirectIndex, HashIndex
 
@@ -168,6 +168,19 @@ class RowStore:
         freed = min(self.charged, k * (self.row_bytes + INDEX_BYTES_PER_ROW))
         self.budget.release(freed)
         self.charged -= freed
+
+    @property
+    def high(self) -> int:
+        """Slots ever used: past it the arrays are untouched zeros."""
+        return self._high
+
+    def release_from(self, slot: int) -> None:
+        """Hand the whole pages of every per-row array from ``slot`` on back to the OS; no row lives there (``slot``
+        >= ``n``). The high-water mark stays: a slot reused is cleared as any below it (what a page kept is not
+        zero)."""
+        assert slot >= self.n
+        for arr in self.per_row():
+            release_pages(arr, slot)
 
     # ---- copies ------------------------------------------------------------------------
 

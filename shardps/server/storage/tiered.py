@@ -1,6 +1,10 @@
 """A table's hot set in RAM over its rows on disk (``DiskTier``): which rows are in memory, bringing cold rows in
 (one batched read per request), and writing rows back before they leave memory.
 
+``memory_mb`` holds the hot rows and the index of the rows on disk (``segments``: 24-32 bytes a row): as the table
+grows on disk, its hot set shrinks by the index's size (the pages of the slots it gave up handed back to the OS),
+down to ``MIN_HOT`` of its rows; past that, new rows are refused, naming ``memory_mb``.
+
 The hot rows live in the table's ``RowStore`` like any table's, with three more per-row arrays: ``access`` (the
 request that last used the row: recency for the policy), ``dirty`` (changed since it was last written to disk) and
 ``on_disk`` (the store has a copy, maybe older). The store holds every row that ever left memory; a row in memory
@@ -30,6 +34,7 @@ from shardps.server.storage.index import HashIndex
 from shardps.server.storage.rows import INDEX_BYTES_PER_ROW, RowStore
 
 MIB = 1 << 20
+MIN_HOT = 0.125  # the share of memory_mb's rows the hot set keeps however large the index of the rows on disk grows
 # The per-row arrays a hot set adds to its RowStore.
 TIER_ARRAYS = {"access": np.int64, "dirty": np.uint8, "on_disk": np.uint8}
 
@@ -70,13 +75,29 @@ class HotSet:
         self.budget = budget
         self.tiers = tiers
         self.reserved = int(tier.memory_mb * MIB)
-        self.capacity = rows.max_rows
+        self.full_capacity = rows.max_rows  # hot rows memory_mb holds with nothing on disk
+        self.row_cost = rows.row_bytes + INDEX_BYTES_PER_ROW
+        self._released = self.full_capacity  # slots from which the pages were last handed back
         self.clock = 0  # requests served: a row's ``access`` is the last one that used it
         self.disk_rows = 0  # rows the store holds
         self.counts = TierCounts()
         self.broken = ""  # why the table refuses every request until the shard restarts ("" while it serves)
-        self._policy = Eviction(max_rows=self.capacity, policy=tier.policy, sample=tier.sample)
+        self._policy = Eviction(max_rows=self.full_capacity, policy=tier.policy, sample=tier.sample)
         self.codec = store.codec
+
+    @property
+    def capacity(self) -> int:
+        """Rows the hot set may hold now: memory_mb's rows less the index of the rows on disk (at least MIN_HOT)."""
+        taken = -(-self.store.index_bytes // self.row_cost)
+        return max(int(self.full_capacity * MIN_HOT), 16, self.full_capacity - taken)
+
+    def _check_growth(self, new_rows: int) -> None:
+        """Refuse ``new_rows`` more rows when the index of the rows on disk already leaves the hot set its least."""
+        if new_rows and self.capacity <= max(int(self.full_capacity * MIN_HOT), 16):
+            raise ResourceExhausted(f"{self.name}: {self.disk_rows:,} rows on disk on this shard, whose index takes "
+                                    f"{self.store.index_bytes / MIB:,.1f} MiB of the disk tier's memory_mb "
+                                    f"{self.tier.memory_mb:g}: no room for {new_rows:,} new rows; raise memory_mb "
+                                    "(or add shards)")
 
     @classmethod
     def make(cls, spec: TableSpec, dim: int, state_init: dict[str, float], budget: MemoryBudget,
@@ -131,17 +152,21 @@ class HotSet:
             self.counts.hits += n_hit
             return slots
         new_ids, first, inverse = np.unique(ids[missing], return_index=True, return_inverse=True)
-        if n_hit + new_ids.shape[0] > self.capacity:
+        capacity = self.capacity
+        if n_hit + new_ids.shape[0] > capacity:
             raise ResourceExhausted(f"{self.name}: a request touching {n_hit + new_ids.shape[0]:,} rows does not fit "
-                                    f"the table's memory of {self.capacity:,} rows on this shard (disk tier "
+                                    f"the table's memory of {capacity:,} rows on this shard (disk tier "
                                     f"memory_mb {self.tier.memory_mb:g}): split the request or raise memory_mb")
-        self.counts.hits += n_hit
-        self.counts.misses += new_ids.shape[0]
-        self._make_room(rows.n + new_ids.shape[0] - self.capacity)
-        found, records = self.store.get(new_ids)
+        found = self.store.contains(new_ids)
         fresh = ~found
         if fresh.any() and not create and not absent_ok:
             raise InvalidArgument(f"{self.name}: row {int(new_ids[np.argmax(fresh)])} is not initialised")
+        if create:
+            self._check_growth(int(fresh.sum()))
+        self.counts.hits += n_hit
+        self.counts.misses += new_ids.shape[0]
+        self._make_room(rows.n + new_ids.shape[0] - capacity)
+        _, records = self.store.get(new_ids[found])
         new_slots = np.full(new_ids.shape[0], -1, np.int64)
         if found.any():
             new_slots[found] = self._bring_in(new_ids[found], records)
@@ -191,6 +216,7 @@ class HotSet:
     def _write_new(self, ids: np.ndarray, values: np.ndarray, stamp: int) -> None:
         """Rows never seen, made straight on disk with ``values`` and fresh optimizer state."""
         n = ids.shape[0]
+        self._check_growth(n)
         fields = {"rows": values, "steps": np.zeros(n, np.int32), "last_version": np.full(n, stamp, np.int64),
                   "last_time": np.zeros(n, np.uint32), "touches": np.zeros(n, np.int32)}
         fields.update({"state." + k: np.full((n, self.rows.dim), v, np.float32) for k, v in self.rows.state_init.items()})
@@ -227,6 +253,10 @@ class HotSet:
                                  self.clock, salt=self.clock)
         self.write_back(victims)
         rows.remove(rows.ids[victims].copy(), check=False)
+        capacity = self.capacity
+        if self._released - capacity > max(64, self.full_capacity >> 6):  # slots given up to the index: to the OS
+            rows.release_from(max(capacity, rows.n))
+            self._released = max(capacity, rows.n)
 
     def write_back(self, slots: np.ndarray) -> None:
         """Write the changed rows of ``slots`` to disk (one batch; a failure changes nothing) and mark them clean."""
@@ -258,7 +288,7 @@ class HotSet:
         if n <= step:
             apply(slice(0, n))
             return
-        self.store.tiers.check_space(2 * n * (self.codec.dtype.itemsize + 10))  # twice: RocksDB's flushes too
+        self.store.tiers.check_space(2 * n * (self.codec.dtype.itemsize + 8))  # twice: compactions too
         for lo in range(0, n, step):
             try:
                 apply(slice(lo, lo + step))
