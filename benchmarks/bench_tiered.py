@@ -83,9 +83,9 @@ def _fill(c: Client, name: str, rows: int) -> float:
     return rows / (time.perf_counter() - t0)
 
 
-def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, start: int = 0) -> tuple[float, int]:
+def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, start: int = 0) -> tuple[float, int, int]:
     """The standard loop for ``seconds`` from batch ``start`` on: pull the unique rows, push a gradient per row;
-    (unique rows/s, the next batch)."""
+    (unique rows/s, the next batch, rows)."""
     t0, n, i = time.perf_counter(), 0, start
     while time.perf_counter() - t0 < seconds:
         ids = batches[i % len(batches)]
@@ -94,7 +94,7 @@ def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, sta
         n += ids.shape[0]
         i += 1
     c.flush()
-    return n / (time.perf_counter() - t0), i
+    return n / (time.perf_counter() - t0), i, n
 
 
 def _cpu_s(pid: int) -> float:
@@ -133,19 +133,18 @@ def run_table(tiered: bool, args: argparse.Namespace, batches: dict[str, list[to
                 watch = _RssWatch(pids)
                 out: dict[str, Any] = {"table": label, "fill_rows_per_s": fill}
                 for dist, bs in batches.items():
-                    _, at = _loop(c, "t", bs, args.warmup)
+                    _, at, _ = _loop(c, "t", bs, args.warmup)
                     before = c.describe_table("t")
                     cpu0 = sum(_cpu_s(pid) for pid in pids)
-                    out[f"{dist}_rows_per_s"], end = _loop(c, "t", bs, args.seconds, at)
-                    out[f"{dist}_shard_us_per_row"] = ((sum(_cpu_s(pid) for pid in pids) - cpu0) * 1e6
-                                                       / (out[f"{dist}_rows_per_s"] * args.seconds))
+                    out[f"{dist}_rows_per_s"], end, looped = _loop(c, "t", bs, args.seconds, at)
+                    out[f"{dist}_shard_us_per_row"] = (sum(_cpu_s(pid) for pid in pids) - cpu0) * 1e6 / looped
                     out[f"{dist}_batches_reused"] = max(0, end - len(bs))
                     if tiered:  # over the measured seconds alone
                         after = c.describe_table("t")
                         hits = sum(a.tier_hits - b.tier_hits for a, b in zip(after, before))
                         misses = sum(a.tier_misses - b.tier_misses for a, b in zip(after, before))
                         out[f"{dist}_hit_rate"] = hits / max(hits + misses, 1)
-                        out[f"{dist}_misses_per_row"] = misses / max(hits + misses, 1)
+                        out[f"{dist}_misses_per_row"] = misses / looped  # a row pulled and pushed: 2 lookups
                     progress.step(f"{label}: {dist}")
                 peak = watch.stop()
                 info = c.describe_table("t")

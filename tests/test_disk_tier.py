@@ -63,6 +63,51 @@ def test_records_round_trip():
         np.testing.assert_array_equal(back[k], v)
 
 
+@pytest.mark.parametrize("reads", ["pread", "mapping"])
+def test_segment_store_against_a_dict_through_overwrites_deletes_compactions_and_a_checkpoint(tmp_path, monkeypatch,
+                                                                                            reads):
+    """The segment store (tiny segments: many seals and compactions) against a dict of what was written last:
+    every read, a scan by slots, and a checkpoint loaded back, by the compiled pread and by the mappings."""
+    from shardps.core.routing import slot_of_ids
+    from shardps.server.storage import segments
+
+    if reads == "mapping":
+        monkeypatch.setattr(segments, "_GATHER", [None])
+    elif segments.pread_gather() is None:
+        pytest.skip("numba's kernels do not serve here (SHARDPS_KERNELS=numpy or no numba)")
+    codec = RecordCodec(4, ["s"])
+    store = segments.SegmentStore(tmp_path / "live", codec, segment_bytes=4096)
+    rng = np.random.default_rng(0)
+    ref: dict[int, int] = {}
+
+    def records(n: int, v: int) -> np.ndarray:
+        return codec.pack({"rows": np.full((n, 4), v, np.float32), "state.s": np.full((n, 4), -v, np.float32),
+                           "steps": np.full(n, v, np.int32), "last_version": np.arange(n, dtype=np.int64),
+                           "last_time": np.zeros(n, np.uint32), "touches": np.zeros(n, np.int32)})
+
+    for step in range(300):
+        ids = np.unique(rng.integers(0, 2000, 100))
+        if step % 7 == 3:
+            store.delete(ids[:20])
+            for i in ids[:20].tolist():
+                ref.pop(i, None)
+        else:
+            store.put(ids, records(ids.shape[0], step))
+            ref.update(dict.fromkeys(ids.tolist(), step))
+        if step == 151:
+            manifest, at_cut = store.checkpoint(tmp_path / "ckpt"), dict(ref)
+    assert store.disk_bytes <= 2 * len(ref) * store.record.itemsize + 2 * 4096  # compacted: dead <= live + a segment
+    every = np.arange(2000)
+    for got, want in ((store, ref), (segments.SegmentStore.load(tmp_path / "ckpt", tmp_path / "back", codec, manifest),
+                                     at_cut)):
+        found, recs = got.get(every)
+        assert every[found].tolist() == sorted(want)
+        assert recs["steps"].tolist() == [want[i] for i in every[found].tolist()]
+    part = np.concatenate([i for i, _ in store.scan(100, 30000, batch=50)])
+    slots = slot_of_ids(np.array(sorted(ref), np.int64))
+    assert sorted(part.tolist()) == [i for i, sl in zip(sorted(ref), slots) if 100 <= sl <= 30000]
+
+
 def test_table_ten_times_its_memory_trains_exactly_like_the_same_table_in_ram(tmp_path):
     """Two shards; a table whose memory holds a tenth of its rows trains with SGD and Adagrad, pulls and pushes
     of Zipf and uniform ids with repeats; every row equals the in-RAM table's, bit for bit, during and after,

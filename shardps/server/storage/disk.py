@@ -65,7 +65,11 @@ class TableStore:
 
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(which of ``ids`` are on disk, their records in that order): one batched read."""
-        return self.segments.get(ids)
+        try:
+            return self.segments.get(ids)
+        except OSError as e:  # a disk that fails its reads
+            raise ResourceExhausted(f"disk tier {self.tiers.root}: reading {ids.shape[0]:,} rows of {self.name!r} "
+                                    f"failed ({e}); nothing of this request was applied") from e
 
     def contains(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` are on disk (the index alone: nothing is read)."""
