@@ -67,14 +67,17 @@ def test_records_round_trip():
 def test_segment_store_against_a_dict_through_overwrites_deletes_compactions_and_a_checkpoint(tmp_path, monkeypatch,
                                                                                             reads):
     """The segment store (tiny segments: many seals and compactions) against a dict of what was written last:
-    every read, a scan by slots, and a checkpoint loaded back, by the compiled pread and by the mappings."""
+    every read, a scan by slots, and a checkpoint loaded back; read by the compiled pread loop, and by the mappings
+    (the numpy references: their pages let go as reads go on)."""
+    from shardps.core import kernels
     from shardps.core.routing import slot_of_ids
     from shardps.server.storage import segments
 
     if reads == "mapping":
-        monkeypatch.setattr(segments, "_GATHER", [None])
-    elif segments.pread_gather() is None:
-        pytest.skip("numba's kernels do not serve here (SHARDPS_KERNELS=numpy or no numba)")
+        monkeypatch.setattr(kernels, "jit", lambda: None)
+    elif kernels.jit() is None:
+        pytest.skip("the compiled kernels do not serve here (SHARDPS_KERNELS=numpy or no numba)")
+
     codec = RecordCodec(4, ["s"])
     store = segments.SegmentStore(tmp_path / "live", codec, segment_bytes=4096)
     rng = np.random.default_rng(0)
@@ -101,6 +104,7 @@ def test_segment_store_against_a_dict_through_overwrites_deletes_compactions_and
     for got, want in ((store, ref), (segments.SegmentStore.load(tmp_path / "ckpt", tmp_path / "back", codec, manifest),
                                      at_cut)):
         found, recs = got.get(every)
+        assert got._gathered < segments.READ_CHUNK <= len(want)  # (mappings) dropped on the way
         assert every[found].tolist() == sorted(want)
         assert recs["steps"].tolist() == [want[i] for i in every[found].tolist()]
     part = np.concatenate([i for i, _ in store.scan(100, 30000, batch=50)])
@@ -360,7 +364,7 @@ def test_a_full_disk_refuses_requests_and_loses_nothing_acknowledged(tmp_path, s
     counts = np.zeros(rows, np.int64)
     with ShardServer(config).start() as server, Client([server.address]) as c:
         c.create_table("cnt", dim=16, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
-                       storage=DiskTier(memory_mb=16))
+                       storage=DiskTier(memory_mb=12))
         refused = None
         for lo in range(0, rows, 10_000):
             ids = np.arange(lo, lo + 10_000)
@@ -372,7 +376,8 @@ def test_a_full_disk_refuses_requests_and_loses_nothing_acknowledged(tmp_path, s
             counts[ids] += 1
         assert refused is not None and str(small_fs / "disk") in str(refused) and "free" in str(refused)
         with pytest.raises(RequestTooLargeError, match="free"):  # larger than memory: refused before any part
-            c.push("cnt", torch.arange(rows - 60_000, rows), torch.ones(60_000, 16), wait=True)  # one message
+            # (one message: a push the client split in two could have its smaller part applied, unknown to this count)
+            c.push("cnt", torch.arange(rows - 45_000, rows), torch.ones(45_000, 16), wait=True)
         filler.unlink()
         for lo in range(0, rows, 10_000):
             ids = np.arange(lo, lo + 10_000)

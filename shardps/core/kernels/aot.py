@@ -70,11 +70,13 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "gather_rows": [(_ROWS, _IDS, _ROWS)],
     "scatter_rows": [(_ROWS, _IDS, _ROWS)],
     "all_finite": [(_ROWS,)],
+    "pread_records": [("int64", _IDS, "int64", "uint8[::1]")],
 }
 # The arguments each kernel writes into (by position): these must be writeable and are never copied.
 WRITES: dict[str, tuple[int, ...]] = {
     "hash_place": (0,), "hash_remove": (0, 1), "direct_remove": (0, 1), "apply_moves": (0,), "sgd_apply": (0, 1),
     "adagrad_apply": (0, 1), "adam_apply": (0, 1, 2), "gather_rows": (2,), "scatter_rows": (0,),
+    "pread_records": (3,),
 }
 # Of those, the ones that may sit at any alignment: a push's message, which ``gather_rows`` fills at any offset.
 UNALIGNED_WRITES: dict[str, tuple[int, ...]] = {"gather_rows": (2,)}

@@ -9,6 +9,7 @@ import math
 
 import numba
 import numpy as np
+from numba import types
 
 from shardps.core.kernels.constants import SPLITMIX_GOLDEN as _GOLDEN
 from shardps.core.kernels.constants import SPLITMIX_M1 as _M1
@@ -472,3 +473,20 @@ def all_finite(values: np.ndarray) -> bool:
         if not ok:
             return False
     return True
+
+
+# ---- the disk tier's reads ------------------------------------------------------------------
+
+# libc's pread, by name: the compiled code calls the symbol the process (or the ahead-of-time module) links against.
+_pread = types.ExternalFunction("pread", types.intp(types.intc, types.voidptr, types.uintp, types.int64))
+
+
+@_njit
+def pread_records(fd: int, offsets: np.ndarray, size: int, out: np.ndarray) -> int:
+    """``out[i * size:(i + 1) * size]`` = the ``size`` bytes of file ``fd`` at ``offsets[i]``, one pread each; how
+    many were read in full (fewer: the first that was not). numpy: ``Segment.gather``'s gather from the file's
+    mapping."""
+    for i in range(offsets.shape[0]):
+        if _pread(fd, out[i * size:].ctypes.data, size, offsets[i]) != size:
+            return i
+    return offsets.shape[0]

@@ -1,6 +1,6 @@
 """One table's rows on disk: fixed-size records appended to segment files, found through an index in RAM (id ->
-segment and record), read by a compiled loop of ``pread`` s (``pread_gather``), or, where numba does not serve, by a
-gather from the files' read-only mappings whose pages are let go after each chunk.
+segment and record), read by a compiled loop of ``pread`` s (the kernel ``pread_records``), or where the numpy
+references serve, by a gather from the files' read-only mappings whose pages are let go every ``READ_CHUNK`` records.
 
 Why this and not RocksDB (what the tier used before): a batch read of cold rows costs 0.9-1.1 us a row here against
 6.5-9.7 us through RocksDB's MultiGet (3.9 us tuned: 1 KiB blocks, no checksums), on the same rows (docs/storage.md).
@@ -12,9 +12,10 @@ written (truncated to its records, its CRC-32C taken) and hard links every segme
 of the rows; it writes the index (ids, then locations) beside them. Segments whose records are mostly dead are
 compacted: their live records written again at the end, the file removed (a checkpoint's link keeps its copy).
 
-Memory: the index holds 24-32 bytes per row on disk (id, location, and the probe table's share); the mappings (reads
-without numba, checksums, compactions) are address space only, their pages dropped after every chunk of
-``READ_CHUNK`` or ``COPY_CHUNK`` records (at most 8 MiB resident).
+Memory: the index holds 24-32 bytes per row on disk (id, location, and the probe table's share); the mappings are
+address space only, their pages dropped after every ``READ_CHUNK`` records read (or ``COPY_CHUNK`` checksummed or
+compacted): at most 8 MiB resident (a read fault maps 64 KiB). The pread loop costs a tiered shard 15-25% less CPU
+a row than the mappings' page faults and drops did.
 Writes are ``pwrite`` s into the page cache: never fsynced live (the shard's log and checkpoints survive a crash),
 and a failed write changes nothing the index points at.
 """
@@ -37,47 +38,12 @@ from shardps.server.storage.index import HashIndex
 from shardps.server.storage.records import RecordCodec
 
 SEGMENT_BYTES = 64 << 20
-READ_CHUNK = 1024  # records gathered between two drops of the mappings' pages (2 pages each at most: 8 MiB)
+# Records gathered between two drops of the mappings' pages: a read fault maps the 16 pages around it that the page
+# cache holds (the kernel's fault-around, 64 KiB; madvise cannot turn it off), so 128 records keep 8 MiB at most.
+READ_CHUNK = 128
 COPY_CHUNK = 4096  # records read at a time by checksums and compactions (at most 2.5 MiB of pages, then dropped)
 INDEX_FILE = "index.bin"
 _SEG_SHIFT = 32
-
-
-_GATHER: list[Any] = []  # the compiled gather, once made (None where numba does not serve)
-
-
-def pread_gather() -> Any:
-    """A compiled gather of records by ``pread`` (numba calling libc's, the GIL released), made on first use; None
-    where numba's kernels do not serve (``SHARDPS_KERNELS=numpy``, no numba, no libc): the mappings serve then.
-    Not among the ahead-of-time kernels: a compiled call of a C function holds its address in this process.
-    In a tiered shard it costs 15-25% less CPU a row than gathering from the mappings (their page faults and page
-    drops; docs/storage.md)."""
-    if _GATHER:
-        return _GATHER[0]
-    fn = None
-    if kernels.ENABLED:
-        try:
-            import ctypes
-
-            import numba
-
-            pread = ctypes.CDLL(None, use_errno=True).pread
-            pread.restype = ctypes.c_ssize_t
-            pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
-
-            @numba.njit(nogil=True)
-            def gather(fd: int, offsets: np.ndarray, size: int, out: np.ndarray) -> int:
-                base = out.ctypes.data
-                for i in range(offsets.shape[0]):
-                    if pread(fd, base + i * size, size, offsets[i]) != size:
-                        return i
-                return offsets.shape[0]
-
-            fn = gather
-        except (ImportError, OSError, AttributeError):
-            fn = None
-    _GATHER.append(fn)
-    return fn
 
 
 class SegmentError(Exception):
@@ -116,17 +82,16 @@ class Segment:
         self.view = np.frombuffer(self.mm, record) if self.mm is not None else np.zeros(0, record)
 
     def gather(self, records: np.ndarray) -> np.ndarray:
-        """Copies of the records at ``records`` (indexes below ``count``): read by ``pread``, or gathered from the
-        mapping whose pages are then let go."""
-        gather = pread_gather()
-        if gather is not None:
-            out = np.empty(records.shape[0], self.record)
-            done = gather(self.fd, records * self.record.itemsize, self.record.itemsize, out.view(np.uint8))
-            if done != records.shape[0]:
-                raise OSError(5, f"short read of record {int(records[done])}", str(self.path))
-            return out
-        out = self.view[records]
-        self.drop_pages()
+        """Copies of the records at ``records`` (indexes below ``count``): read by the compiled ``pread`` loop, else
+        gathered from the mapping (its pages stay mapped until dropped)."""
+        k = kernels.jit()
+        if k is None:
+            return self.view[records]
+        out = np.empty(records.shape[0], self.record)
+        size = self.record.itemsize
+        done = k.pread_records(self.fd, records * size, size, out.view(np.uint8))
+        if done != records.shape[0]:
+            raise OSError(5, f"record {int(records[done])} could not be read in full", str(self.path))
         return out
 
     def drop_pages(self) -> None:
@@ -193,6 +158,8 @@ class SegmentStore:
         self.index = HashIndex(1024, probe_rows=1024)
         self.loc = zeros(1024, np.int64)  # location of the row of each index slot: segment << 32 | record
         self.next_number = 1
+        self._touched: set[int] = set()  # segments read since their pages were last dropped
+        self._gathered = 0  # records read since then
         directory.mkdir(parents=True, exist_ok=True)
 
     # ---- reads --------------------------------------------------------------------------------
@@ -216,19 +183,41 @@ class SegmentStore:
 
     def read(self, locs: np.ndarray) -> np.ndarray:
         """The records (``codec.dtype``) at ``locs`` (all present), in that order: gathered segment by segment in
-        file order, ``READ_CHUNK`` at a time."""
+        file order; the mappings' pages are dropped whenever ``READ_CHUNK`` records were gathered since the last
+        drop (of every segment touched since: one call each, where a drop per segment and chunk cost 9.5% of a
+        tiered shard's time)."""
         out = np.empty(locs.shape[0], self.codec.dtype)
+        if not locs.shape[0]:
+            return out
         raw = out.view(f"V{self.codec.dtype.itemsize}")
         order = np.argsort(locs, kind="stable")
         ordered = locs[order]
-        for lo in range(0, ordered.shape[0], READ_CHUNK):
-            chunk = ordered[lo:lo + READ_CHUNK]
-            segs = chunk >> _SEG_SHIFT
-            cuts = np.flatnonzero(np.diff(segs)) + 1
-            for a, b in zip(np.r_[0, cuts], np.r_[cuts, chunk.shape[0]]):
-                seg = self.segments[int(segs[a])]
-                raw[order[lo + a:lo + b]] = seg.gather(chunk[a:b] & 0xFFFFFFFF)["rec"]
+        segs = ordered >> _SEG_SHIFT
+        cuts = np.flatnonzero(np.diff(segs)) + 1
+        for a, b in zip(np.r_[0, cuts].tolist(), np.r_[cuts, ordered.shape[0]].tolist()):
+            seg = self.segments[int(segs[a])]
+            lo = a
+            if kernels.jit() is not None:  # read by pread: nothing mapped
+                raw[order[a:b]] = seg.gather(ordered[a:b] & 0xFFFFFFFF)["rec"]
+                continue
+            while lo < b:  # (fewer than READ_CHUNK gathered since the last drop: hi > lo)
+                hi = min(b, lo + READ_CHUNK - self._gathered)
+                raw[order[lo:hi]] = seg.gather(ordered[lo:hi] & 0xFFFFFFFF)["rec"]
+                self._touched.add(seg.number)
+                self._gathered += hi - lo
+                if self._gathered >= READ_CHUNK:
+                    self.drop_pages()
+                lo = hi
         return out
+
+    def drop_pages(self) -> None:
+        """Let the mappings of the segments read since the last drop go of their pages."""
+        for number in self._touched:
+            seg = self.segments.get(number)
+            if seg is not None:
+                seg.drop_pages()
+        self._touched.clear()
+        self._gathered = 0
 
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(which of ``ids`` are on disk, their records in that order)."""
