@@ -85,12 +85,11 @@ class TableStore:
         return self.segments.index_bytes
 
     def put(self, ids: np.ndarray, fields: dict[str, np.ndarray]) -> None:
-        """Write the rows of unique ``ids`` (one batch; a failure raises ResourceExhausted and changes nothing the
-        caller relies on: the rows are still in memory)."""
+        """Write the rows of ``ids``, unique (every caller's are: a hot set's slots, a request's unique ids; not checked
+        here, where a check cost 4% of a tiered shard's time), in one batch; a failure raises ResourceExhausted and
+        changes nothing the caller relies on: the rows are still in memory."""
         if not ids.shape[0]:
             return
-        if np.unique(ids).shape[0] != ids.shape[0]:
-            raise ValueError(f"{self.name}: the disk tier writes unique ids")
         self.tiers.check_space(ids.shape[0] * self.segments.record.itemsize)
         try:
             self.segments.put(ids, self.codec.pack(fields))

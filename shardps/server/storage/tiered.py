@@ -25,6 +25,7 @@ import google_crc32c
 import numpy as np
 
 from shardps.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from shardps.core.ids import is_sorted_unique
 from shardps.core.policies import DiskTier, Eviction
 from shardps.core.specs import Initializer, TableSpec
 from shardps.server.storage.bounded import choose_victims
@@ -151,7 +152,12 @@ class HotSet:
         if not missing.size:
             self.counts.hits += n_hit
             return slots
-        new_ids, first, inverse = np.unique(ids[missing], return_index=True, return_inverse=True)
+        absent = ids[missing]
+        if is_sorted_unique(absent):  # a client's request: its ids unique and sorted already
+            new_ids, first = absent, np.arange(absent.shape[0])
+            inverse = first
+        else:
+            new_ids, first, inverse = np.unique(absent, return_index=True, return_inverse=True)
         capacity = self.capacity
         if n_hit + new_ids.shape[0] > capacity:
             raise ResourceExhausted(f"{self.name}: a request touching {n_hit + new_ids.shape[0]:,} rows does not fit "
