@@ -40,7 +40,7 @@ test-gpu:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: torch sees no CUDA device')"
 	PYTHONPATH=$(CURDIR):$(CURDIR)/clients$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu $(GPU_TESTS)
 
-# The long fuzz run: FUZZ_EXAMPLES generated requests per method (CI runs 50), then the same as a table
+# The long fuzz run: FUZZ_EXAMPLES generated requests per method (CI runs 35), then the same as a table
 # of status codes per method; FUZZ_SEED varies the run.
 FUZZ_EXAMPLES ?= 1000
 FUZZ_SEED ?= 1

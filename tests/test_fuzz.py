@@ -7,7 +7,7 @@ must change nothing (version, rows of t and d); the shard must stay alive and
 below 1.5 GiB RSS; and after kill -9 it must restart on its data dir holding
 exactly what it acknowledged.
 
-``SHARDPS_FUZZ_EXAMPLES`` (default 50 per method) and ``SHARDPS_FUZZ_SEED``
+``SHARDPS_FUZZ_EXAMPLES`` (default 35 per method) and ``SHARDPS_FUZZ_SEED``
 (default 0) scale and vary the run; ``python -m tests.fuzz`` prints the same
 run as a table.
 """
@@ -22,7 +22,7 @@ from hypothesis import seed as hypothesis_seed
 
 from tests.fuzz import crash, regressions, runner
 
-EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "35"))
 SEED = int(os.environ.get("SHARDPS_FUZZ_SEED", "0"))
 
 

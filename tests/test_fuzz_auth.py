@@ -37,7 +37,7 @@ from tests.fuzz.tensors import int64_tensor
 from tests.procs import start_shard
 from tests.test_data_plane import data_plane_call
 
-EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "35"))
 SEED = int(os.environ.get("SHARDPS_FUZZ_SEED", "0"))
 TOKENS = {"reader": "R" * 18 + "-reader", "trainer": "T" * 18 + "-trainer", "admin": "A" * 18 + "-admin"}
 ALLOWED = {"reader": {"Pull", "PullDense", "PullBatch", "DescribeTable", "ShardInfo"}}

@@ -35,7 +35,7 @@ from tests.fuzz import data_requests, generators, mutations, oracle, regressions
 from tests.fuzz.wire import LEN, Field, parse_fields
 
 # 1000 per push type by default; SHARDPS_WIRE_EXAMPLES sets it, else it follows SHARDPS_FUZZ_EXAMPLES (x20).
-N = int(os.environ.get("SHARDPS_WIRE_EXAMPLES") or 20 * int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "50")))
+N = int(os.environ.get("SHARDPS_WIRE_EXAMPLES") or 20 * int(os.environ.get("SHARDPS_FUZZ_EXAMPLES", "35")))
 pytestmark = pytest.mark.timeout(max(120, N // 10))
 
 

@@ -105,7 +105,7 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ]),
     ("Development", "Tests and `make` targets (see [development](development.md)).", [
         ("SHARDPS_FUZZ_EXAMPLES", "`tests/test_fuzz.py`, `tests/test_fuzz_auth.py`, `python -m tests.fuzz`",
-         "generated requests per method (tests: 50, `python -m tests.fuzz`: 100; `make fuzz` passes `FUZZ_EXAMPLES`, "
+         "generated requests per method (tests: 35, `python -m tests.fuzz`: 100; `make fuzz` passes `FUZZ_EXAMPLES`, "
          "1000)"),
         ("SHARDPS_FUZZ_SEED", "the fuzz tests, `tests/test_wire_differential.py`",
          "the Hypothesis seed (default 0; `make fuzz` passes `FUZZ_SEED`, 1)"),
