@@ -67,8 +67,9 @@ def test_records_round_trip():
 def test_segment_store_against_a_dict_through_overwrites_deletes_compactions_and_a_checkpoint(tmp_path, monkeypatch,
                                                                                             reads):
     """The segment store (tiny segments: many seals and compactions) against a dict of what was written last:
-    every read, a scan by slots, and a checkpoint loaded back; read by the compiled pread loop, and by the mappings
-    (the numpy references: their pages let go as reads go on)."""
+    every read, a scan by slots, and a checkpoint loaded back, with a checkpoint every fourth step (small sealed
+    segments merged); read by the compiled pread loop, and by the mappings (the numpy references: their pages let go
+    as reads go on)."""
     from shardps.core import kernels
     from shardps.core.routing import slot_of_ids
     from shardps.server.storage import segments
@@ -99,7 +100,11 @@ def test_segment_store_against_a_dict_through_overwrites_deletes_compactions_and
             ref.update(dict.fromkeys(ids.tolist(), step))
         if step == 151:
             manifest, at_cut = store.checkpoint(tmp_path / "ckpt"), dict(ref)
+        elif step % 4 == 1:  # a checkpoint seals the segment being written: small ones are merged, not kept
+            store.checkpoint(tmp_path / f"c{step}")
     assert store.disk_bytes <= 2 * len(ref) * store.record.itemsize + 2 * 4096  # compacted: dead <= live + a segment
+    small = [g for g in store.segments.values() if g.sealed and g.count < store.per_segment // 4]
+    assert len(small) <= segments.MAX_SMALL + 1, len(small)
     every = np.arange(2000)
     for got, want in ((store, ref), (segments.SegmentStore.load(tmp_path / "ckpt", tmp_path / "back", codec, manifest),
                                      at_cut)):

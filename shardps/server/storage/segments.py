@@ -22,6 +22,7 @@ and a failed write changes nothing the index points at.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import pathlib
@@ -43,7 +44,9 @@ SEGMENT_BYTES = 64 << 20
 READ_CHUNK = 128
 COPY_CHUNK = 4096  # records read at a time by checksums and compactions (at most 2.5 MiB of pages, then dropped)
 INDEX_FILE = "index.bin"
+MAX_SMALL = 8  # sealed segments under a quarter full kept before the smallest are merged
 _SEG_SHIFT = 32
+log = logging.getLogger(__name__)
 
 
 class SegmentError(Exception):
@@ -132,7 +135,7 @@ class Segment:
 
 
 def records_crc(seg: Segment) -> int:
-    """The CRC-32C of the records of ``seg``, read 64K records at a time."""
+    """The CRC-32C of the records of ``seg``, read ``COPY_CHUNK`` records at a time."""
     crc = 0
     for lo in range(0, seg.count, COPY_CHUNK):
         crc = google_crc32c.extend(crc, seg.view[lo:min(seg.count, lo + COPY_CHUNK)].tobytes())
@@ -313,17 +316,26 @@ class SegmentStore:
     # ---- compaction ---------------------------------------------------------------------------
 
     def maybe_compact(self) -> None:
-        """Compact the sealed or full segment with the most dead records while the dead outnumber the live (and a
-        segment's worth): disk space stays within twice the rows, plus a segment."""
-        while True:
-            dead = sum(s.count for s in self.segments.values()) - len(self.index)
-            if dead <= max(len(self.index), self.per_segment):
-                return
-            newest = self.next_number - 1
-            candidates = [s for s in self.segments.values() if s.full and s.number != newest and s.dead]
-            if not candidates:
-                return
-            self.compact(max(candidates, key=lambda s: s.dead))
+        """Compact the full segment (not the newest) with the most dead records while the dead outnumber the live
+        (and a segment's worth): disk space stays within twice the rows, plus a segment. Then merge small sealed
+        segments (every checkpoint seals the one being written) while more than ``MAX_SMALL`` are left, the smallest
+        first, so a shard that checkpoints often keeps few files open. A compaction that fails (a full disk) leaves
+        every row where the index says and is tried again at the next write."""
+        try:
+            while True:
+                newest = self.next_number - 1
+                dead = sum(s.count for s in self.segments.values()) - len(self.index)
+                candidates = [s for s in self.segments.values() if s.full and s.number != newest and s.dead]
+                if dead > max(len(self.index), self.per_segment) and candidates:
+                    self.compact(max(candidates, key=lambda s: s.dead))
+                    continue
+                small = [s for s in self.segments.values()
+                         if s.sealed and s.number != newest and s.count < self.per_segment // 4]
+                if len(small) <= MAX_SMALL:
+                    return
+                self.compact(min(small, key=lambda s: s.count - s.dead))
+        except OSError as e:
+            log.warning("disk tier %s: compaction stopped (%s); the rows stay where they are", self.dir, e)
 
     def compact(self, seg: Segment) -> None:
         """Write the live records of ``seg`` again at the end, then remove its file."""
