@@ -487,6 +487,6 @@ def pread_records(fd: int, offsets: np.ndarray, size: int, out: np.ndarray) -> i
     many were read in full (fewer: the first that was not). numpy: ``Segment.gather``'s gather from the file's
     mapping."""
     for i in range(offsets.shape[0]):
-        if _pread(fd, out[i * size:].ctypes.data, size, offsets[i]) != size:
+        if _pread(fd, out[i * size:].ctypes.data, size, offsets[i]) != size:  # type: ignore[call-overload]
             return i
     return offsets.shape[0]

@@ -103,7 +103,7 @@ class Segment:
 
     def append(self, data: np.ndarray) -> None:
         """Write ``data`` (records) after the last one; OSError (a full or failing disk) leaves ``count`` as it was."""
-        buf = memoryview(data).cast("B")
+        buf = memoryview(data).cast("B")  # type: ignore[arg-type]
         done = os.pwrite(self.fd, buf, self.count * self.record.itemsize)
         if done != buf.nbytes:
             raise OSError(28, f"short write ({done:,} of {buf.nbytes:,} bytes)", str(self.path))
@@ -378,7 +378,7 @@ class SegmentStore:
         crc = 0
         with open(dst / INDEX_FILE, "wb") as f:
             for arr in (self.index.ids, self.loc[:n]):
-                data = memoryview(np.ascontiguousarray(arr)).cast("B")
+                data = memoryview(np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
                 f.write(data)
                 crc = google_crc32c.extend(crc, bytes(data))
         return {"rows": n, "index_crc": crc, "record_bytes": self.record.itemsize, "per_segment": self.per_segment,
