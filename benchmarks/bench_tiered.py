@@ -41,7 +41,7 @@ from shardps_client import SGD, Client, DiskTier
 from benchmarks.common import RESULTS, Progress, plot, rss_bytes, table, unique_batches, write_outputs
 from shardps.core.specs import Initializer
 from shardps.probe import check as check_health
-from shardps.server.ops.launcher import LocalCluster
+from shardps.server.ops.launcher import LocalCluster, cpu_seconds
 
 DIM = 64
 MIB = 1 << 20
@@ -97,12 +97,6 @@ def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, sta
     return n / (time.perf_counter() - t0), i, n
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _restart_s(cluster: LocalCluster, index: int) -> tuple[float, float]:
     """(seconds a SIGTERM takes, checkpoint included; seconds the restarted shard takes to serve again)."""
     p = cluster.procs[index]
@@ -135,9 +129,9 @@ def run_table(tiered: bool, args: argparse.Namespace, batches: dict[str, list[to
                 for dist, bs in batches.items():
                     _, at, _ = _loop(c, "t", bs, args.warmup)
                     before = c.describe_table("t")
-                    cpu0 = sum(_cpu_s(pid) for pid in pids)
+                    cpu0 = sum(cpu_seconds(pid) for pid in pids)
                     out[f"{dist}_rows_per_s"], end, looped = _loop(c, "t", bs, args.seconds, at)
-                    out[f"{dist}_shard_us_per_row"] = (sum(_cpu_s(pid) for pid in pids) - cpu0) * 1e6 / looped
+                    out[f"{dist}_shard_us_per_row"] = (sum(cpu_seconds(pid) for pid in pids) - cpu0) * 1e6 / looped
                     out[f"{dist}_batches_reused"] = max(0, end - len(bs))
                     if tiered:  # over the measured seconds alone
                         after = c.describe_table("t")

@@ -252,10 +252,16 @@ class SegmentStore:
     def put(self, ids: np.ndarray, records: np.ndarray) -> None:
         """Write ``records`` (``codec.dtype``) of unique ``ids`` at the end; OSError when the disk refuses, with the
         index unchanged (what was written of the batch is dead)."""
-        n = ids.shape[0]
-        data = np.empty(n, self.record)
+        data = np.empty(ids.shape[0], self.record)
         data["id"] = ids
         data["rec"] = records.view(f"V{self.codec.dtype.itemsize}")
+        self._point(ids, self._append(data))
+        self.maybe_compact()
+
+    def _append(self, data: np.ndarray) -> np.ndarray:
+        """Write whole records (id and row record) at the end, filling segments in turn; their locations. OSError
+        when the disk refuses: what was written of ``data`` is dead (nothing points at it)."""
+        n = data.shape[0]
         locs = np.empty(n, np.int64)
         pos = 0
         written: list[tuple[Segment, int]] = []
@@ -264,7 +270,7 @@ class SegmentStore:
                 seg = self._active()
                 k = min(n - pos, seg.capacity - seg.count)
                 start = seg.count
-                seg.append(data[pos:pos + k])
+                seg.append(np.ascontiguousarray(data[pos:pos + k]))
                 written.append((seg, k))
                 locs[pos:pos + k] = (seg.number << _SEG_SHIFT) | np.arange(start, start + k, dtype=np.int64)
                 pos += k
@@ -272,8 +278,7 @@ class SegmentStore:
             for seg, k in written:
                 seg.dead += k
             raise
-        self._point(ids, locs)
-        self.maybe_compact()
+        return locs
 
     def _point(self, ids: np.ndarray, locs: np.ndarray) -> None:
         """The index: ``ids`` now at ``locs``; their older records dead."""
@@ -346,24 +351,11 @@ class SegmentStore:
             here = (seg.number << _SEG_SHIFT) | np.arange(lo, hi, dtype=np.int64)
             live = self.locate(part["id"]) == here
             if live.any():
-                self.put_raw(part[live])
+                live_part = part[live]
+                self._point(live_part["id"].copy(), self._append(live_part))
         self.segments.pop(seg.number)
         seg.close()
         seg.path.unlink(missing_ok=True)
-
-    def put_raw(self, data: np.ndarray) -> None:
-        """Write whole records (id and row record) at the end (compaction; no compaction of its own)."""
-        n = data.shape[0]
-        locs = np.empty(n, np.int64)
-        pos = 0
-        while pos < n:
-            seg = self._active()
-            k = min(n - pos, seg.capacity - seg.count)
-            start = seg.count
-            seg.append(np.ascontiguousarray(data[pos:pos + k]))
-            locs[pos:pos + k] = (seg.number << _SEG_SHIFT) | np.arange(start, start + k, dtype=np.int64)
-            pos += k
-        self._point(data["id"].copy(), locs)
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -428,15 +420,6 @@ class SegmentStore:
             store.close()
             raise
         return store
-
-    def sync(self, dst: pathlib.Path) -> None:
-        """fsync the files of the checkpoint in ``dst`` (the live segments linked there were never synced)."""
-        for f in dst.iterdir():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
     def close(self) -> None:
         for seg in self.segments.values():
