@@ -257,6 +257,111 @@ def test_sorted_unique_ids_found_in_one_pass() -> None:
         assert got[0] is got[1] is all(a < b for a, b in zip(values, values[1:]))
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_tiered_table_pushes(tmp_path, policy: str) -> None:
+    """A table with a disk tier holding about a tenth of its rows in memory, Adam pushes of Zipf ids: victims chosen
+    by sampling, written back into records and read back (``sample_victims``, ``gather_words``, ``scatter_words``,
+    ``pread_records``; the references sample in Python, copy with numpy and gather from the mappings) leave the same
+    rows in memory and the same records on disk, bit for bit."""
+    from shardps.core.policies import DiskTier
+    from shardps.server.storage.budget import MemoryBudget
+    from shardps.server.storage.disk import DiskTiers
+
+    runs = iter(range(10))
+
+    def run() -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(10)
+        spec = TableSpec(name="t", dim=8, num_embeddings=40_000, optimizer=Adam(lr=0.01),
+                         initializer=Initializer("normal", seed=3), disk=DiskTier(memory_mb=1, policy=policy))
+        tiers = DiskTiers(tmp_path / str(next(runs)), 0, 1, 0)
+        t = Table(spec, lambda ids: np.ones(ids.shape, bool), budget=MemoryBudget(1 << 40), tiers=tiers)
+        assert t.hot is not None
+        for step in range(25):
+            ids = np.unique((rng.zipf(1.1, 2000) - 1) % 40_000).astype(np.int64)
+            with t.lock:
+                t.read(ids, step)
+                t.apply(ids, rng.standard_normal((ids.shape[0], 8)).astype(np.float32), version=step,
+                        stamp=step + 1, now=0)
+        with t.lock:
+            hot = t.store.snapshot()
+            order = np.argsort(hot["ids"])
+            out = {k: v[order] for k, v in hot.items()}
+            found, records = t.hot.store.get(np.arange(40_000, dtype=np.int64))
+            out["on disk"] = found
+            out["records"] = records.view(np.uint8)
+            assert 0 < out["ids"].shape[0] < 5000 and found.sum() > 5000 and t.hot.counts.written_back > 0
+        tiers.close()
+        return out
+
+    bits_equal(*both(run))
+
+
+@pytest.mark.parametrize("lfu", [False, True], ids=["lru", "lfu"])
+def test_sampled_victims(lfu: bool) -> None:
+    """Sampled eviction (``bounded.sampled_victims``, the compiled ``sample_victims``): the same victims, draw for
+    draw, over a table's strided metadata; distinct, none of the protected version, and old ones: each the best of
+    8 draws, so their mean rank is near 1/9 of the rows, not the half a random pick gives; too few when nearly
+    every row is protected (the caller then chooses exactly)."""
+    from shardps.server.storage.bounded import sampled_victims
+    from shardps.server.storage.rows import META
+
+    rng = np.random.default_rng(8)
+    n = 5000
+    meta = np.zeros(n, META)
+    meta["last_version"] = rng.permutation(n) + 10
+    meta["touches"] = rng.integers(0, 3, n) if lfu else 0
+    rank = np.empty(n)
+    rank[np.lexsort((meta["last_version"], meta["touches"]))] = np.arange(n) / n
+    versions = meta["last_version"].copy()
+    for protected_share, count in ((0.0, 300), (0.5, 200), (0.995, 40), (0.0, 1)):
+        last = versions.copy()
+        protected = 7
+        last[rng.permutation(n)[:int(protected_share * n)]] = protected
+        lv = meta["last_version"]
+        lv[:] = last
+        want = sampled_victims(lv, meta["touches"], count, 8, 11, protected, lfu)
+        for k in COMPILED:
+            got = k.sample_victims(lv, meta["touches"], count, 8, np.uint64(11), np.uint64(0x9E3779B97F4A7C15),
+                                   protected, lfu)
+            bits_equal(got, want)
+        assert np.unique(want).shape == want.shape and not (lv[want] == protected).any()
+        if protected_share < 0.9:
+            assert want.shape[0] == count
+            if count > 100 and protected_share == 0.0:
+                assert rank[want].mean() < 0.16, rank[want].mean()
+        else:
+            assert want.shape[0] < count
+
+
+def test_record_columns_into_and_out_of_records() -> None:
+    """A tiered table's rows into records and back (``records.gather_columns`` and ``scatter_columns``: the
+    compiled ``gather_words`` and ``scatter_words``) as numpy's slices, with a strided source (numba's loop)."""
+    from shardps.server.storage.records import as_words, gather_columns, scatter_columns
+
+    rng = np.random.default_rng(9)
+    rows = rng.standard_normal((60, 5)).astype(np.float32)
+    meta = rng.integers(0, 1 << 30, (60, 6), dtype=np.int64).astype(np.uint32)
+    slots = rng.permutation(60)[:23].astype(np.int64)
+    cols = [(as_words(rows), 0, 5, 1), (meta, 2, 3, 7)]
+    results = []
+    for k in COMPILED + [None]:
+        with _kernels(k):
+            out = np.zeros((23, 11), np.uint32)
+            gather_columns(out, cols, slots)
+            back_rows, back_meta = np.zeros_like(rows), np.zeros_like(meta)
+            scatter_columns(out, [(as_words(back_rows), 0, 5, 1), (back_meta, 2, 3, 7)], slots)
+            results.append((out, back_rows, back_meta))
+    for r in results[1:]:
+        bits_equal(r, results[0])
+    out, back_rows, back_meta = results[0]
+    bits_equal(out[:, 1:6].view(np.float32), rows[slots])
+    bits_equal(back_meta[slots, 2:5], meta[slots, 2:5])
+    assert not back_rows[np.setdiff1d(np.arange(60), slots)].any()
+    strided = np.zeros((23, 22), np.uint32)[:, ::2]
+    loops.gather_words(meta[:, ::2].copy(), 0, 3, slots, strided, 0)  # (numba's kernel on strided arrays)
+    bits_equal(strided[:, :3], meta[slots][:, ::2])
+
+
 def test_rows_into_and_out_of_messages() -> None:
     """Rows gathered into a push's message and scattered out of a pull's answer (``gather_rows``, ``scatter_rows``)
     as numpy's take and fancy assignment, also into and out of views at odd offsets of a buffer, read-only ones."""

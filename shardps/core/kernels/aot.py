@@ -10,9 +10,9 @@ A compiled entry point trusts its arguments' types: handed an int32 array where 
 past the array. So each kernel here is a Python function that calls the compiled code only when every argument is
 of an exported type (dtype, number of dimensions, C order, aligned and writeable where the kernel writes, scalars
 of the type numba would infer), and otherwise the numba kernel, imported then (what ``SHARDPS_KERNELS=numba`` always
-runs): the two agree for every input, to the bit. An array the kernel only reads is compiled for any alignment and
-copied to C order first where it is not (the same result, unless it were a strided view of an array the same call
-writes: no caller passes one).
+runs): the two agree for every input, to the bit. An array the kernel only reads is compiled for any alignment and,
+unless ``EXPORTS`` gives it any strides (a field of a table's records), copied to C order first where it is not (the
+same result, unless it were a strided view of an array the same call writes: no caller passes one).
 
 The module is built with the kernels' own options: the GIL released during each call (``nogil``) and numpy's error
 model (a float division by zero gives inf or NaN, not an exception), for this machine's CPU as numba compiles.
@@ -71,12 +71,15 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "scatter_rows": [(_ROWS, _IDS, _ROWS)],
     "all_finite": [(_ROWS,)],
     "pread_records": [("int64", _IDS, "int64", "uint8[::1]")],
+    "sample_victims": [("int64[:]", "int32[:]", "int64", "int64", "uint64", "uint64", "int64", "boolean")],
+    "gather_words": [("uint32[:, ::1]", "int64", "int64", _IDS, "uint32[:, ::1]", "int64")],
+    "scatter_words": [("uint32[:, ::1]", "int64", "int64", _IDS, "uint32[:, ::1]", "int64")],
 }
 # The arguments each kernel writes into (by position): these must be writeable and are never copied.
 WRITES: dict[str, tuple[int, ...]] = {
     "hash_place": (0,), "hash_remove": (0, 1), "direct_remove": (0, 1), "apply_moves": (0,), "sgd_apply": (0, 1),
     "adagrad_apply": (0, 1), "adam_apply": (0, 1, 2), "gather_rows": (2,), "scatter_rows": (0,),
-    "pread_records": (3,),
+    "pread_records": (3,), "gather_words": (4,), "scatter_words": (0,),
 }
 # Of those, the ones that may sit at any alignment: a push's message, which ``gather_rows`` fills at any offset.
 UNALIGNED_WRITES: dict[str, tuple[int, ...]] = {"gather_rows": (2,)}
@@ -197,6 +200,8 @@ def _array_check(arg: str, code: str, written: bool, unaligned: bool) -> tuple[s
         cond += f" and {arg}.flags.aligned"
     if written:
         return cond + f" and {arg}.flags.c_contiguous and {arg}.flags.writeable", arg
+    if "::1" not in dims:  # compiled for any strides (a field of a table's records): passed as it is
+        return cond, arg
     return cond, f"({arg} if {arg}.flags.c_contiguous else _copy_c({arg}))"
 
 

@@ -1,5 +1,5 @@
-"""Constants the kernels and their numpy references share: the id-mixing hash's (SplitMix64's finalizer)
-and the normal initializer's ziggurat. A leaf module: it imports only numpy."""
+"""Constants the kernels and their numpy references share: the id-mixing hash's (SplitMix64's finalizer),
+sampled eviction's and the normal initializer's ziggurat. A leaf module: it imports only numpy."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ import numpy as np
 SPLITMIX_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 SPLITMIX_M1 = np.uint64(0xBF58476D1CE4E5B9)
 SPLITMIX_M2 = np.uint64(0x94D049BB133111EB)
+
+# Sampled eviction (``bounded.sampled_victims``): draws per victim at most, in units of the sample (a victim drawn
+# among rows mostly of the current request, or chosen already, draws on until ``sample`` usable ones are seen).
+VICTIM_DRAWS = 16
 
 
 # ---- the normal initializer's ziggurat (shared by the reference and the kernel) ------

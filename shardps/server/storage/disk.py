@@ -23,13 +23,14 @@ import os
 import pathlib
 import shutil
 import threading
-from typing import Any, Iterator, Optional
+import time
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
 from shardps.core.errors import InvalidArgument, ResourceExhausted
 from shardps.core.files import fsync_dir
-from shardps.server.storage.records import META_FIELDS, RecordCodec  # noqa: F401 (re-exported)
+from shardps.server.storage.records import META_FIELDS, Column, RecordCodec, as_words, gather_columns  # noqa: F401
 from shardps.server.storage.segments import SegmentError, SegmentStore
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 MARKER = "shardps-disk.json"
 LAYOUTS = "shardps-layouts.json"  # a checkpoint's tables: their record layouts
 MANIFESTS = "shardps-segments.json"  # a checkpoint's tables: their segments, counts, checksums and index
+STAT_EVERY_S = 0.5  # how old the free space ``check_space`` counts from may be
 
 
 class DiskTierError(Exception):
@@ -75,6 +77,21 @@ class TableStore:
         """Which of ``ids`` are on disk (the index alone: nothing is read)."""
         return self.segments.locate(ids) >= 0
 
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, int]:
+        """(where each of ``ids`` is on disk, -1 where not; a stamp for ``read_at``): the index alone."""
+        return self.segments.locate(ids), self.segments.compactions
+
+    def read_at(self, ids: np.ndarray, locs: np.ndarray, stamp: int) -> np.ndarray:
+        """The records of ``ids`` (all on disk) from ``locs``, ``locate``'s with its ``stamp``: located again only
+        when a compaction moved records since (writes move only the rows written)."""
+        if stamp != self.segments.compactions:
+            locs = self.segments.locate(ids)
+        try:
+            return self.segments.read(locs)
+        except OSError as e:  # a disk that fails its reads
+            raise ResourceExhausted(f"disk tier {self.tiers.root}: reading {ids.shape[0]:,} rows of {self.name!r} "
+                                    f"failed ({e}); nothing of this request was applied") from e
+
     def disk_bytes(self) -> int:
         """Bytes the table's records take on disk (live and dead, until compacted)."""
         return self.segments.disk_bytes
@@ -95,6 +112,22 @@ class TableStore:
             self.segments.put(ids, self.codec.pack(fields))
         except OSError as e:
             _raise_write(self.tiers.root, f"writing {ids.shape[0]:,} rows of {self.name!r} back", e)
+
+    def put_slots(self, ids: np.ndarray, columns: Sequence[Column], slots: np.ndarray) -> None:
+        """``put`` of the rows at ``slots`` of per-row arrays: their ids in ``ids`` (an array by slot) and their
+        records' fields in ``columns`` (``records.Column``: every field of ``codec``), copied straight into the
+        records written (``records.gather_columns``)."""
+        n = slots.shape[0]
+        if not n:
+            return
+        self.tiers.check_space(n * self.segments.record.itemsize)
+        data = np.empty(n, self.segments.record)
+        gather_columns(as_words(data), [(as_words(ids), 0, 2, 0)] + [(src, first, width, at + 2)
+                                                                      for src, first, width, at in columns], slots)
+        try:
+            self.segments.put_data(ids[slots], data)
+        except OSError as e:
+            _raise_write(self.tiers.root, f"writing {n:,} rows of {self.name!r} back", e)
 
     def scan(self, first: int, last: int, batch: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(ids, records) of the rows of hash slots [first, last] on disk, in batches."""
@@ -119,6 +152,8 @@ class DiskTiers:
         self.shard_index = shard_index
         self.num_shards = num_shards
         self.min_free = min_free_mb << 20
+        self._free = 0  # bytes free at the last statvfs, less what was written since
+        self._free_at = -1e9  # time.monotonic() of that statvfs
         self._open = False
         self._stores: dict[str, SegmentStore] = {}
         self._lock = threading.RLock()
@@ -197,16 +232,23 @@ class DiskTiers:
             self._layout_map = {t: layouts[t] for t in tables}
             self._restored = set(tables)
 
-    def check_space(self, nbytes: int) -> None:
+    def check_space(self, nbytes: int, fresh: bool = False) -> None:
         """Refuse a write of ``nbytes`` that would leave less than ``min_free`` on the file system (room for the
-        checkpoints' sealed segments and compactions), before it is tried."""
-        st = os.statvfs(self.live_dir if self.live_dir.exists() else self.root)
-        free = st.f_bavail * st.f_frsize
+        checkpoints' sealed segments and compactions), before it is tried. The file system is asked (statvfs) at
+        most every ``STAT_EVERY_S`` while the writes since fit, and always before a refusal and when ``fresh``: a
+        statvfs per write cost a tiered shard 0.35 us a row it read (another writer's bytes in between are in the
+        margin; past it, the write itself fails, refused the same way)."""
+        now = time.monotonic()
+        if fresh or now - self._free_at > STAT_EVERY_S or self._free < nbytes + self.min_free:
+            st = os.statvfs(self.live_dir if self.live_dir.exists() else self.root)
+            self._free, self._free_at = st.f_bavail * st.f_frsize, now
+        free = self._free
         if free < nbytes + self.min_free:
             raise ResourceExhausted(f"disk tier {self.root}: {free / (1 << 20):,.0f} MiB free, under the {self.min_free >> 20} "
                                     f"MiB it keeps free (--disk-min-free-mb) plus this write's {nbytes / (1 << 20):,.1f} "
                                     f"MiB: refused, nothing of it applied; free disk space or give the table more "
                                     f"memory_mb")
+        self._free -= nbytes
 
     def _ensure_open(self) -> None:
         with self._lock:
@@ -261,7 +303,7 @@ class DiskTiers:
             dst = self.checkpoint_root / name
             self.checkpoint_root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(dst, ignore_errors=True)
-            self.check_space(0)
+            self.check_space(0, fresh=True)
             try:
                 dst.mkdir()
                 manifests = {t: s.checkpoint(dst / table_dir(t)) for t, s in self._stores.items()}

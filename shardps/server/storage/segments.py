@@ -163,6 +163,7 @@ class SegmentStore:
         self.next_number = 1
         self._touched: set[int] = set()  # segments read since their pages were last dropped
         self._gathered = 0  # records read since then
+        self.compactions = 0  # compactions begun: locations read before one may be stale
         directory.mkdir(parents=True, exist_ok=True)
 
     # ---- reads --------------------------------------------------------------------------------
@@ -255,6 +256,10 @@ class SegmentStore:
         data = np.empty(ids.shape[0], self.record)
         data["id"] = ids
         data["rec"] = records.view(f"V{self.codec.dtype.itemsize}")
+        self.put_data(ids, data)
+
+    def put_data(self, ids: np.ndarray, data: np.ndarray) -> None:
+        """``put`` of whole records (``record``: each id and its row's record) made by the caller."""
         self._point(ids, self._append(data))
         self.maybe_compact()
 
@@ -296,11 +301,11 @@ class SegmentStore:
             self.loc[count:count + new.size] = locs[new]
 
     def _kill(self, locs: np.ndarray) -> None:
-        numbers, counts = np.unique(locs >> _SEG_SHIFT, return_counts=True)
-        for number, k in zip(numbers.tolist(), counts.tolist()):
+        counts = np.bincount(locs >> _SEG_SHIFT)  # (segment numbers are small: counted, not sorted)
+        for number in np.flatnonzero(counts).tolist():
             seg = self.segments.get(number)
             if seg is not None:
-                seg.dead += k
+                seg.dead += int(counts[number])
 
     def delete(self, ids: np.ndarray) -> None:
         """Forget the rows of ``ids`` (absent ones are no-ops): their records are dead."""
@@ -344,6 +349,7 @@ class SegmentStore:
 
     def compact(self, seg: Segment) -> None:
         """Write the live records of ``seg`` again at the end, then remove its file."""
+        self.compactions += 1  # (first: a location read before may be stale from here on)
         for lo in range(0, seg.count, COPY_CHUNK):
             hi = min(seg.count, lo + COPY_CHUNK)
             part = seg.view[lo:hi].copy()

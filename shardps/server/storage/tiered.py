@@ -32,7 +32,8 @@ from shardps.server.storage.bounded import choose_victims
 from shardps.server.storage.budget import MemoryBudget
 from shardps.server.storage.disk import META_FIELDS, DiskTierError, DiskTiers, RecordCodec, TableStore
 from shardps.server.storage.index import HashIndex
-from shardps.server.storage.rows import INDEX_BYTES_PER_ROW, RowStore
+from shardps.server.storage.records import Column, as_words, scatter_columns
+from shardps.server.storage.rows import INDEX_BYTES_PER_ROW, META, RowStore
 
 MIB = 1 << 20
 MIN_HOT = 0.125  # the share of memory_mb's rows the hot set keeps however large the index of the rows on disk grows
@@ -163,7 +164,8 @@ class HotSet:
             raise ResourceExhausted(f"{self.name}: a request touching {n_hit + new_ids.shape[0]:,} rows does not fit "
                                     f"the table's memory of {capacity:,} rows on this shard (disk tier "
                                     f"memory_mb {self.tier.memory_mb:g}): split the request or raise memory_mb")
-        found = self.store.contains(new_ids)
+        locs, stamp = self.store.locate(new_ids)
+        found = locs >= 0
         fresh = ~found
         if fresh.any() and not create and not absent_ok:
             raise InvalidArgument(f"{self.name}: row {int(new_ids[np.argmax(fresh)])} is not initialised")
@@ -172,9 +174,9 @@ class HotSet:
         self.counts.hits += n_hit
         self.counts.misses += new_ids.shape[0]
         self._make_room(rows.n + new_ids.shape[0] - capacity)
-        _, records = self.store.get(new_ids[found])
         new_slots = np.full(new_ids.shape[0], -1, np.int64)
         if found.any():
+            records = self.store.read_at(new_ids[found], locs[found], stamp)
             new_slots[found] = self._bring_in(new_ids[found], records)
         if fresh.any() and create:
             init = values[missing[first[fresh]]] if values is not None else self._initial(new_ids[fresh])
@@ -234,16 +236,23 @@ class HotSet:
             raise InvalidArgument(f"{self.name}: row {int(ids[0])} is not initialised")
         return self.initializer.rows(ids, self.rows.dim)
 
+    def _columns(self, values: bool = True) -> list[Column]:
+        """Where each field of a record is in the hot rows' arrays (``records.Column``; the values' unless not
+        ``values``), as they are now (a RowStore replaces its arrays as it grows)."""
+        rows, codec = self.rows, self.codec
+        cols = [(as_words(rows.rows), 0, rows.dim, codec.word("rows"))] if values else []
+        cols += [(as_words(arr), 0, rows.dim, codec.word("state." + name)) for name, arr in rows.state.items()]
+        meta = as_words(rows.meta)
+        for name, _ in META_FIELDS:
+            field, first = META.fields[name][:2]  # type: ignore[index]
+            cols.append((meta, first // 4, field.itemsize // 4, codec.word(name)))
+        return cols
+
     def _bring_in(self, ids: np.ndarray, records: np.ndarray) -> np.ndarray:
         """Append rows read from disk with everything they carry; their slots."""
         rows = self.rows
         added = rows.append(ids, records["rows"])
-        for name, arr in rows.state.items():
-            arr[added] = records["state." + name]
-        rows.steps[added] = records["steps"]
-        rows.last_version[added] = records["last_version"]
-        rows.last_time[added] = records["last_time"]
-        rows.touches[added] = records["touches"]
+        scatter_columns(as_words(records), self._columns(values=False), added)
         rows.extra["on_disk"][added] = 1
         rows.extra["access"][added] = self.clock
         self.counts.promoted += ids.shape[0]
@@ -269,21 +278,12 @@ class HotSet:
         rows = self.rows
         dirty = slots[rows.extra["dirty"][slots] != 0]
         if dirty.size:
-            self.store.put(rows.ids[dirty], self.fields(dirty))
+            self.store.put_slots(rows.ids, self._columns(), dirty)
             self.disk_rows += int(dirty.size - np.count_nonzero(rows.extra["on_disk"][dirty]))
             rows.extra["on_disk"][dirty] = 1
             rows.extra["dirty"][dirty] = 0
         self.counts.written_back += int(dirty.size)
         self.counts.dropped_clean += int(slots.size - dirty.size)
-
-    def fields(self, slots: np.ndarray) -> dict[str, np.ndarray]:
-        """What a record holds of the rows of ``slots`` (copies)."""
-        rows = self.rows
-        out = {"rows": rows.rows[slots], "steps": rows.steps[slots]}
-        out.update({"state." + k: v[slots] for k, v in rows.state.items()})
-        for name, _ in META_FIELDS[1:]:
-            out[name] = getattr(rows, name)[slots]
-        return out
 
     def in_parts(self, n: int, apply: Callable[[slice], None]) -> None:
         """``apply`` to slices of a request of ``n`` unique rows that each fit in memory (half of it: the rest stays
