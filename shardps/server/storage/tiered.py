@@ -189,6 +189,18 @@ class HotSet:
         slots[missing] = new_slots[inverse]
         return slots
 
+    def _fits(self, ids: np.ndarray) -> bool:
+        """Whether the rows of ``ids`` fit in memory together."""
+        return ids.shape[0] <= self.capacity or np.unique(ids).shape[0] <= self.capacity
+
+    def read_slots(self, ids: np.ndarray, stamp: int) -> Optional[np.ndarray]:
+        """The slots ``read`` would copy the rows of ``ids`` from (rows brought in or made), for a caller that copies
+        them itself under the table's lock (a pull's answer, one copy less); None when ``read`` must serve (a table
+        without initializer, a request larger than memory)."""
+        if self.initializer is None or not self._fits(ids):
+            return None
+        return self.slots(ids, True, stamp)
+
     def read(self, ids: np.ndarray, stamp: int, create: bool = True) -> np.ndarray:
         """Rows of ``ids`` (a copy): brought into memory as by ``slots`` (rows never seen are made, unless not
         ``create``: a serving shard's), unless the request alone holds more rows than memory does; then the cold
@@ -196,7 +208,7 @@ class HotSet:
         rows = self.rows
         if self.broken:
             raise Unavailable(self.broken)
-        if ids.shape[0] <= self.capacity or np.unique(ids).shape[0] <= self.capacity:
+        if self._fits(ids):
             create = create and self.initializer is not None
             slots = self.slots(ids, create, stamp, absent_ok=not create)
             out = np.take(rows.rows, slots, axis=0)
