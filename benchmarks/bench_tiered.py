@@ -10,6 +10,8 @@
   hard links) and started again: seconds until it serves, against the RAM table's shard.
 - CPU: the shards' CPU seconds over each measured loop, per row, and for the tiered table the CPU a miss costs above
   the RAM table's (its CPU per row less the RAM table's, over its misses per row).
+- A miss's CPU by part: one shard's share of the table in a Table of its own (no server), the same loop, each part
+  of the misses' work timed around its calls (``PARTS``), per miss.
 - Stores (--stores): the cold stores the disk tier could use, measured on the same rows (--store-rows records of
   276 bytes, batches of the workload's unique Zipf ids): bulk load, a batch read, a batch write, and the RSS a
   process holds after reading: the tier's own segment files (``segments``), RocksDB as the tier used it before
@@ -272,6 +274,108 @@ def run_stores(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
     return out
 
 
+# ---- where a miss's CPU goes -----------------------------------------------------------------------------------------
+
+# (part, its function) of a miss's work in a tiered table, timed around each call; "a > b": b is inside a. A row that misses is located on disk, room is made (victims chosen, the changed ones written back,
+# then removed), and it is read and brought in.
+PARTS = [
+    ("locate on disk", "shardps.server.storage.disk:TableStore.locate"),
+    ("make room", "shardps.server.storage.tiered:HotSet._make_room"),
+    ("make room > choose victims", "shardps.server.storage.tiered:choose_victims"),
+    ("make room > write back", "shardps.server.storage.tiered:HotSet.write_back"),
+    ("write back > rows into records", "shardps.server.storage.disk:gather_columns"),
+    ("write back > append, index", "shardps.server.storage.segments:SegmentStore.put_data"),
+    ("make room > remove from memory", "shardps.server.storage.rows:RowStore.remove"),
+    ("read from disk", "shardps.server.storage.disk:TableStore.read_at"),
+    ("read from disk > preads", "shardps.server.storage.segments:Segment.gather"),
+    ("bring in", "shardps.server.storage.tiered:HotSet._bring_in"),
+]
+TOP_PARTS = [name for name, _ in PARTS if ">" not in name]
+
+
+def _parts_probe(rows: int, memory_mb: float, batches: list[np.ndarray], path: str, queue: Any) -> None:
+    """In a fresh process: one shard's share of the table in a Table with the disk tier (no server around it),
+    every row written, then the standard loop (read, then an SGD push) over ``batches``: the CPU of each part of
+    the misses (``PARTS``), per miss, timed around each call (thread CPU time)."""
+    import importlib
+
+    from shardps.core.policies import DiskTier as Tier
+    from shardps.core.specs import TableSpec
+    from shardps.server.storage.budget import MemoryBudget
+    from shardps.server.storage.disk import DiskTiers
+    from shardps.server.storage.table import Table
+
+    spent = {name: 0.0 for name, _ in PARTS}
+    timing = [False]
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            if not timing[0]:
+                return fn(*a, **k)
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.thread_time() - t0
+        return call
+
+    for name, where in PARTS:
+        module, attr = where.split(":")
+        owner: Any = importlib.import_module(module)
+        *outer, last = attr.split(".")
+        for o in outer:
+            owner = getattr(owner, o)
+        setattr(owner, last, timed(name, getattr(owner, last)))
+    spec = TableSpec(name="t", num_embeddings=rows, dim=DIM, optimizer=SGD(lr=0.01),
+                     disk=Tier(memory_mb=memory_mb))
+    t = Table(spec, lambda ids: np.ones(ids.shape, bool), budget=MemoryBudget(1 << 50),
+              tiers=DiskTiers(pathlib.Path(path), 0, 1, 0))
+    assert t.hot is not None
+    version = 0
+    for lo in range(0, rows, 65536):
+        ids = np.arange(lo, min(rows, lo + 65536), dtype=np.int64)
+        with t.lock:
+            t.apply(ids, np.zeros((ids.shape[0], DIM), np.float32), version=version, stamp=version + 1)
+        version += 1
+
+    def loop(part: list[np.ndarray]) -> float:
+        nonlocal version
+        t0 = time.thread_time()
+        for ids in part:
+            with t.lock:
+                t.read(ids, version)
+                t.apply(ids, np.full((ids.shape[0], DIM), 0.01, np.float32), version=version, stamp=version + 1)
+            version += 1
+        return time.thread_time() - t0
+
+    warm = len(batches) // 3
+    loop(batches[:warm])
+    misses0 = t.hot.counts.misses
+    timing[0] = True
+    total = loop(batches[warm:])
+    misses = t.hot.counts.misses - misses0
+    looped = sum(b.shape[0] for b in batches[warm:])
+    parts = [{"part": name, "us_per_miss": spent[name] / misses * 1e6} for name, _ in PARTS]
+    parts.append({"part": "all the parts", "us_per_miss": sum(spent[name] for name in TOP_PARTS) / misses * 1e6})
+    queue.put({"misses_per_row": misses / looped, "us_per_row": total / looped * 1e6, "parts": parts})
+
+
+def run_parts(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    rows = args.rows // args.shards
+    batches = unique_batches(9, max(60, args.batches // 4), 8192 // args.shards, rows, 1.1)
+    path = tempfile.mkdtemp(prefix="shardps-parts-", dir=args.dir)
+    try:
+        queue = mp.get_context("spawn").Queue()
+        proc = mp.get_context("spawn").Process(target=_parts_probe, args=(rows, args.memory_mb, batches, path, queue))
+        proc.start()
+        out: dict[str, Any] = queue.get(timeout=1800)
+        proc.join()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    progress.step("a miss's parts")
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=20_000_000, help="rows of the 64-wide table (default 20M: 5 GB)")
@@ -284,6 +388,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                    "goes through them in order, warm-up included)")
     p.add_argument("--store-rows", type=int, default=1_000_000, help="records of the stores' comparison")
     p.add_argument("--no-stores", action="store_true", help="leave out the stores' comparison")
+    p.add_argument("--no-parts", action="store_true", help="leave out the CPU of a miss by part")
     p.add_argument("--dir", default=None, help="where the data dirs go (local disk; default: the temp dir)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 400k rows, a few seconds")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for tiered.json and tiered.png")
@@ -296,7 +401,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     zipf = [torch.from_numpy(b) for b in unique_batches(7, args.batches, 8192, args.rows, 1.1)]
     uniform = [torch.from_numpy(b) for b in unique_batches(8, args.batches, 8192, args.rows, None)]
     batches = {"zipf": zipf, "uniform": uniform}
-    progress = Progress(2 * 4 + (0 if args.no_stores else 4), "tiered")
+    progress = Progress(2 * 4 + (0 if args.no_stores else 4) + (0 if args.no_parts else 1), "tiered")
     rows = [run_table(False, args, batches, progress), run_table(True, args, batches, progress)]
     ram = rows[0]
     for r in rows:
@@ -308,6 +413,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 r[f"{dist}_us_per_miss"] = ((r[f"{dist}_shard_us_per_row"] - ram[f"{dist}_shard_us_per_row"])
                                             / r[f"{dist}_misses_per_row"])
     stores = [] if args.no_stores else run_stores(args, progress)
+    parts = None if args.no_parts else run_parts(args, progress)
     print(table(rows, [("table", "table", ""), ("zipf_rows_per_s", "Zipf rows/s", ",.0f"),
                        ("x_ram_zipf", "x RAM", ".2f"), ("uniform_rows_per_s", "uniform rows/s", ",.0f"),
                        ("x_ram_uniform", "x RAM", ".2f"), ("zipf_hit_rate", "Zipf hits", ".3f"),
@@ -325,8 +431,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                              ("read_ms", "batch read ms", ".2f"), ("x_rocksdb_read", "x rocksdb", ".2f"),
                              ("write_ms", "batch write ms", ".2f"), ("x_rocksdb_write", "x rocksdb", ".2f"),
                              ("rss_growth_mib", "RSS after reads MiB", ",.0f")]))
+    if parts:
+        print(f"\nA miss's CPU by part: one shard's share ({args.rows // args.shards:,} rows, memory_mb "
+              f"{args.memory_mb:g}) in a Table without a server, Zipf(1.1), {parts['misses_per_row']:.3f} misses a "
+              f"row, {parts['us_per_row']:.2f} us a row in all")
+        print(table(parts["parts"], [("part", "part", ""), ("us_per_miss", "us/miss", ".2f")]))
     meta = {"args": {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()},
-            "stores": stores}
+            "stores": stores, "parts": parts}
     out = write_outputs("tiered", meta, rows, args.out)
     plot(out / "tiered.png", [
         ("rows/s by id distribution", "distribution", {r["table"]: (list(batches), [r[f"{d}_rows_per_s"] for d in batches])

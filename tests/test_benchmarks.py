@@ -90,6 +90,8 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
         assert ram["table"] == "all in RAM" and ram["x_ram_zipf"] == 1.0 and disk["x_ram_zipf"] > 0
         assert disk["hot_rows"] < data["meta"]["args"]["rows"] and disk["disk_bytes_per_row"] > 0
         assert 0 < disk["zipf_hit_rate"] <= 1 and disk["restart_s"] > 0
+        parts = {p["part"]: p["us_per_miss"] for p in data["meta"]["parts"]["parts"]}  # a miss's CPU by part
+        assert 0 < parts["read from disk > preads"] <= parts["read from disk"] < parts["all the parts"]
     if name == "replicas":  # R = 1 beside a group of 3 from the same round, and a failover that lost nothing
         rows = [r for r in data["results"] if r["part"] == "throughput"]
         assert [(r["replicas"], r["ack"]) for r in rows] == [(1, "-"), (3, "quorum")] and rows[0]["x_r1"] == 1.0
