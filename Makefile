@@ -69,7 +69,7 @@ MIXED_S ?= 240
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos --seed $(CHAOS_SEED) --mixed-s $(MIXED_S)
 
-# The disk tier's memory budget at 512 MiB (CI runs it at 64): a shard's RSS through a 2 GB fill and a Zipf loop.
+# The disk tier's memory budget at 512 and 1024 MiB (CI runs it at 64): a shard's RSS through 2 and 4 GB fills and Zipf loops.
 tier-budget: $(STAMP)
 	SHARDPS_TIER_BUDGET_LONG=1 $(BIN)/python -m pytest -q -s tests/test_disk_tier.py -k rss
 

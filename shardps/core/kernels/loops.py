@@ -498,10 +498,10 @@ def pread_records(fd: int, offsets: np.ndarray, size: int, out: np.ndarray) -> i
 
 @_njit
 def sample_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: int, salt: np.uint64, seed: np.uint64,
-                   protected: int, lfu: bool) -> np.ndarray:
+                   protected_from: int, lfu: bool) -> np.ndarray:
     """``bounded.sampled_victims``: ``count`` victims among the ``last.shape[0]`` rows, each the best by (score,
     slot) of ``sample`` usable slots drawn by a hash of ``salt`` (of at most ``sample * VICTIM_DRAWS`` drawn; usable:
-    not of ``protected``, not chosen already); fewer when a victim found none."""
+    ``last`` below ``protected_from``, not chosen already); fewer when a victim found none."""
     n = np.uint64(last.shape[0])
     base = salt << _S32
     bits = 4
@@ -521,7 +521,7 @@ def sample_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: in
             c = np.int64(mix(d + base, seed) % n)
             d += np.uint64(1)
             lv = last[c]
-            if lv == protected:
+            if lv >= protected_from:
                 continue
             h = np.int64((np.uint64(c) * _GOLDEN) >> shift)
             while table[h] != 0 and table[h] != c + 1:

@@ -137,10 +137,11 @@ class PushHistory:
 
 
 def choose_victims(spec: Eviction, n: int, count: int, ids: np.ndarray, last_version: np.ndarray,
-                   touches: np.ndarray, protected_version: int, salt: int) -> np.ndarray:
+                   touches: np.ndarray, protected_from: int, salt: int) -> np.ndarray:
     """Slots of ``count`` rows to evict from the ``n`` rows, by the spec's policy.
 
-    Rows pushed at ``protected_version`` (the push being applied) are chosen only when
+    Rows whose ``last_version`` is ``protected_from`` or newer (a bounded table: the push being
+    applied, its version; a disk tier's hot set: the last few requests) are chosen only when
     nothing else is left. ``sample`` 0: the exact victims (policy order, ties broken by
     id), else ``sampled_victims`` (exactly, should a victim find no row to draw).
     """
@@ -153,15 +154,15 @@ def choose_victims(spec: Eviction, n: int, count: int, ids: np.ndarray, last_ver
         lfu = spec.policy == "lfu"
         if k is not None:
             chosen = k.sample_victims(last_version[:n], touches[:n], count, spec.sample, np.uint64(salt),
-                                      _SAMPLE_SEED, int(protected_version), lfu)
+                                      _SAMPLE_SEED, int(protected_from), lfu)
         else:
-            chosen = sampled_victims(last_version[:n], touches[:n], count, spec.sample, salt, protected_version, lfu)
+            chosen = sampled_victims(last_version[:n], touches[:n], count, spec.sample, salt, protected_from, lfu)
         if chosen.shape[0] == count:
             return chosen
     # Exact: every row, by policy, ties by id (also when the sample drew too few old rows).
     cand = np.arange(n, dtype=np.int64)
     lv = last_version[:n]
-    protected = (lv == protected_version).astype(np.int8)
+    protected = (lv >= protected_from).astype(np.int8)
     if spec.policy == "lfu":
         order = np.lexsort((ids[:n], lv, touches[:n], protected))
     else:
@@ -169,14 +170,15 @@ def choose_victims(spec: Eviction, n: int, count: int, ids: np.ndarray, last_ver
     return cand[order[:count]]
 
 
-def sampled_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: int, salt: int, protected: int,
+def sampled_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: int, salt: int, protected_from: int,
                     lfu: bool) -> np.ndarray:
     """``count`` victims among the ``last.shape[0]`` rows, as Redis samples: each the best (lowest score, then
-    slot) of ``sample`` usable slots drawn with a hash of ``salt``, usable when not of the ``protected`` version (the
-    current request's) nor chosen already; at most ``sample x VICTIM_DRAWS`` draws a victim, fewer victims when one
-    found none. Score: LRU the last use (``last``); LFU the uses (``touches``, capped at 2^22), then the last (its low
-    40 bits). The reference of ``kernels``' ``sample_victims``, draw for draw (the kernel's is 10-20x cheaper than a
-    sort of a pool of draws in numpy was: the victims' choice took 15% of a tiered shard's time)."""
+    slot) of ``sample`` usable slots drawn with a hash of ``salt``, usable when ``last`` is below ``protected_from``
+    (not of the current request, nor of the last few on a disk tier) nor chosen already; at most ``sample x
+    VICTIM_DRAWS`` draws a victim, fewer victims when one found none. Score: LRU the last use (``last``); LFU the
+    uses (``touches``, capped at 2^22), then the last (its low 40 bits). The reference of ``kernels``'
+    ``sample_victims``, draw for draw (the kernel's is 10-20x cheaper than a sort of a pool of draws in numpy was:
+    the victims' choice took 15% of a tiered shard's time)."""
     n = last.shape[0]
     base = np.uint64(salt) * np.uint64(1 << 32)
     chunk = count * sample + 64
@@ -193,7 +195,7 @@ def sampled_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: i
             c = draws[d]
             d += 1
             lv = int(last[c])
-            if lv == protected or c in taken:
+            if lv >= protected_from or c in taken:
                 continue
             key = (min(int(touches[c]), (1 << 22) - 1) << 40) | (lv & ((1 << 40) - 1)) if lfu else lv
             if best < 0 or (key, c) < (best_key, best):

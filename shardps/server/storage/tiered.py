@@ -9,8 +9,8 @@ The hot rows live in the table's ``RowStore`` like any table's, with three more 
 request that last used the row: recency for the policy), ``dirty`` (changed since it was last written to disk) and
 ``on_disk`` (the store has a copy, maybe older). The store holds every row that ever left memory; a row in memory
 is newer than its copy on disk. Room is made before anything is brought in: victims are chosen by the bounded
-table's machinery (``bounded.choose_victims``, LRU or LFU over sampled rows, never a row of the current request),
-the dirty ones written back in one batch, then removed. A failed write (a full disk) refuses the request before
+table's machinery (``bounded.choose_victims``, LRU or LFU over sampled rows, none of the current request nor, while
+others are left, of the few before it: ``PROTECT_REQUESTS``), the dirty ones written back in one batch, then removed. A failed write (a full disk) refuses the request before
 anything changed. The caller holds the table's lock.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -37,6 +38,10 @@ from shardps.server.storage.rows import INDEX_BYTES_PER_ROW, META, RowStore
 
 MIB = 1 << 20
 MIN_HOT = 0.125  # the share of memory_mb's rows the hot set keeps however large the index of the rows on disk grows
+# Rows used by the last requests stay in memory while others can leave (as many requests as fill half of it): a
+# batch's rows prefetched by a pull stay until its push, a few requests later (TrainPipeline: a trainer's next pull
+# and its push in between; more with more trainers), as FBGEMM's SSD cache locks the lines a prefetch brought in.
+PROTECT_REQUESTS = 8
 # The per-row arrays a hot set adds to its RowStore.
 TIER_ARRAYS = {"access": np.int64, "dirty": np.uint8, "on_disk": np.uint8}
 
@@ -81,6 +86,7 @@ class HotSet:
         self.row_cost = rows.row_bytes + INDEX_BYTES_PER_ROW
         self._released = self.full_capacity  # slots from which the pages were last handed back
         self.clock = 0  # requests served: a row's ``access`` is the last one that used it
+        self._recent: deque[int] = deque(maxlen=PROTECT_REQUESTS - 1)  # ids in each of the requests before this one
         self.disk_rows = 0  # rows the store holds
         self.counts = TierCounts()
         self.broken = ""  # why the table refuses every request until the shard restarts ("" while it serves)
@@ -143,6 +149,7 @@ class HotSet:
         if self.broken:
             raise Unavailable(self.broken)
         self.clock += 1
+        protected_from = self._protected_from(ids.shape[0])
         rows = self.rows
         access = rows.extra["access"]
         slots = rows.index.lookup(ids)
@@ -173,7 +180,7 @@ class HotSet:
             self._check_growth(int(fresh.sum()))
         self.counts.hits += n_hit
         self.counts.misses += new_ids.shape[0]
-        self._make_room(rows.n + new_ids.shape[0] - capacity)
+        self._make_room(rows.n + new_ids.shape[0] - capacity, protected_from)
         new_slots = np.full(new_ids.shape[0], -1, np.int64)
         if found.any():
             records = self.store.read_at(new_ids[found], locs[found], stamp)
@@ -270,14 +277,28 @@ class HotSet:
         self.counts.promoted += ids.shape[0]
         return added
 
-    def _make_room(self, count: int) -> None:
-        """Take ``count`` rows out of memory (none of the current request's), writing the changed ones back first."""
+    def _protected_from(self, size: int) -> int:
+        """The oldest request whose rows are kept in memory while others can leave (``PROTECT_REQUESTS``, as many of
+        them as fill half the memory with the current request of ``size`` ids), counting this one in."""
+        room = self.capacity // 2 - size
+        keep = 0
+        for k in reversed(self._recent):
+            room -= k
+            if room < 0:
+                break
+            keep += 1
+        self._recent.append(size)
+        return self.clock - keep
+
+    def _make_room(self, count: int, protected_from: int) -> None:
+        """Take ``count`` rows out of memory, writing the changed ones back first: none used since request
+        ``protected_from`` (the current one's among them) while others are left."""
         if count <= 0:
             return
         rows = self.rows
         n = rows.n
         victims = choose_victims(self._policy, n, count, rows.ids, rows.extra["access"][:n], rows.touches[:n],
-                                 self.clock, salt=self.clock)
+                                 protected_from, salt=self.clock)
         self.write_back(victims)
         rows.remove(rows.ids[victims].copy(), check=False)
         capacity = self.capacity
