@@ -147,15 +147,17 @@ class Eviction:
 @dataclass(frozen=True)
 class DiskTier:
     """Rows beyond RAM: a table's hot rows stay in memory, at most ``memory_mb`` of them on each shard, and
-    every other row, with its optimizer state and metadata, in the shard's disk tier (RocksDB on local disk,
+    every other row, with its optimizer state and metadata, in the shard's disk tier (segment files on local disk,
     ``shardps serve --disk-dir``). A pull or push of a cold row brings it back into memory (one batched read
-    per request); a row leaving memory is written back first, so nothing a table learned is dropped.
+    per request); a row leaving memory is written back first, so nothing a table learned is dropped. The rows of a
+    shard's last few requests stay in memory while others can leave (a batch prefetched stays until its push).
 
     Args:
         memory_mb: RAM for the table's hot rows on each shard, MiB (values, optimizer state, metadata, index).
         policy: which hot rows go back to disk first: "lru" (least recently pulled or pushed) or "lfu" (fewest
             pushes; ties: least recently used).
-        sample: rows sampled per victim, as Redis does (0: the exact victims, a scan of the hot rows per miss).
+        sample: rows drawn per victim, as Redis does: each victim the best of them (0: the exact victims, a scan
+            of the hot rows per miss).
     """
 
     memory_mb: float = 256.0

@@ -49,7 +49,7 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # over (the member it waits on may be frozen, cut off or stuck on its disk, answering nothing and resetting
 # nothing); asked again every PROBE_EVERY_S while it waits.
 STALL_PROBE_S = 0.5
-PROBE_EVERY_S = 0.25
+PROBE_EVERY_S = 0.1
 RESEND = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _UNSUPPORTED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 

@@ -207,8 +207,8 @@ class Checkpointer:
                 tiers.remove_checkpoint(name)
 
     def _spilled_bytes(self, meta: dict[str, Any]) -> int:
-        """Bytes of the hot rows the checkpoint of ``meta`` spilled into its disk tier checkpoint (its RocksDB files
-        are hard links of the live ones, written already)."""
+        """Bytes of the hot rows the checkpoint of ``meta`` spilled into its disk tier checkpoint (its segment
+        files are hard links of the live ones, written already)."""
         if "disk_tier" not in meta or self.registry.tiers is None:
             return 0
         return sum(p.stat().st_size for p in (self.registry.tiers.checkpoint_root / meta["disk_tier"]).glob("hot-*"))

@@ -90,7 +90,7 @@ class ShardConfig:
         disk_dir: where tables with a disk tier keep their cold rows (``shardps.server.storage.disk``; default:
             ``<data_dir>/disk``, none without a data dir).
         disk_min_free_mb: free space the disk tier keeps on its file system: a write that would leave less is
-            refused (RocksDB stops after a write that fails for want of space).
+            refused before it is tried (room for checkpoints' sealed segments and compactions).
         join: a shard added to a running cluster (``shardps reshard --add``): it owns no slot until the driver moves
             some to it (without a data dir holding a slot map).
         handover_hold_s: longest a slot handover holds writes to its slots before it is given up.
