@@ -2,7 +2,8 @@
 
 - Throughput: 2 shards hold a --rows x 64 float32 table (SGD), every row written once before timing; the
   standard loop (batches of 8,192 ids, unique rows pulled then pushed) under Zipf(1.1) and uniform ids,
-  rows/s against the same table in RAM (its own cluster, same machine, minutes apart). The tiered shards run
+  rows/s against the same table in RAM (its own cluster, up at the same time: the two measured in alternating
+  windows, --rounds of each). The tiered shards run
   with --max-memory-mb --budget-mb; the table's tier takes --memory-mb of it.
 - Memory and disk: each tiered shard's largest RSS as a multiple of its budget, disk bytes per row, the
   tier's hit rate.
@@ -26,6 +27,7 @@ Writes benchmarks/results/tiered.json and tiered.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import pathlib
@@ -113,46 +115,63 @@ def _restart_s(cluster: LocalCluster, index: int) -> tuple[float, float]:
     return stopped, time.perf_counter() - t0
 
 
-def run_table(tiered: bool, args: argparse.Namespace, batches: dict[str, list[torch.Tensor]],
-              progress: Progress) -> dict[str, Any]:
-    label = f"disk tier ({args.memory_mb:g} MiB hot)" if tiered else "all in RAM"
-    with tempfile.TemporaryDirectory(prefix="shardps-tiered-", dir=args.dir) as tmp:
-        serve = ["--max-memory-mb", str(args.budget_mb if tiered else 64 << 10)]
-        with LocalCluster(args.shards, data_dir=tmp, serve_args=serve) as cluster:
+def run_tables(args: argparse.Namespace, batches: dict[str, list[torch.Tensor]],
+               progress: Progress) -> list[dict[str, Any]]:
+    """The table all in RAM and the same table with a disk tier, each in its own cluster, both up at once and
+    measured in alternating windows (RAM, tier, tier, RAM, ...: ``--rounds`` of each per distribution), so the
+    machine's drift over minutes moves both alike; then each one's restart."""
+    setups: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        for tiered in (False, True):
+            label = f"disk tier ({args.memory_mb:g} MiB hot)" if tiered else "all in RAM"
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardps-tiered-", dir=args.dir))
+            serve = ["--max-memory-mb", str(args.budget_mb if tiered else 64 << 10)]
+            cluster = stack.enter_context(LocalCluster(args.shards, data_dir=tmp, serve_args=serve))
+            c = stack.enter_context(Client(cluster.addresses))
+            storage = DiskTier(memory_mb=args.memory_mb) if tiered else "memory"
+            c.create_table("t", dim=DIM, num_embeddings=args.rows, optimizer=SGD(lr=0.01),
+                           initializer=Initializer("uniform", a=0.01), storage=storage)
+            out: dict[str, Any] = {"table": label, "fill_rows_per_s": _fill(c, "t", args.rows)}
+            progress.step(f"{label}: {args.rows:,} rows written")
             pids = [p.popen.pid for p in cluster.procs]
-            with Client(cluster.addresses) as c:
-                storage = DiskTier(memory_mb=args.memory_mb) if tiered else "memory"
-                c.create_table("t", dim=DIM, num_embeddings=args.rows, optimizer=SGD(lr=0.01),
-                               initializer=Initializer("uniform", a=0.01), storage=storage)
-                fill = _fill(c, "t", args.rows)
-                progress.step(f"{label}: {args.rows:,} rows written")
-                watch = _RssWatch(pids)
-                out: dict[str, Any] = {"table": label, "fill_rows_per_s": fill}
-                for dist, bs in batches.items():
-                    _, at, _ = _loop(c, "t", bs, args.warmup)
-                    before = c.describe_table("t")
-                    cpu0 = sum(cpu_seconds(pid) for pid in pids)
-                    out[f"{dist}_rows_per_s"], end, looped = _loop(c, "t", bs, args.seconds, at)
-                    out[f"{dist}_shard_us_per_row"] = (sum(cpu_seconds(pid) for pid in pids) - cpu0) * 1e6 / looped
-                    out[f"{dist}_batches_reused"] = max(0, end - len(bs))
-                    if tiered:  # over the measured seconds alone
-                        after = c.describe_table("t")
-                        hits = sum(a.tier_hits - b.tier_hits for a, b in zip(after, before))
-                        misses = sum(a.tier_misses - b.tier_misses for a, b in zip(after, before))
-                        out[f"{dist}_hit_rate"] = hits / max(hits + misses, 1)
-                        out[f"{dist}_misses_per_row"] = misses / looped  # a row pulled and pushed: 2 lookups
-                    progress.step(f"{label}: {dist}")
-                peak = watch.stop()
-                info = c.describe_table("t")
+            setups.append({"tiered": tiered, "cluster": cluster, "client": c, "pids": pids, "out": out,
+                           "watch": _RssWatch(pids)})
+        for dist, bs in batches.items():
+            for s in setups:
+                _, s["at"], _ = _loop(s["client"], "t", bs, args.warmup)
+                s["before"] = s["client"].describe_table("t") if s["tiered"] else None
+                s["rows"], s["seconds"], s["cpu"] = 0, 0.0, 0.0
+            for r in range(args.rounds):
+                for s in (setups if r % 2 == 0 else setups[::-1]):
+                    cpu0 = sum(cpu_seconds(pid) for pid in s["pids"])
+                    rate, s["at"], n = _loop(s["client"], "t", bs, args.seconds / args.rounds, s["at"])
+                    s["cpu"] += sum(cpu_seconds(pid) for pid in s["pids"]) - cpu0
+                    s["rows"] += n
+                    s["seconds"] += n / rate
+            for s in setups:
+                out = s["out"]
+                out[f"{dist}_rows_per_s"] = s["rows"] / s["seconds"]
+                out[f"{dist}_shard_us_per_row"] = s["cpu"] * 1e6 / s["rows"]
+                out[f"{dist}_batches_reused"] = max(0, s["at"] - len(bs))
+                if s["tiered"]:  # over the measured windows (and the other table's, when this one was idle)
+                    after = s["client"].describe_table("t")
+                    hits = sum(a.tier_hits - b.tier_hits for a, b in zip(after, s["before"]))
+                    misses = sum(a.tier_misses - b.tier_misses for a, b in zip(after, s["before"]))
+                    out[f"{dist}_hit_rate"] = hits / max(hits + misses, 1)
+                    out[f"{dist}_misses_per_row"] = misses / s["rows"]  # a row pulled and pushed: 2 lookups
+            progress.step(f"{dist}: {args.rounds} windows of each")
+        for s in setups:
+            out, info = s["out"], s["client"].describe_table("t")
+            peak = s["watch"].stop()
             out["peak_rss_mib"] = max(peak.values()) / MIB
-            out["rss_x_budget"] = max(peak.values()) / (args.budget_mb * MIB) if tiered else None
+            out["rss_x_budget"] = max(peak.values()) / (args.budget_mb * MIB) if s["tiered"] else None
             out["mem_bytes_per_row"] = sum(t.bytes for t in info) / args.rows
-            if tiered:
+            if s["tiered"]:
                 out["disk_bytes_per_row"] = sum(t.disk_bytes for t in info) / args.rows
                 out["hot_rows"] = sum(t.hot_rows for t in info)
-            out["stop_s"], out["restart_s"] = _restart_s(cluster, 0)
-            progress.step(f"{label}: restart")
-    return out
+            out["stop_s"], out["restart_s"] = _restart_s(s["cluster"], 0)
+            progress.step(f"{out['table']}: restart")
+    return [s["out"] for s in setups]
 
 
 # ---- the stores, side by side --------------------------------------------------------------------
@@ -382,7 +401,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--shards", type=int, default=2, help="shard processes")
     p.add_argument("--budget-mb", type=int, default=1024, help="each tiered shard's --max-memory-mb, MiB")
     p.add_argument("--memory-mb", type=float, default=768, help="the table's disk tier memory_mb (per shard), MiB")
-    p.add_argument("--seconds", type=float, default=20.0, help="seconds measured per id distribution")
+    p.add_argument("--seconds", type=float, default=20.0, help="seconds measured per id distribution and table")
+    p.add_argument("--rounds", type=int, default=4, help="windows each table's seconds are measured in, the two "
+                   "tables' alternating")
     p.add_argument("--warmup", type=float, default=15.0, help="seconds of the loop before each measurement")
     p.add_argument("--batches", type=int, default=3000, help="distinct batches of 8,192 ids per distribution (the loop "
                    "goes through them in order, warm-up included)")
@@ -395,14 +416,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.budget_mb, args.memory_mb = 400_000, 256, 16
-        args.seconds, args.warmup, args.store_rows, args.batches = 1.5, 0.5, 100_000, 64
+        args.seconds, args.warmup, args.store_rows, args.batches, args.rounds = 1.5, 0.5, 100_000, 64, 2
     # Batches are not reused within a run (a few thousand of each): a cycled handful would be a working set that
     # fits any memory, and measure a RAM cache instead of the disk tier.
     zipf = [torch.from_numpy(b) for b in unique_batches(7, args.batches, 8192, args.rows, 1.1)]
     uniform = [torch.from_numpy(b) for b in unique_batches(8, args.batches, 8192, args.rows, None)]
     batches = {"zipf": zipf, "uniform": uniform}
-    progress = Progress(2 * 4 + (0 if args.no_stores else 4) + (0 if args.no_parts else 1), "tiered")
-    rows = [run_table(False, args, batches, progress), run_table(True, args, batches, progress)]
+    progress = Progress(4 + len(batches) + (0 if args.no_stores else 4) + (0 if args.no_parts else 1), "tiered")
+    rows = run_tables(args, batches, progress)
     ram = rows[0]
     for r in rows:
         for dist in batches:
