@@ -295,8 +295,9 @@ def run_stores(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
 
 # ---- where a miss's CPU goes -----------------------------------------------------------------------------------------
 
-# (part, its function) of a miss's work in a tiered table, timed around each call; "a > b": b is inside a. A row that misses is located on disk, room is made (victims chosen, the changed ones written back,
-# then removed), and it is read and brought in.
+# (part, its function) of a miss's work in a tiered table, timed around each call; "a > b": b is inside a. A row
+# that misses is located on disk, room is made (victims chosen, the changed ones written back, then removed), and it
+# is read and brought in.
 PARTS = [
     ("locate on disk", "shardps.server.storage.disk:TableStore.locate"),
     ("make room", "shardps.server.storage.tiered:HotSet._make_room"),

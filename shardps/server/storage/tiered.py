@@ -10,8 +10,9 @@ request that last used the row: recency for the policy), ``dirty`` (changed sinc
 ``on_disk`` (the store has a copy, maybe older). The store holds every row that ever left memory; a row in memory
 is newer than its copy on disk. Room is made before anything is brought in: victims are chosen by the bounded
 table's machinery (``bounded.choose_victims``, LRU or LFU over sampled rows, none of the current request nor, while
-others are left, of the few before it: ``PROTECT_REQUESTS``), the dirty ones written back in one batch, then removed. A failed write (a full disk) refuses the request before
-anything changed. The caller holds the table's lock.
+others are left, of the few before it: ``PROTECT_REQUESTS``), the dirty ones written back in one batch, then
+removed. A failed write (a full disk) refuses the request before anything changed. The caller holds the table's
+lock.
 """
 
 from __future__ import annotations
