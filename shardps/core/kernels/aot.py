@@ -18,7 +18,7 @@ The module is built with the kernels' own options: the GIL released during each 
 model (a float division by zero gives inf or NaN, not an exception), for this machine's CPU as numba compiles.
 ``fingerprint`` (a hash of the kernels' source, of ``EXPORTS``, of numpy's, numba's and llvmlite's versions and of
 the CPU's model and flags)
-is compiled into it, and ``load`` refuses a module built from other sources or for another CPU: edit ``loops.py``
+is compiled into it, and ``load`` refuses a module built from other sources or for another CPU: edit a kernel
 (or copy the environment to another machine) and numba's kernels serve until the next build.
 """
 
@@ -110,7 +110,7 @@ def fingerprint() -> int:
     """What the compiled module must have been built from and for: the kernels' source, ``EXPORTS``, numpy's, numba's
     and llvmlite's versions and this machine's processor (it is compiled for this CPU, as numba compiles)."""
     h = hashlib.sha256()
-    for name in ("loops.py", "constants.py", "aot.py"):
+    for name in ("loops.py", "common.py", "disk_loops.py", "constants.py", "aot.py"):
         h.update((_HERE / name).read_bytes())
     h.update(np.__version__.encode())
     for dist in ("numba", "llvmlite"):  # the compiler (read from the installed metadata: numba is not imported)

@@ -1,43 +1,21 @@
 """The numba kernels behind ``shardps.core.kernels`` (imported on first use: importing numba costs 0.3-0.5 s).
 
-Each function mirrors a plain-numpy reference named in ``kernels``; see there for the rules they keep.
+Each function mirrors a plain-numpy reference named in ``kernels``; see there for the rules they keep. The disk
+tier's are in ``disk_loops`` (imported here).
 """
 
 from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
-from numba import types
 
-from shardps.core.kernels.constants import SPLITMIX_GOLDEN as _GOLDEN
-from shardps.core.kernels.constants import SPLITMIX_M1 as _M1
-from shardps.core.kernels.constants import SPLITMIX_M2 as _M2
-from shardps.core.kernels.constants import VICTIM_DRAWS, ZIG_ATTEMPTS, ZIGGURAT_R
+from shardps.core.kernels.common import kernel as _njit
+from shardps.core.kernels.common import mix
+from shardps.core.kernels.constants import ZIG_ATTEMPTS, ZIGGURAT_R
+from shardps.core.kernels.disk_loops import gather_words, pread_records, sample_victims, scatter_words  # noqa: F401
 
-
-def _njit(fn):  # type: ignore[no-untyped-def]
-    return numba.njit(cache=True, nogil=True, error_model="numpy")(fn)
-
-
-# ---- hashing (the same splitmix64 as routing.mix64) -----------------------------------
-
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 _S32 = np.uint64(32)
-
-
-@_njit
-def mix(x: np.uint64, seed: np.uint64) -> np.uint64:
-    z = x ^ seed
-    z = z + _GOLDEN
-    z = z ^ (z >> _S30)
-    z = z * _M1
-    z = z ^ (z >> _S27)
-    z = z * _M2
-    return z ^ (z >> _S31)
 
 
 @_njit
@@ -473,116 +451,3 @@ def all_finite(values: np.ndarray) -> bool:
         if not ok:
             return False
     return True
-
-
-# ---- the disk tier's reads ------------------------------------------------------------------
-
-# libc's pread, by name: the compiled code calls the symbol the process (or the ahead-of-time module) links against.
-_pread = types.ExternalFunction("pread", types.intp(types.intc, types.voidptr, types.uintp, types.int64))
-
-
-@_njit
-def pread_records(fd: int, offsets: np.ndarray, size: int, out: np.ndarray) -> int:
-    """``out[i * size:(i + 1) * size]`` = the ``size`` bytes of file ``fd`` at ``offsets[i]``, one pread each; how
-    many were read in full (fewer: the first that was not). numpy: ``Segment.gather``'s gather from the file's
-    mapping."""
-    for i in range(offsets.shape[0]):
-        if _pread(fd, out[i * size:].ctypes.data, size, offsets[i]) != size:  # type: ignore[call-overload]
-            return i
-    return offsets.shape[0]
-
-
-# ---- the disk tier's victims and records --------------------------------------------------------------------------
-
-
-
-@_njit
-def sample_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: int, salt: np.uint64, seed: np.uint64,
-                   protected_from: int, lfu: bool) -> np.ndarray:
-    """``bounded.sampled_victims``: ``count`` victims among the ``last.shape[0]`` rows, each the best by (score,
-    slot) of ``sample`` usable slots drawn by a hash of ``salt`` (of at most ``sample * VICTIM_DRAWS`` drawn; usable:
-    ``last`` below ``protected_from``, not chosen already); fewer when a victim found none."""
-    n = np.uint64(last.shape[0])
-    base = salt << _S32
-    bits = 4
-    while (1 << bits) < 2 * count:
-        bits += 1
-    table = np.zeros(1 << bits, np.int64)  # chosen slots + 1, open addressing
-    mask = (1 << bits) - 1
-    shift = np.uint64(64 - bits)
-    out = np.empty(count, np.int64)
-    d = np.uint64(0)
-    got = 0
-    for _ in range(count):
-        best = np.int64(-1)
-        best_key = np.int64(0)
-        seen = 0
-        for _draw in range(sample * VICTIM_DRAWS):
-            c = np.int64(mix(d + base, seed) % n)
-            d += np.uint64(1)
-            lv = last[c]
-            if lv >= protected_from:
-                continue
-            h = np.int64((np.uint64(c) * _GOLDEN) >> shift)
-            while table[h] != 0 and table[h] != c + 1:
-                h = (h + 1) & mask
-            if table[h] != 0:
-                continue
-            key = lv
-            if lfu:
-                t = np.int64(min(touches[c], (1 << 22) - 1))
-                key = (t << np.int64(40)) | (lv & np.int64((1 << 40) - 1))
-            if best < 0 or key < best_key or (key == best_key and c < best):
-                best, best_key = c, key
-            seen += 1
-            if seen == sample:
-                break
-        if best < 0:
-            break
-        h = np.int64((np.uint64(best) * _GOLDEN) >> shift)
-        while table[h] != 0:
-            h = (h + 1) & mask
-        table[h] = best + 1
-        out[got] = best
-        got += 1
-    return out[:got]
-
-
-# libc's memcpy, by name as ``pread``: a row's words in one call ran 3x faster than numba's loop over them (a word
-# at a time, not vectorised where source and destination might overlap).
-_memcpy = types.ExternalFunction("memcpy", types.voidptr(types.voidptr, types.voidptr, types.uintp))
-
-
-@_njit
-def _c_words(a: np.ndarray) -> bool:
-    """Whether a 2-D array of 4-byte words is in C order (numba's kernels take any layout; the ahead-of-time ones
-    only this)."""
-    return a.strides[1] == 4 and (a.shape[0] < 2 or a.strides[0] == a.shape[1] * 4)
-
-
-@_njit
-def gather_words(src: np.ndarray, first: int, width: int, idx: np.ndarray, dst: np.ndarray, at: int) -> None:
-    """``dst[i, at:at + width] = src[idx[i], first:first + width]`` for 2-D uint32 arrays: a column of per-row
-    arrays, viewed as 4-byte words, into records (``records.gather_columns``)."""
-    if not (_c_words(src) and _c_words(dst)):
-        for i in range(idx.shape[0]):
-            dst[i, at:at + width] = src[idx[i], first:first + width]
-        return
-    sp, dp = src.ctypes.data, dst.ctypes.data  # type: ignore[attr-defined]
-    s_row, d_row = src.shape[1] * 4, dst.shape[1] * 4
-    for i in range(idx.shape[0]):
-        _memcpy(dp + i * d_row + at * 4, sp + idx[i] * s_row + first * 4, width * 4)  # type: ignore[call-overload]
-
-
-@_njit
-def scatter_words(dst: np.ndarray, first: int, width: int, idx: np.ndarray, src: np.ndarray, at: int) -> None:
-    """``dst[idx[i], first:first + width] = src[i, at:at + width]`` for 2-D uint32 arrays: a column of records into
-    per-row arrays (``records.scatter_columns``)."""
-    if not (_c_words(src) and _c_words(dst)):
-        for i in range(idx.shape[0]):
-            dst[idx[i], first:first + width] = src[i, at:at + width]
-        return
-    sp, dp = src.ctypes.data, dst.ctypes.data  # type: ignore[attr-defined]
-    s_row, d_row = src.shape[1] * 4, dst.shape[1] * 4
-    for i in range(idx.shape[0]):
-        _memcpy(dp + idx[i] * d_row + first * 4, sp + i * s_row + at * 4, width * 4)  # type: ignore[call-overload]

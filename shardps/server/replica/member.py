@@ -64,6 +64,21 @@ def disk_trouble(log: ReplicatedLog, patience_s: float) -> str:
 ELECTION_POLL_S = 0.02  # how often a candidate reads the others' reports during the election's wait
 
 
+def candidates_reporting(coord: Coordinator, since: int, me: str, enough: int, wait_s: float,
+                         stop: threading.Event) -> Optional[dict[str, dict[str, Any]]]:
+    """The candidates' reports written since etcd revision ``since``, read every ``ELECTION_POLL_S`` for ``wait_s``
+    or until ``enough`` members (``me`` among them) have reported (0: the whole wait); None when ``stop`` is set."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        reports = {name: m for name, m in coord.members().items()
+                   if m.get("role") == "candidate" and int(m.get("_revision", 0)) > since}
+        left = deadline - time.monotonic()
+        if (enough and len(set(reports) | {me}) >= enough) or left <= 0:
+            return reports
+        if stop.wait(min(ELECTION_POLL_S, left)):
+            return None
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
     """How a shard process takes part in its replica group.
@@ -238,17 +253,10 @@ class ReplicaMember:
         # meets every quorum, and the whole wait lets the newest log win (the least lost)
         n = self.log.group
         need = n - (n // 2 + 1) + 1 if self.log.ack == "quorum" else 1
-        deadline = time.monotonic() + self.config.election_wait_s
-        while True:
-            reports = {name: m for name, m in self.coord.members().items()
-                       if m.get("role") == "candidate" and int(m.get("_revision", 0)) > since}
-            if self.log.ack == "quorum" and len(set(reports) | {self.config.member}) >= need:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            if self._stop.wait(min(ELECTION_POLL_S, left)):
-                return
+        reports = candidates_reporting(self.coord, since, self.config.member, need if self.log.ack == "quorum" else 0,
+                                       self.config.election_wait_s, self._stop)
+        if reports is None:
+            return
         mine = (self.log.last_epoch(), self.log.lsn, self.config.member)
         if len(set(reports) | {self.config.member}) < need:
             log.debug("shard %d member %s: %d of the %d candidates an election needs have reported", self.shard.index,

@@ -58,6 +58,38 @@ def hot_store(name: str, dim: int, state_init: dict[str, float], tier: DiskTier)
     return RowStore(name, dim, state_init, None, cap, budget, cap, extra=TIER_ARRAYS, sized=True)
 
 
+def hot_columns(rows: RowStore, codec: RecordCodec, values: bool = True) -> list[Column]:
+    """Where each field of a record is in a hot set's arrays (``records.Column``; the values' unless not ``values``),
+    as they are now (a RowStore replaces its arrays as it grows)."""
+    cols = [(as_words(rows.rows), 0, rows.dim, codec.word("rows"))] if values else []
+    cols += [(as_words(arr), 0, rows.dim, codec.word("state." + name)) for name, arr in rows.state.items()]
+    meta = as_words(rows.meta)
+    for name, _ in META_FIELDS:
+        field, first = META.fields[name][:2]  # type: ignore[index]
+        cols.append((meta, first // 4, field.itemsize // 4, codec.word(name)))
+    return cols
+
+
+class RecentRequests:
+    """The sizes of a hot set's last requests, for the rows kept in memory while others can leave."""
+
+    def __init__(self) -> None:
+        self._sizes: deque[int] = deque(maxlen=PROTECT_REQUESTS - 1)  # ids in each of the requests before this one
+
+    def protected_from(self, clock: int, size: int, capacity: int) -> int:
+        """The oldest request whose rows are kept (``PROTECT_REQUESTS``, as many of them as fill half of the
+        ``capacity`` rows with the current request, ``clock``, of ``size`` ids), counting this one in."""
+        room = capacity // 2 - size
+        keep = 0
+        for k in reversed(self._sizes):
+            room -= k
+            if room < 0:
+                break
+            keep += 1
+        self._sizes.append(size)
+        return clock - keep
+
+
 @dataclass
 class TierCounts:
     """A tiered table's traffic since the shard started."""
@@ -87,7 +119,7 @@ class HotSet:
         self.row_cost = rows.row_bytes + INDEX_BYTES_PER_ROW
         self._released = self.full_capacity  # slots from which the pages were last handed back
         self.clock = 0  # requests served: a row's ``access`` is the last one that used it
-        self._recent: deque[int] = deque(maxlen=PROTECT_REQUESTS - 1)  # ids in each of the requests before this one
+        self.recent = RecentRequests()
         self.disk_rows = 0  # rows the store holds
         self.counts = TierCounts()
         self.broken = ""  # why the table refuses every request until the shard restarts ("" while it serves)
@@ -150,7 +182,7 @@ class HotSet:
         if self.broken:
             raise Unavailable(self.broken)
         self.clock += 1
-        protected_from = self._protected_from(ids.shape[0])
+        protected_from = self.recent.protected_from(self.clock, ids.shape[0], self.capacity)
         rows = self.rows
         access = rows.extra["access"]
         slots = rows.index.lookup(ids)
@@ -256,40 +288,15 @@ class HotSet:
             raise InvalidArgument(f"{self.name}: row {int(ids[0])} is not initialised")
         return self.initializer.rows(ids, self.rows.dim)
 
-    def _columns(self, values: bool = True) -> list[Column]:
-        """Where each field of a record is in the hot rows' arrays (``records.Column``; the values' unless not
-        ``values``), as they are now (a RowStore replaces its arrays as it grows)."""
-        rows, codec = self.rows, self.codec
-        cols = [(as_words(rows.rows), 0, rows.dim, codec.word("rows"))] if values else []
-        cols += [(as_words(arr), 0, rows.dim, codec.word("state." + name)) for name, arr in rows.state.items()]
-        meta = as_words(rows.meta)
-        for name, _ in META_FIELDS:
-            field, first = META.fields[name][:2]  # type: ignore[index]
-            cols.append((meta, first // 4, field.itemsize // 4, codec.word(name)))
-        return cols
-
     def _bring_in(self, ids: np.ndarray, records: np.ndarray) -> np.ndarray:
         """Append rows read from disk with everything they carry; their slots."""
         rows = self.rows
         added = rows.append(ids, records["rows"])
-        scatter_columns(as_words(records), self._columns(values=False), added)
+        scatter_columns(as_words(records), hot_columns(rows, self.codec, values=False), added)
         rows.extra["on_disk"][added] = 1
         rows.extra["access"][added] = self.clock
         self.counts.promoted += ids.shape[0]
         return added
-
-    def _protected_from(self, size: int) -> int:
-        """The oldest request whose rows are kept in memory while others can leave (``PROTECT_REQUESTS``, as many of
-        them as fill half the memory with the current request of ``size`` ids), counting this one in."""
-        room = self.capacity // 2 - size
-        keep = 0
-        for k in reversed(self._recent):
-            room -= k
-            if room < 0:
-                break
-            keep += 1
-        self._recent.append(size)
-        return self.clock - keep
 
     def _make_room(self, count: int, protected_from: int) -> None:
         """Take ``count`` rows out of memory, writing the changed ones back first: none used since request
@@ -312,7 +319,7 @@ class HotSet:
         rows = self.rows
         dirty = slots[rows.extra["dirty"][slots] != 0]
         if dirty.size:
-            self.store.put_slots(rows.ids, self._columns(), dirty)
+            self.store.put_slots(rows.ids, hot_columns(rows, self.codec), dirty)
             self.disk_rows += int(dirty.size - np.count_nonzero(rows.extra["on_disk"][dirty]))
             rows.extra["on_disk"][dirty] = 1
             rows.extra["dirty"][dirty] = 0
