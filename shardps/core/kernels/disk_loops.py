@@ -34,7 +34,6 @@ def pread_records(fd: int, offsets: np.ndarray, size: int, out: np.ndarray) -> i
 # ---- the disk tier's victims and records --------------------------------------------------------------------------
 
 
-
 @_njit
 def sample_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: int, salt: np.uint64, seed: np.uint64,
                    protected_from: int, lfu: bool) -> np.ndarray:

@@ -201,8 +201,10 @@ class Table:
         """Where ``read`` would take the rows of ``ids`` from in ``rows`` (absent ones created), for a caller that
         gathers them itself while it holds ``lock`` (a pull's answer, built straight from the table); None for a
         table whose rows are read otherwise (bounded, read-only; a disk tier's request larger than memory)."""
+        if self.hot is not None and not self.read_only:
+            return self.hot.read_slots(ids, version + 1)
         if self.hot is not None or self.bounded or self.read_only:
-            return self.hot.read_slots(ids, version + 1) if self.hot is not None and not self.read_only else None
+            return None
         return self._slots(ids, create=True, stamp=version + 1)
 
     def check_present(self, ids: np.ndarray) -> None:
