@@ -26,7 +26,12 @@ def group_members(entry: str) -> list[str]:
 # gRPC channel options of every channel to a shard (clients', tools', a backup's to its primary): a channel whose
 # connection failed reconnects within a second. gRPC's own backoff grows to 120 s, and a client whose channel to a
 # replica group's member backed off that far after a network fault could not reach it once it became the primary.
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+# gRPC core reads grpc.min_reconnect_backoff_ms as the least time a connection attempt (TCP, TLS, HTTP/2 SETTINGS) is
+# given, not as a backoff: at 100 ms, attempts to a shard on a loaded 2-core host timed out ("connection attempt timed
+# out before receiving SETTINGS frame") and a call failed UNAVAILABLE against a healthy shard. 3 s (gRPC's default is
+# 20) leaves room for a busy host and still retries a blackholed address within 3 s.
+CONNECT_TIMEOUT_MS = 3000
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
                      ("grpc.max_reconnect_backoff_ms", 1000))
 
 # Which methods use the hand-written wire codecs (shardps.core.wire) instead of protobuf objects:

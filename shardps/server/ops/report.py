@@ -20,12 +20,19 @@ from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
 def _info(address: str, timeout: float, tls: Optional[dict[str, Optional[str]]],
           metadata: Optional[tuple[tuple[str, str], ...]]) -> pb.ShardInfoResponse:
+    """The shard's ShardInfo within ``timeout`` seconds: a connection attempt that fails (a refused port, a host too
+    busy to finish the handshake in time) is tried again until then, and the last error names the problem."""
     t = tls or {}
+    deadline = time.monotonic() + timeout
     with channel(address, t.get("ca"), t.get("cert"), t.get("key")) as ch:
-        try:
-            return pb_grpc.ShardStub(ch).ShardInfo(pb.ShardInfoRequest(), timeout=timeout, metadata=metadata)
-        except grpc.RpcError as e:
-            raise RuntimeError(f"shard at {address}: {e.code().name} {e.details()}") from None
+        while True:
+            try:
+                return pb_grpc.ShardStub(ch).ShardInfo(pb.ShardInfoRequest(), metadata=metadata,
+                                                       timeout=max(deadline - time.monotonic(), 0.001))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + 0.2 >= deadline:
+                    raise RuntimeError(f"shard at {address}: {e.code().name} {e.details()}") from None
+            time.sleep(0.2)
 
 
 def caller(addresses: list[str], timeout: float = 60.0, tls: Optional[dict[str, Optional[str]]] = None
