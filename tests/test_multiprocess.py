@@ -45,6 +45,28 @@ def test_cli_cluster_trains_and_survives_sigterm_restart(tmp_path):
                 s.kill()
 
 
+def test_stats_of_a_stopped_shard_fails_within_its_timeout_naming_the_shard(tmp_path):
+    """`shardps stats` tries a refused connection again until its --timeout (a busy shard may answer late), then
+    fails with the shard's address and gRPC's reason, not a traceback."""
+    import subprocess
+    import sys
+    import time
+
+    shard = start_shard(0, 1, tmp_path, str(tmp_path / "data"))
+    try:
+        ok = subprocess.run([sys.executable, "-m", "shardps", "stats", shard.address, "--interval", "0"],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0 and "total: 1 shards" in ok.stdout, ok.stdout + ok.stderr
+    finally:
+        assert shard.terminate() == 0
+    t0 = time.monotonic()
+    dead = subprocess.run([sys.executable, "-m", "shardps", "stats", shard.address, "--interval", "0", "--timeout", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 1 and "Traceback" not in dead.stderr, dead.stderr
+    assert f"shard at {shard.address}: UNAVAILABLE" in dead.stderr and "Connection refused" in dead.stderr, dead.stderr
+    assert time.monotonic() - t0 < 30  # bounded by its --timeout (generously: no rate is asserted)
+
+
 def test_restart_waits_for_its_port_while_another_socket_holds_it(tmp_path, monkeypatch):
     """A shard restarts on its own address. Another socket may take the port while it is down (in a busy
     machine, an outgoing connection's ephemeral end): ``shardps serve`` then exits with PORT_IN_USE_EXIT naming
