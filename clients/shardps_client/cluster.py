@@ -167,12 +167,13 @@ class ClusterMethods:
 
     _cluster: ClusterOps
 
-    def check_shard_map(self) -> list[pb.ShardInfoResponse]:
-        """Verify that shard i of the address list reports (index i, count len(addresses))."""
+    def check_shard_map(self) -> list[Optional[pb.ShardInfoResponse]]:
+        """Verify that shard i of the address list reports (index i, count len(addresses)); every shard's ShardInfo,
+        None where a shard was removed from the cluster (``reshard`` to fewer shards)."""
         return self._cluster.check_shard_map()
 
-    def shard_info(self) -> list[pb.ShardInfoResponse]:
-        """ShardInfo of every shard, in index order."""
+    def shard_info(self) -> list[Optional[pb.ShardInfoResponse]]:
+        """ShardInfo of every shard, in index order (None where a shard was removed from the cluster)."""
         return self._cluster.shard_info()
 
     def create_table(

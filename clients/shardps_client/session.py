@@ -23,6 +23,7 @@ import numpy as np
 from shardps.core import protocol, wire
 from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, TableSpec
+from shardps.core.wire import PushEncoder
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
 from shardps_client.admin import Catalog, maps_of
@@ -58,7 +59,7 @@ class Session:
     _seq: list[Iterator[int]] = field(init=False, repr=False)
     _seq_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
     _slots_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
-    _encoders: dict[tuple[str, int, int, str], wire.PushEncoder] = field(init=False, repr=False, default_factory=dict)
+    _encoders: dict[tuple[str, int, int, str], PushEncoder] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._seq = [itertools.count(1) for _ in self.addresses]
@@ -188,7 +189,7 @@ class Session:
                                        self.push_encoder, self.next_seq)
         self.pushes.dispatch_many(calls, wait=False, trail=all(self.trails(s) for s in specs))
 
-    def push_encoder(self, table: str, shard: int) -> wire.PushEncoder:
+    def push_encoder(self, table: str, shard: int) -> PushEncoder:  # (``wire`` here would be the method)
         """The encoder of this client's pushes of ``table`` to ``shard`` under the current slot map (made once)."""
         slots = self.slots
         key = (table, shard, slots.epoch, slots.map_id)
