@@ -3,7 +3,9 @@
 - Throughput: 2 shards hold a --rows x 64 float32 table (SGD), every row written once before timing; the
   standard loop (batches of 8,192 ids, unique rows pulled then pushed) under Zipf(1.1) and uniform ids,
   rows/s against the same table in RAM (its own cluster, up at the same time: the two measured in alternating
-  windows, --rounds of each). The tiered shards run
+  windows, --rounds of each); then the pipelined loop under Zipf(1.1) (the next batch's rows prefetched before this
+  batch's pull and push: what TrainPipeline does by default), which lets a shard bring cold rows in while the client
+  works. The tiered shards run
   with --max-memory-mb --budget-mb; the table's tier takes --memory-mb of it.
 - Memory and disk: each tiered shard's largest RSS as a multiple of its budget, disk bytes per row, the
   tier's hit rate.
@@ -48,6 +50,7 @@ from shardps.probe import check as check_health
 from shardps.server.ops.launcher import LocalCluster, cpu_seconds
 
 DIM = 64
+PIPELINED = "_pipelined"  # a workload's name ending so runs the pipelined loop
 MIB = 1 << 20
 
 
@@ -87,14 +90,26 @@ def _fill(c: Client, name: str, rows: int) -> float:
     return rows / (time.perf_counter() - t0)
 
 
-def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, start: int = 0) -> tuple[float, int, int]:
+def _loop(c: Client, name: str, batches: list[torch.Tensor], seconds: float, start: int = 0,
+          pipelined: bool = False) -> tuple[float, int, int]:
     """The standard loop for ``seconds`` from batch ``start`` on: pull the unique rows, push a gradient per row;
-    (unique rows/s, the next batch, rows)."""
+    (unique rows/s, the next batch, rows). ``pipelined``: the loop ``TrainPipeline`` and ``Prefetcher`` run by
+    default (depth 1): the next batch's rows prefetched before this batch's pull (which takes them) and push, so a
+    shard brings the next batch's cold rows in while the client works on this one."""
     t0, n, i = time.perf_counter(), 0, start
+    if pipelined:
+        c.prefetch(name, batches[i % len(batches)])
     while time.perf_counter() - t0 < seconds:
         ids = batches[i % len(batches)]
+        if pipelined:
+            c.prefetch(name, batches[(i + 1) % len(batches)])
         rows = c.pull(name, ids)
         c.push(name, ids, rows * 0.01)
+        n += ids.shape[0]
+        i += 1
+    if pipelined:  # the batch prefetched last, pulled and pushed too: no prefetch left over for the next window
+        ids = batches[i % len(batches)]
+        c.push(name, ids, c.pull(name, ids) * 0.01)
         n += ids.shape[0]
         i += 1
     c.flush()
@@ -117,6 +132,7 @@ def _restart_s(cluster: LocalCluster, index: int) -> tuple[float, float]:
 
 def run_tables(args: argparse.Namespace, batches: dict[str, list[torch.Tensor]],
                progress: Progress) -> list[dict[str, Any]]:
+    """(``batches``: a workload's name, "_pipelined" at its end for the pipelined loop, to its batches.)"""
     """The table all in RAM and the same table with a disk tier, each in its own cluster, both up at once and
     measured in alternating windows (RAM, tier, tier, RAM, ...: ``--rounds`` of each per distribution), so the
     machine's drift over minutes moves both alike; then each one's restart."""
@@ -137,14 +153,15 @@ def run_tables(args: argparse.Namespace, batches: dict[str, list[torch.Tensor]],
             setups.append({"tiered": tiered, "cluster": cluster, "client": c, "pids": pids, "out": out,
                            "watch": _RssWatch(pids)})
         for dist, bs in batches.items():
+            piped = dist.endswith(PIPELINED)
             for s in setups:
-                _, s["at"], _ = _loop(s["client"], "t", bs, args.warmup)
+                _, s["at"], _ = _loop(s["client"], "t", bs, args.warmup, pipelined=piped)
                 s["before"] = s["client"].describe_table("t") if s["tiered"] else None
                 s["rows"], s["seconds"], s["cpu"] = 0, 0.0, 0.0
             for r in range(args.rounds):
                 for s in (setups if r % 2 == 0 else setups[::-1]):
                     cpu0 = sum(cpu_seconds(pid) for pid in s["pids"])
-                    rate, s["at"], n = _loop(s["client"], "t", bs, args.seconds / args.rounds, s["at"])
+                    rate, s["at"], n = _loop(s["client"], "t", bs, args.seconds / args.rounds, s["at"], piped)
                     s["cpu"] += sum(cpu_seconds(pid) for pid in s["pids"]) - cpu0
                     s["rows"] += n
                     s["seconds"] += n / rate
@@ -411,6 +428,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--store-rows", type=int, default=1_000_000, help="records of the stores' comparison")
     p.add_argument("--no-stores", action="store_true", help="leave out the stores' comparison")
     p.add_argument("--no-parts", action="store_true", help="leave out the CPU of a miss by part")
+    p.add_argument("--no-pipelined", action="store_true", help="leave out the pipelined loop (Zipf ids, the next "
+                   "batch prefetched, as TrainPipeline runs by default)")
     p.add_argument("--dir", default=None, help="where the data dirs go (local disk; default: the temp dir)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 400k rows, a few seconds")
     p.add_argument("--out", type=pathlib.Path, default=RESULTS, help="directory for tiered.json and tiered.png")
@@ -423,6 +442,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     zipf = [torch.from_numpy(b) for b in unique_batches(7, args.batches, 8192, args.rows, 1.1)]
     uniform = [torch.from_numpy(b) for b in unique_batches(8, args.batches, 8192, args.rows, None)]
     batches = {"zipf": zipf, "uniform": uniform}
+    if not args.no_pipelined:  # batches of their own (none looped twice in a run)
+        batches["zipf" + PIPELINED] = [torch.from_numpy(b) for b in unique_batches(17, args.batches, 8192, args.rows,
+                                                                                   1.1)]
     progress = Progress(4 + len(batches) + (0 if args.no_stores else 4) + (0 if args.no_parts else 1), "tiered")
     rows = run_tables(args, batches, progress)
     ram = rows[0]
@@ -436,9 +458,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                                             / r[f"{dist}_misses_per_row"])
     stores = [] if args.no_stores else run_stores(args, progress)
     parts = None if args.no_parts else run_parts(args, progress)
+    piped = [("zipf_pipelined_rows_per_s", "Zipf pipelined rows/s", ",.0f"), ("x_ram_zipf_pipelined", "x RAM", ".2f"),
+             ("zipf_pipelined_us_per_miss", "us/miss", ".1f")] if not args.no_pipelined else []
     print(table(rows, [("table", "table", ""), ("zipf_rows_per_s", "Zipf rows/s", ",.0f"),
                        ("x_ram_zipf", "x RAM", ".2f"), ("uniform_rows_per_s", "uniform rows/s", ",.0f"),
-                       ("x_ram_uniform", "x RAM", ".2f"), ("zipf_hit_rate", "Zipf hits", ".3f"),
+                       ("x_ram_uniform", "x RAM", ".2f"), *piped, ("zipf_hit_rate", "Zipf hits", ".3f"),
                        ("uniform_hit_rate", "uniform hits", ".3f"),
                        ("zipf_shard_us_per_row", "Zipf shard us/row", ".2f"), ("zipf_us_per_miss", "us/miss", ".1f"),
                        ("uniform_shard_us_per_row", "uniform shard us/row", ".2f"),

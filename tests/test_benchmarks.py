@@ -88,6 +88,7 @@ def test_benchmark_quick_run_writes_table_json_and_png(tmp_path, module, name, e
     if name == "tiered":  # the table with a disk tier beside the same table in RAM, from the same run
         ram, disk = data["results"]
         assert ram["table"] == "all in RAM" and ram["x_ram_zipf"] == 1.0 and disk["x_ram_zipf"] > 0
+        assert ram["x_ram_zipf_pipelined"] == 1.0 and disk["x_ram_zipf_pipelined"] > 0  # the pipelined loop too
         assert disk["hot_rows"] < data["meta"]["args"]["rows"] and disk["disk_bytes_per_row"] > 0
         assert 0 < disk["zipf_hit_rate"] <= 1 and disk["restart_s"] > 0
         parts = {p["part"]: p["us_per_miss"] for p in data["meta"]["parts"]["parts"]}  # a miss's CPU by part
