@@ -132,10 +132,10 @@ def _restart_s(cluster: LocalCluster, index: int) -> tuple[float, float]:
 
 def run_tables(args: argparse.Namespace, batches: dict[str, list[torch.Tensor]],
                progress: Progress) -> list[dict[str, Any]]:
-    """(``batches``: a workload's name, "_pipelined" at its end for the pipelined loop, to its batches.)"""
     """The table all in RAM and the same table with a disk tier, each in its own cluster, both up at once and
     measured in alternating windows (RAM, tier, tier, RAM, ...: ``--rounds`` of each per distribution), so the
-    machine's drift over minutes moves both alike; then each one's restart."""
+    machine's drift over minutes moves both alike; then each one's restart. ``batches``: each workload's batches by
+    its name (the pipelined loop's ends in ``PIPELINED``)."""
     setups: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         for tiered in (False, True):
