@@ -153,7 +153,7 @@ def quality_run(label: str, steps: int, drift: int, space: int, admission: Optio
         if client is not None:
             client.close()
         if cluster is not None:
-            cluster.stop()
+            cluster.close()
     return {"trainer": label, "auc": auc(np.concatenate(scores), test_labels), "rows_end": rows,
             "samples_per_s": steps * 256 / elapsed}
 

@@ -239,6 +239,9 @@ def test_cluster_command_reports_and_restarts_a_dead_shard(tmp_path):
     assert "shard 1" in out and "died with exit code -9" in out and "restarted" in out
     assert re.search(r"shard 0: 127\.0\.0\.1:\d+, data plane on ports \d+, \d+", out), out
     assert proc.returncode == 0
+    # A clean stop removes the temporary log directory it printed (no --log-dir given): nothing left in /tmp.
+    assert f"(logs in {info['logs']})" in out and "logs kept" not in out
+    assert pathlib.Path(info["logs"]).name.startswith("shardps-logs-") and not pathlib.Path(info["logs"]).exists()
 
 
 # ---- Kubernetes -------------------------------------------------------------------------------

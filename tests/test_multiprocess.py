@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+
+import pytest
 import torch
 from shardps_client import Adam, Client
 
@@ -163,3 +166,34 @@ def test_server_package_never_imports_torch():
         "assert 'torch' not in sys.modules, 'the server imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_local_cluster_removes_the_log_directory_it_made_and_keeps_it_when_it_failed(tmp_path, caplog):
+    """``with LocalCluster(...)`` leaves nothing in the temp dir after a clean exit (its shard logs and throwaway
+    certificates included); after an error the logs stay for the post-mortem and a warning says where; a log_dir
+    the caller gave is never removed."""
+    import shutil
+
+    from shardps.server.ops import launcher
+
+    with launcher.LocalCluster(1, tls="tls") as cluster:
+        logs = pathlib.Path(cluster.log_dir)
+        assert logs.name.startswith("shardps-logs-") and (logs / "shard-0.log").exists() and (logs / "tls").is_dir()
+    assert not logs.exists()
+
+    failed = None
+    try:
+        with pytest.raises(RuntimeError, match="on purpose"):
+            with launcher.LocalCluster(1) as cluster:
+                failed = pathlib.Path(cluster.log_dir)
+                raise RuntimeError("on purpose")
+        assert (failed / "shard-0.log").exists()
+        assert f"shard logs are kept in {failed}" in caplog.text
+    finally:
+        if failed is not None:
+            shutil.rmtree(failed, ignore_errors=True)
+
+    given = tmp_path / "logs"
+    with launcher.LocalCluster(1, log_dir=str(given)):
+        pass
+    assert (given / "shard-0.log").exists()

@@ -432,15 +432,18 @@ def main() -> int:
           f"{args.train:,} training samples, {args.workers} worker(s), mode {args.mode}"
           f"{f', prefetch depth {args.prefetch_depth}' if args.prefetch_depth else ', no prefetch'}{f', cache {args.cache_steps} steps' if args.cache_steps else ''}",
           flush=True)
-    results_dir = tempfile.mkdtemp(prefix="shardps-dlrm-")
-    os.environ["SHARDPS_RESULTS_DIR"] = results_dir
-    with cluster(args) as addresses:
-        shards_cpu = total_cpu_seconds(addresses.pids)
-        code = run_workers(args, addresses, __spec__.name, {"MASTER_PORT": str(free_port())})
-        shards_cpu = total_cpu_seconds(addresses.pids) - shards_cpu  # (0 for a cluster this run did not start)
-    if code != 0:
-        return code
-    ranks = [json.load(open(os.path.join(results_dir, f"rank{r}.json"))) for r in range(args.workers)]
+    with tempfile.TemporaryDirectory(prefix="shardps-dlrm-") as results_dir:  # each worker's figures, then gone
+        os.environ["SHARDPS_RESULTS_DIR"] = results_dir
+        with cluster(args) as addresses:
+            shards_cpu = total_cpu_seconds(addresses.pids)
+            code = run_workers(args, addresses, __spec__.name, {"MASTER_PORT": str(free_port())})
+            shards_cpu = total_cpu_seconds(addresses.pids) - shards_cpu  # (0 for a cluster this run did not start)
+        if code != 0:
+            return code
+        ranks = []
+        for r in range(args.workers):
+            with open(os.path.join(results_dir, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
     test_ids, test_dense, test_labels, test_p = click_log(args.test, args.rows, args.seed, stream=0)
     samples = sum(r["samples"] for r in ranks)
     results = {

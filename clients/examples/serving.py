@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -90,7 +91,7 @@ def main() -> int:
     p.add_argument("--dense-lr", type=float, default=2e-3)
     p.add_argument("--deltas", type=int, default=3, help="rounds of training after the export, one delta each")
     p.add_argument("--round", type=int, default=0, help="training samples per round (default: --train / 4)")
-    p.add_argument("--out", help="export directory (default: a temporary one)")
+    p.add_argument("--out", help="export directory (default: a temporary one, removed at the end)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -98,7 +99,13 @@ def main() -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - args.shards))
     data = click_log(args.train + args.deltas * rnd, args.rows, args.seed, stream=1)[:3]
     test = click_log(args.test, args.rows, args.seed, stream=0)[:3]
-    out = args.out or tempfile.mkdtemp(prefix="shardps-export-")
+    with contextlib.ExitStack() as stack:
+        out = args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="shardps-export-"))
+        return _run(args, out, rnd, data, test)
+
+
+def _run(args: argparse.Namespace, out: str, rnd: int, data: tuple, test: tuple) -> int:
+    """Train, export to ``out``, serve it beside the trainers, and follow ``args.deltas`` delta exports."""
     result: dict = {"deltas": []}
     with LocalCluster(args.shards) as trainers, Client(trainers.addresses) as c:
         model, opt = build(c, args, create=True)

@@ -167,12 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--data-dir", default=None, help="cluster data dir; shard i uses DATA_DIR/shard-i")
     p.add_argument("--cluster-file", default="shardps-cluster.json", help="where to write the cluster file")
+    p.add_argument("--log-dir", default=None, help="where the shards' logs go (default: a temporary directory, "
+                   "removed when the cluster stops cleanly, kept and named when it does not)")
     p.add_argument("--durability", default="log", choices=DURABILITY_LEVELS, help="see shardps serve")
     p.add_argument("--fsync", default="interval", choices=FSYNC_POLICIES, help="see shardps serve")
     p.add_argument("--checkpoint-interval", type=float, default=0.0, help="seconds between periodic checkpoints")
     p.add_argument("--no-restart", action="store_true", help="exit when a shard dies instead of restarting it")
     p.add_argument("--tls", nargs="?", const="tls", choices=("tls", "mtls"),
-                   help="serve TLS (mtls: mutual TLS) with throwaway certificates made in DATA_DIR/tls; "
+                   help="serve TLS (mtls: mutual TLS) with throwaway certificates made in DATA_DIR/tls (no "
+                        "--data-dir: in the log directory); "
                         "the cluster file carries their paths")
     p.add_argument("--tokens-file", help="bearer tokens with roles for every shard (see shardps serve)")
     p.add_argument("--replicas", type=int, default=1, help="members of each shard's replica group (one primary, the "

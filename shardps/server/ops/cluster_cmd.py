@@ -32,8 +32,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"shardps cluster: {e}") from None
     cluster = LocalCluster(args.shards, base_port=args.base_port, data_dir=args.data_dir, host=args.host,
-                           serve_args=serve_args, tls=args.tls, replicas=args.replicas, etcd=args.etcd,
-                           serves_requests=True, placements=placements, etcd_placement=etcd_placement)
+                           serve_args=serve_args, log_dir=args.log_dir, tls=args.tls, replicas=args.replicas,
+                           etcd=args.etcd, serves_requests=True, placements=placements, etcd_placement=etcd_placement)
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -52,7 +52,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         for a in members:
             print(f"  shard {i}: {a}{_data_ports(a, cluster.tls_files)}", flush=True)
     print(f"cluster file: {args.cluster_file}   (Client.from_file({args.cluster_file!r}))", flush=True)
-    code = 0
+    code, clean = 0, False
     try:
         while not stop["now"]:
             time.sleep(0.5)
@@ -70,9 +70,11 @@ def run_cluster(args: argparse.Namespace) -> int:
                 cluster.write_cluster_file(args.cluster_file)
                 print(f"shardps cluster: shard {cluster.procs[index].index} restarted on {cluster.procs[index].address}",
                       file=sys.stderr, flush=True)
+        clean = code == 0
     finally:
-        codes = cluster.stop()
-        print(f"shardps cluster: stopped (exit codes {codes})", flush=True)
+        codes = cluster.close(keep_logs=not clean)  # a temporary log directory: gone after a clean stop, else named
+        logs = f"; logs kept in {cluster.log_dir}" if cluster.made_log_dir and not clean else ""
+        print(f"shardps cluster: stopped (exit codes {codes}){logs}", flush=True)
     return code
 
 

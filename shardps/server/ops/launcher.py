@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -92,7 +93,9 @@ class LocalCluster:
         data_dir: cluster data dir; shard i uses data_dir/shard-i (None: memory only).
         host: address to bind.
         serve_args: extra ``shardps serve`` flags for every shard (e.g. durability).
-        log_dir: where shard logs go (default: a temporary directory).
+        log_dir: where shard logs go (default: a temporary directory, which also holds the throwaway TLS files and a
+            local etcd's data when there is no ``data_dir``; leaving the ``with`` block removes it, unless an error
+            is on its way out: then it stays, and the log says where).
         tls: None (plaintext), "tls" or "mtls" (mutual TLS): throwaway certificates are made in
             ``<data_dir or log_dir>/tls`` (``shardps.server.ops.certs``) and the cluster file carries their paths.
         replicas: members of each shard's replica group (1: none); with more, every shard index runs as that many
@@ -123,6 +126,7 @@ class LocalCluster:
     serves_requests: bool = False  # a ``shardps cluster`` process that adds and retires shards on request
     placements: Sequence[Placement] = ()
     etcd_placement: Optional[Placement] = None
+    made_log_dir: bool = field(default=False, init=False)  # log_dir is a temporary one made here (``__exit__``)
 
     def placement(self, index: int, member: int = 0) -> Placement:
         """Where member ``member`` of shard ``index`` runs."""
@@ -159,10 +163,16 @@ class LocalCluster:
             return None
         return {"ca": self.certs.ca, "cert": self.certs.client_cert, "key": self.certs.client_key}
 
-    def _spawn(self, index: int, port: int, member: int = 0) -> _Proc:
-        logs = pathlib.Path(self.log_dir or tempfile.mkdtemp(prefix="shardps-logs-"))
-        self.log_dir = str(logs)
+    def _logs(self) -> pathlib.Path:
+        """The log directory (made now: a temporary one, when none was given)."""
+        if self.log_dir is None:
+            self.log_dir, self.made_log_dir = tempfile.mkdtemp(prefix="shardps-logs-"), True
+        logs = pathlib.Path(self.log_dir)
         logs.mkdir(parents=True, exist_ok=True)
+        return logs
+
+    def _spawn(self, index: int, port: int, member: int = 0) -> _Proc:
+        logs = self._logs()
         name = f"shard-{index}" + (f"-m{member}" if self.replicas > 1 else "")
         ready = logs / f"{name}.ready"
         ready.unlink(missing_ok=True)
@@ -198,12 +208,12 @@ class LocalCluster:
         if self.tls not in (None, "tls", "mtls"):
             raise ValueError(f"tls must be None, 'tls' or 'mtls', got {self.tls!r}")
         if self.tls and self.certs is None:
-            home = self.data_dir or self.log_dir or tempfile.mkdtemp(prefix="shardps-")
+            home = self.data_dir or str(self._logs())
             hosts = sorted({self.host, "localhost", "127.0.0.1", *(p.host for p in self.placements)})
             self.certs = make_dev_certs(str(pathlib.Path(home) / "tls"), hosts=tuple(hosts))
         try:
             if self.replicas > 1 and self.etcd is None:
-                etcd_home = pathlib.Path(self.data_dir or self.log_dir or tempfile.mkdtemp(prefix="shardps-"))
+                etcd_home = pathlib.Path(self.data_dir) if self.data_dir else self._logs()
                 where = self.etcd_placement or self.placement(0)
                 self.local_etcd = LocalEtcd(str(etcd_home / "etcd"), host=where.host, prefix=where.prefix).start()
                 self.etcd = self.local_etcd.url
@@ -327,8 +337,18 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start() if not self.procs else self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def close(self, keep_logs: bool = False) -> list[int]:
+        """``stop``, then remove the temporary log directory this cluster made (none given), unless ``keep_logs``
+        (something failed: the logs are for the post-mortem); exit codes."""
+        codes = self.stop()
+        if self.made_log_dir and self.log_dir is not None and not keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        return codes
+
+    def __exit__(self, exc_type: Optional[type], *exc: object) -> None:
+        self.close(keep_logs=exc_type is not None)
+        if exc_type is not None and self.made_log_dir:
+            log.warning("local cluster failed (%s): its shard logs are kept in %s", exc_type.__name__, self.log_dir)
 
 
 def handle_request(cluster: LocalCluster, cluster_file: str) -> Optional[str]:
