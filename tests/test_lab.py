@@ -341,6 +341,30 @@ def test_nothing_is_left_behind(how, tmp_path):
     assert not [x for kind in found.values() for x in kind if lab_id in x], found
 
 
+def test_a_sweep_beside_another_process_s_capability_probe():
+    """One pytest worker's lab sweeps while another worker's ``why_unavailable`` holds its probe namespace for a
+    moment: the sweep leaves a live process's probe alone (it once failed on the name) and removes a dead one's."""
+    require_lab()
+    from tests.lab import sweep
+    from tests.lab.netns import PREFIX
+
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = [f"{PREFIX}probe-{live.pid}", f"{PREFIX}probe-{dead.pid}"]
+    try:
+        for n in names:
+            subprocess.run(["ip", "netns", "add", n], check=True, capture_output=True)
+        sweep()
+        left = os.listdir(NETNS_DIR)
+        assert names[0] in left and names[1] not in left, left
+    finally:
+        live.kill()
+        live.wait()
+        for n in names:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
 def _zombie_or_gone(pid: int) -> bool:
     try:
         return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"

@@ -20,10 +20,13 @@ pytestmark = pytest.mark.slow
 
 
 def _start_cluster(lab: Lab, shards: list[str], cluster_file: pathlib.Path, *extra: str):
-    """``shardps cluster`` on the control host, its shards on ``shards``; waits for its cluster file."""
+    """``shardps cluster`` on the control host, its shards on ``shards``, its logs beside ``cluster_file`` (the lab
+    stops it with the rest of its processes, before it could remove a directory of its own); waits for its cluster
+    file."""
     netns = [lab.host(h).netns for h in shards]
     proc = lab.spawn("ctl", [sys.executable, "-m", "shardps", "cluster", "--shards", str(len(shards)),
-                             "--netns", *netns, "--cluster-file", str(cluster_file), *extra], cwd=str(ROOT))
+                             "--netns", *netns, "--cluster-file", str(cluster_file),
+                             "--log-dir", str(cluster_file.parent / "logs"), *extra], cwd=str(ROOT))
     deadline = time.monotonic() + 90
     while not (cluster_file.exists() and "healthy" in proc.log()):
         assert proc.alive(), proc.log()

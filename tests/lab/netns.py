@@ -25,6 +25,7 @@ PREFIX = "shlab-"
 NETNS_DIR = pathlib.Path("/run/netns")
 CLONE_NEWNET = 0x40000000
 _LAB = re.compile(r"^shlab-(\d+)-(\d+)")
+_PROBE = re.compile(r"^shlab-probe-(\d+)$")  # ``why_unavailable``'s namespace, there for a moment
 
 
 class LabUnavailable(RuntimeError):
@@ -143,7 +144,11 @@ def _owner_alive(workdir: pathlib.Path, pid: int) -> bool:
 def leftovers(everything: bool = False) -> dict[str, list[str]]:
     """What labs left behind: {"netns": [...], "dirs": [...], "mounts": [...]} (of labs whose owner is gone; with
     ``everything``, of every lab, running or not)."""
-    names = [n for n in (os.listdir(NETNS_DIR) if NETNS_DIR.exists() else []) if n.startswith(PREFIX)]
+    listed = [n for n in (os.listdir(NETNS_DIR) if NETNS_DIR.exists() else []) if n.startswith(PREFIX)]
+    # Another process's capability probe may be there this moment (one pytest worker sweeps while another probes):
+    # left behind only when its process is gone.
+    probes = [n for n in listed if (m := _PROBE.match(n)) and (everything or start_time(int(m.group(1))) is None)]
+    names = [n for n in listed if _LAB.match(n)]
     dirs = [p for p in lab_root().glob(PREFIX + "*") if p.is_dir()]
     labs: set[str] = set()
     for n in names + [d.name for d in dirs]:
@@ -153,7 +158,7 @@ def leftovers(everything: bool = False) -> dict[str, list[str]]:
     dead = {lab for lab in labs
             if everything or not _owner_alive(lab_root() / lab, int(_LAB.match(lab).group(1)))}  # type: ignore[union-attr]
     mounts = [mp for mp in _mounts() if any(f"/{lab}/" in mp + "/" for lab in dead)]
-    return {"netns": [n for n in names if _LAB.match(n).group(0) in dead],  # type: ignore[union-attr]
+    return {"netns": [n for n in names if _LAB.match(n).group(0) in dead] + probes,  # type: ignore[union-attr]
             "dirs": [str(d) for d in dirs if _LAB.match(d.name) and _LAB.match(d.name).group(0) in dead],  # type: ignore[union-attr]
             "mounts": mounts}
 
