@@ -148,18 +148,13 @@ def leftovers(everything: bool = False) -> dict[str, list[str]]:
     # Another process's capability probe may be there this moment (one pytest worker sweeps while another probes):
     # left behind only when its process is gone.
     probes = [n for n in listed if (m := _PROBE.match(n)) and (everything or start_time(int(m.group(1))) is None)]
-    names = [n for n in listed if _LAB.match(n)]
-    dirs = [p for p in lab_root().glob(PREFIX + "*") if p.is_dir()]
-    labs: set[str] = set()
-    for n in names + [d.name for d in dirs]:
-        m = _LAB.match(n)
-        if m:
-            labs.add(m.group(0))
-    dead = {lab for lab in labs
-            if everything or not _owner_alive(lab_root() / lab, int(_LAB.match(lab).group(1)))}  # type: ignore[union-attr]
+    netns = {n: m.group(0) for n in listed if (m := _LAB.match(n))}  # each lab's namespace -> that lab
+    dirs = {str(p): m.group(0) for p in lab_root().glob(PREFIX + "*") if p.is_dir() and (m := _LAB.match(p.name))}
+    dead = {lab for lab in {*netns.values(), *dirs.values()}
+            if everything or not _owner_alive(lab_root() / lab, int(lab.split("-")[1]))}  # (shlab-<pid>-<n>)
     mounts = [mp for mp in _mounts() if any(f"/{lab}/" in mp + "/" for lab in dead)]
-    return {"netns": [n for n in names if _LAB.match(n).group(0) in dead] + probes,  # type: ignore[union-attr]
-            "dirs": [str(d) for d in dirs if _LAB.match(d.name) and _LAB.match(d.name).group(0) in dead],  # type: ignore[union-attr]
+    return {"netns": [n for n, lab in netns.items() if lab in dead] + probes,
+            "dirs": [d for d, lab in dirs.items() if lab in dead],
             "mounts": mounts}
 
 
