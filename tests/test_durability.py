@@ -136,6 +136,41 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog, dura
     assert Shard(config).last_checkpoint == "first"
 
 
+def test_checkpoints_carry_a_crc32c_and_those_written_with_a_sha256_before_it_still_restore(tmp_path, caplog):
+    """A checkpoint file ends in the CRC-32C of everything before it (google_crc32c, computed here on the file's
+    bytes). The same file in the format written before (b"SHARDPS1", a SHA-256 of everything before it, made here
+    with hashlib) restores the same state; damaged, it is skipped as any damaged checkpoint is."""
+    import hashlib
+    import struct
+
+    import google_crc32c
+
+    config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="checkpoint")
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        _counter_table(c)
+        c.push("cnt", torch.arange(64), torch.ones(64, 4))
+        c.checkpoint("first")
+        c.push("cnt", torch.arange(32), torch.ones(32, 4))
+        c.checkpoint("second")
+        server.stop(checkpoint=False)
+    first, second = sorted(tmp_path.glob("*.ckpt"))
+    expected = np.full((64, 4), -1.0, np.float32)
+    expected[:32] = -2.0
+    for f in (first, second):
+        data = f.read_bytes()
+        assert data[:8] == b"SHARDPS2" and struct.unpack("<I", data[-4:])[0] == google_crc32c.value(data[:-4])
+        body = b"SHARDPS1" + data[8:-4]
+        f.write_bytes(body + hashlib.sha256(body).digest())
+    shard = Shard(config)
+    assert shard.last_checkpoint == "second" and shard.version == 2
+    np.testing.assert_array_equal(shard.pull("cnt", np.arange(64))[0], expected)
+    old = second.read_bytes()
+    second.write_bytes(old[:-40] + bytes([old[-40] ^ 1]) + old[-39:])  # one bit of the old format's body
+    shard = Shard(config)
+    assert shard.last_checkpoint == "first" and "checksum mismatch" in caplog.text
+    np.testing.assert_array_equal(shard.pull("cnt", np.arange(64))[0], np.full((64, 4), -1.0, np.float32))
+
+
 def test_checkpoint_of_another_shard_map_is_refused(tmp_path):
     Shard(ShardConfig(0, 2, data_dir=str(tmp_path))).checkpoint("x")
     with pytest.raises(ShardMapMismatch, match="belongs to shard 0 of 2, but this shard is 0 of 3"):

@@ -376,9 +376,9 @@ class SegmentStore:
         crc = 0
         with open(dst / INDEX_FILE, "wb") as f:
             for arr in (self.index.ids, self.loc[:n]):
-                data = memoryview(np.ascontiguousarray(arr)).cast("B")  # type: ignore[arg-type]
+                data = np.ascontiguousarray(arr).view(np.uint8)
                 f.write(data)
-                crc = google_crc32c.extend(crc, bytes(data))
+                crc = google_crc32c.extend(crc, data)
         return {"rows": n, "index_crc": crc, "record_bytes": self.record.itemsize, "per_segment": self.per_segment,
                 "segments": {str(s.number): [s.count, s.crc] for s in self.segments.values()}}
 
@@ -410,7 +410,7 @@ class SegmentStore:
                 raw = np.fromfile(src / INDEX_FILE, np.uint8)
             except OSError as e:
                 raise SegmentError(f"{src / INDEX_FILE}: {e}") from e
-            if raw.nbytes != 16 * n or google_crc32c.value(raw.tobytes()) != manifest["index_crc"]:
+            if raw.nbytes != 16 * n or google_crc32c.value(raw) != manifest["index_crc"]:
                 raise SegmentError(f"{src / INDEX_FILE}: damaged or truncated")
             ids, locs = raw[:8 * n].view(np.int64), raw[8 * n:].view(np.int64)
             store.index = HashIndex(max(16, n), probe_rows=max(16, n))
