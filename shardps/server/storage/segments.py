@@ -377,7 +377,7 @@ class SegmentStore:
         with open(dst / INDEX_FILE, "wb") as f:
             for arr in (self.index.ids, self.loc[:n]):
                 data = np.ascontiguousarray(arr).view(np.uint8)
-                f.write(data)
+                f.write(data.data)
                 crc = google_crc32c.extend(crc, data)
         return {"rows": n, "index_crc": crc, "record_bytes": self.record.itemsize, "per_segment": self.per_segment,
                 "segments": {str(s.number): [s.count, s.crc] for s in self.segments.values()}}

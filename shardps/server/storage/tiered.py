@@ -413,7 +413,7 @@ def write_spill(directory: pathlib.Path, key: str, table: str, layout: dict[str,
     with open(path.with_suffix(".bin"), "wb") as f:
         for name, arr in arrays:
             data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            f.write(data)
+            f.write(data.data)
             crc = google_crc32c.extend(crc, data)  # (an array is checksummed where it lies)
             entries.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset})
             offset += data.nbytes
