@@ -138,7 +138,7 @@ def records_crc(seg: Segment) -> int:
     """The CRC-32C of the records of ``seg``, read ``COPY_CHUNK`` records at a time."""
     crc = 0
     for lo in range(0, seg.count, COPY_CHUNK):
-        crc = google_crc32c.extend(crc, seg.view[lo:min(seg.count, lo + COPY_CHUNK)].tobytes())
+        crc = google_crc32c.extend(crc, seg.view[lo:min(seg.count, lo + COPY_CHUNK)].view(np.uint8))
         seg.drop_pages()
     return crc
 
