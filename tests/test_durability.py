@@ -32,6 +32,18 @@ def _counter_table(c: Client, name: str = "cnt", rows: int = 64) -> None:
     c.create_table(name, dim=4, num_embeddings=rows, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
 
 
+def _two_checkpoints(config: ShardConfig, second: int = 64) -> None:
+    """A counter table through a shard of ``config``: 64 rows pushed, checkpoint "first", the first ``second`` rows
+    pushed again, checkpoint "second"; then the shard stops without another."""
+    with ShardServer(config).start() as server, Client([server.address]) as c:
+        _counter_table(c)
+        c.push("cnt", torch.arange(64), torch.ones(64, 4))
+        c.checkpoint("first")
+        c.push("cnt", torch.arange(second), torch.ones(second, 4))
+        c.checkpoint("second")
+        server.stop(checkpoint=False)
+
+
 def test_kill9_returns_to_last_checkpoint(tmp_path):
     shard = start_shard(0, 1, tmp_path, str(tmp_path / "d"), extra=["--durability", "checkpoint"])
     try:
@@ -113,13 +125,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path, caplog, dura
     """With checkpoints only, the previous checkpoint is what is left; with the log (the default), the records
     since the previous checkpoint are kept too and replayed on top of it: nothing is lost."""
     config = ShardConfig(0, 1, data_dir=str(tmp_path), durability=durability)
-    with ShardServer(config).start() as server, Client([server.address]) as c:
-        _counter_table(c)
-        c.push("cnt", torch.arange(64), torch.ones(64, 4))
-        c.checkpoint("first")
-        c.push("cnt", torch.arange(64), torch.ones(64, 4))
-        c.checkpoint("second")
-        server.stop(checkpoint=False)
+    _two_checkpoints(config)
     files = sorted(tmp_path.glob("*.ckpt"))
     assert [f.name.split("-", 2)[2] for f in files] == ["first.ckpt", "second.ckpt"]
     newest = files[-1]
@@ -146,13 +152,7 @@ def test_checkpoints_carry_a_crc32c_and_those_written_with_a_sha256_before_it_st
     import google_crc32c
 
     config = ShardConfig(0, 1, data_dir=str(tmp_path), durability="checkpoint")
-    with ShardServer(config).start() as server, Client([server.address]) as c:
-        _counter_table(c)
-        c.push("cnt", torch.arange(64), torch.ones(64, 4))
-        c.checkpoint("first")
-        c.push("cnt", torch.arange(32), torch.ones(32, 4))
-        c.checkpoint("second")
-        server.stop(checkpoint=False)
+    _two_checkpoints(config, second=32)
     first, second = sorted(tmp_path.glob("*.ckpt"))
     expected = np.full((64, 4), -1.0, np.float32)
     expected[:32] = -2.0
