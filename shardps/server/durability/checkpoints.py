@@ -29,7 +29,7 @@ from typing import Any, Iterator, Union
 import google_crc32c
 import numpy as np
 
-from shardps.core.files import fsync_dir
+from shardps.core.files import ChecksummedWriter, fsync_dir
 from shardps.core.specs import DenseSpec, TableSpec, spec_from_b64, spec_to_b64
 
 log = logging.getLogger(__name__)
@@ -64,19 +64,6 @@ def spec_of(entry: dict[str, Any]) -> Union[TableSpec, DenseSpec]:
     return spec_from_b64(entry["spec"], entry["dense"])
 
 
-class _ChecksummingWriter:
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.crc = 0
-        self.pos = 0
-
-    def write(self, data: bytes | np.ndarray) -> None:
-        """Write ``data`` (bytes, or a contiguous array: checksummed where it lies, no copy)."""
-        self.f.write(data)
-        self.crc = google_crc32c.extend(self.crc, data)
-        self.pos += data.nbytes if isinstance(data, np.ndarray) else len(data)
-
-
 def write(path: pathlib.Path, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
     """Write a checkpoint atomically to ``path``; returns its size in bytes."""
     entries = []
@@ -88,16 +75,14 @@ def write(path: pathlib.Path, meta: dict[str, Any], arrays: dict[str, np.ndarray
     header = json.dumps({"meta": meta, "arrays": entries}).encode()
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        w = _ChecksummingWriter(f)
+        w = ChecksummedWriter(f)
         w.write(MAGIC)
         w.write(struct.pack("<Q", len(header)))
         w.write(header)
         w.write(b"\0" * (-w.pos % _ALIGN))
         for arr in arrays.values():
-            data = np.ascontiguousarray(arr)
-            if data.nbytes:
-                w.write(data.reshape(-1).view(np.uint8))
-            w.write(b"\0" * (-data.nbytes % _ALIGN))
+            w.write(arr)
+            w.write(b"\0" * (-arr.nbytes % _ALIGN))
         f.write(struct.pack("<I", w.crc))
         f.flush()
         os.fsync(f.fileno())

@@ -33,6 +33,7 @@ import google_crc32c
 import numpy as np
 
 from shardps.core import kernels
+from shardps.core.files import ChecksummedWriter
 from shardps.core.memory import grown, zeros
 from shardps.core.routing import slot_of_ids
 from shardps.server.storage.index import HashIndex
@@ -373,13 +374,11 @@ class SegmentStore:
             seg.seal()
             _link(seg.path, dst / seg.path.name)
         n = len(self.index)
-        crc = 0
         with open(dst / INDEX_FILE, "wb") as f:
+            w = ChecksummedWriter(f)
             for arr in (self.index.ids, self.loc[:n]):
-                data = np.ascontiguousarray(arr).view(np.uint8)
-                f.write(data.data)
-                crc = google_crc32c.extend(crc, data)
-        return {"rows": n, "index_crc": crc, "record_bytes": self.record.itemsize, "per_segment": self.per_segment,
+                w.write(arr)
+        return {"rows": n, "index_crc": w.crc, "record_bytes": self.record.itemsize, "per_segment": self.per_segment,
                 "segments": {str(s.number): [s.count, s.crc] for s in self.segments.values()}}
 
     @classmethod

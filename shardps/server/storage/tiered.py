@@ -27,6 +27,7 @@ import google_crc32c
 import numpy as np
 
 from shardps.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from shardps.core.files import ChecksummedWriter
 from shardps.core.ids import is_sorted_unique
 from shardps.core.policies import DiskTier, Eviction
 from shardps.core.specs import Initializer, TableSpec
@@ -409,15 +410,13 @@ def write_spill(directory: pathlib.Path, key: str, table: str, layout: dict[str,
     """Write the hot rows of the table stored as ``key`` (``arrays``: ids, rows, steps, state.*, meta.*, one entry per
     row) into ``directory``: their bytes, then a header with their layout and CRC-32C; the header's path."""
     path = directory / spill_name(key)
-    entries, offset, crc = [], 0, 0
+    entries = []
     with open(path.with_suffix(".bin"), "wb") as f:
+        w = ChecksummedWriter(f)
         for name, arr in arrays:
-            data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            f.write(data.data)
-            crc = google_crc32c.extend(crc, data)  # (an array is checksummed where it lies)
-            entries.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset})
-            offset += data.nbytes
-    path.write_text(json.dumps({"table": table, "rows": arrays[0][1].shape[0], "disk_rows": disk_rows, "crc32c": crc,
+            entries.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape), "offset": w.pos})
+            w.write(arr)
+    path.write_text(json.dumps({"table": table, "rows": arrays[0][1].shape[0], "disk_rows": disk_rows, "crc32c": w.crc,
                                 "layout": layout, "arrays": entries}))
     return path
 
