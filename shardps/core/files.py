@@ -1,4 +1,4 @@
-"""File-system helpers shared by checkpoints (shards) and exports (shards, clients, tools)."""
+"""File-system helpers shared by checkpoints, exports and the disk tier (shards, clients, tools)."""
 
 from __future__ import annotations
 
