@@ -13,7 +13,7 @@ checks, against the shards reached from this host over the project's own Compose
 - ``stop`` then ``start``: SIGTERM writes the final checkpoint and every shard comes back with the
   same version, rows and dense tensors.
 
-Runs in CI (``.ci/run`` installs docker.io, docker-compose and debootstrap) and by ``make docker-test``.
+Runs in CI (``.ci/run`` installs docker.io, docker-compose, mmdebstrap and debootstrap) and by ``make docker-test``.
 Skips, printing why, where no engine can be used or started (``SHARDPS_DOCKER_TEST=require`` turns
 that into a failure; ``=0`` skips it). Everything it starts (containers, networks, volumes, and the
 engine when it started one) is removed at the end.
@@ -80,7 +80,7 @@ def docker_env(tmp_path_factory):
 
 def _base_image(env: dict[str, str]) -> str:
     """python:3.11-slim where it is here or can be pulled; else shardps-base:bookworm, built by
-    docker/make_base.sh from a debootstrap root filesystem (reused when the engine already has it)."""
+    docker/make_base.sh from a Debian root filesystem (reused when the engine already has it)."""
     if os.environ.get("SHARDPS_BASE_IMAGE"):
         return os.environ["SHARDPS_BASE_IMAGE"]
     for image in ("python:3.11-slim", "shardps-base:bookworm"):
@@ -88,8 +88,9 @@ def _base_image(env: dict[str, str]) -> str:
             return image
     if _run(["docker", "pull", "python:3.11-slim"], env, 300, check=False).returncode == 0:
         return "python:3.11-slim"
-    if shutil.which("debootstrap") is None and not os.path.exists("/usr/sbin/debootstrap"):
-        _skip_or_fail("python:3.11-slim cannot be pulled and debootstrap is not installed (apt-get install debootstrap)")
+    if not (shutil.which("mmdebstrap") or shutil.which("debootstrap") or os.path.exists("/usr/sbin/debootstrap")):
+        _skip_or_fail("python:3.11-slim cannot be pulled and neither mmdebstrap nor debootstrap is installed "
+                      "(apt-get install mmdebstrap)")
     _run(["sh", str(DOCKER / "make_base.sh"), "shardps-base:bookworm"], env, 600)
     return "shardps-base:bookworm"
 
@@ -171,7 +172,7 @@ def _auc(logs: str, label: str) -> float:
 def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(docker_env):
     t_start = time.monotonic()
     env = docker_env
-    # The wheelhouse fills (pip, mostly waiting on the registry) while the base image is built (debootstrap).
+    # The wheelhouse fills (pip, mostly waiting on the registry) while the base image is built (mmdebstrap).
     # (Its output goes to a file: a pipe nobody reads until the base is built could fill and stall it.)
     wheels_log = tempfile.TemporaryFile("w+")
     wheels = subprocess.Popen(["sh", str(DOCKER / "wheelhouse.sh")], env={**env, "PYTHON": sys.executable},
