@@ -113,6 +113,37 @@ def test_arrays_on_pages_of_their_own_behave_as_numpy_arrays():
     assert zeros(10, np.int64).tolist() == [0] * 10  # small: numpy's own allocation
 
 
+def test_regrow_moves_a_mapping_only_held_by_its_owner_and_copies_one_that_a_reader_holds():
+    from types import SimpleNamespace
+
+    from shardps.core.memory import _own_mapping, regrow, zeros
+
+    owner = SimpleNamespace(rows=zeros((70_000, 4), np.float32))
+    owner.rows[[0, 123, 69_999]] = [[1.0], [7.0], [9.0]]
+    pages = _own_mapping(owner.rows)
+    regrow(owner, "rows", 200_000)  # sole holder: the kernel enlarges the mapping where it lies
+    assert _own_mapping(owner.rows) is pages and len(pages) == 200_000 * 16
+    assert owner.rows.shape == (200_000, 4) and owner.rows.flags.writeable
+    assert owner.rows[[0, 123, 69_999], 0].tolist() == [1.0, 7.0, 9.0] and not owner.rows[70_000:].any()
+    assert owner.rows.sum() == 4 * 17.0
+    owner.rows[199_999] = 5.0  # the new rows are writable memory
+
+    reader = owner.rows[:10]  # a reader's view: the mapping must not move under it
+    regrow(owner, "rows", 300_000)
+    assert _own_mapping(owner.rows) is not pages and len(pages) == 200_000 * 16
+    assert not np.shares_memory(reader, owner.rows) and reader[0].tolist() == [1.0] * 4
+    owner.rows[0] = 2.0
+    assert reader[0].tolist() == [1.0] * 4 and owner.rows[0].tolist() == [2.0] * 4  # a copy: the view kept its rows
+    assert owner.rows[199_999].tolist() == [5.0] * 4 and not owner.rows[200_000:].any()
+
+    arrays = {"acc": zeros((70_000, 4), np.float32), "small": np.arange(5, dtype=np.int64)}
+    arrays["acc"][3] = 2.5
+    regrow(arrays, "acc", 90_000)  # held by a dict
+    regrow(arrays, "small", 8)  # numpy's own allocation: a copy
+    assert arrays["acc"].shape == (90_000, 4) and arrays["acc"][3].tolist() == [2.5] * 4
+    assert arrays["small"].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 1000])
 def test_unique_ids_is_np_unique(n):
     from shardps.core.ids import unique_ids

@@ -26,7 +26,7 @@ import numpy as np
 
 from shardps.core import kernels
 from shardps.core.ids import is_sorted_unique
-from shardps.core.memory import full, grown, zeros
+from shardps.core.memory import full, regrow, zeros
 from shardps.core.routing import mix64
 
 _INDEX_SEED = np.uint64(0x1D3A5EED00000002)
@@ -54,7 +54,7 @@ class _SlotIds:
                 k and not (values[0] == self._count and values[-1] == self._count + k - 1 and is_sorted_unique(values))):
             raise ValueError(f"slots are assigned in insertion order: expected {self._count}.., got {values[:3]}..")
         if self._count + k > self._ids.shape[0]:
-            self._ids = grown(self._ids, max(self._count + k, self._ids.shape[0] * 3 // 2))
+            regrow(self, "_ids", max(self._count + k, self._ids.shape[0] * 3 // 2))
         self._ids[self._count : self._count + k] = ids
         self._count += k
 

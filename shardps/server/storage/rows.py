@@ -12,7 +12,7 @@ import numpy as np
 
 from shardps.core import kernels
 from shardps.core.errors import ResourceExhausted
-from shardps.core.memory import grown, release_pages, zeros
+from shardps.core.memory import regrow, release_pages, zeros
 from shardps.server.storage.budget import MemoryBudget
 from shardps.server.storage.index import DirectIndex, HashIndex
 
@@ -112,11 +112,14 @@ class RowStore:
         if need <= cap:
             return
         new_cap = max(need, min(cap + cap // 2, self.max_rows))
-        self.rows = grown(self.rows, new_cap)
-        self.meta = grown(self.meta, new_cap)
+        # In place where nothing else holds them (memory.regrow); meta's field views are dropped first.
+        self.steps = self.last_version = self.last_time = self.touches = None  # type: ignore[assignment]
+        regrow(self, "rows", new_cap)
+        regrow(self, "meta", new_cap)
         self._meta_fields()
-        self.state = {k: grown(v, new_cap) for k, v in self.state.items()}
-        self.extra = {k: grown(v, new_cap) for k, v in self.extra.items()}
+        for arrays in (self.state, self.extra):
+            for k in arrays:
+                regrow(arrays, k, new_cap)
 
     def per_row(self) -> list[np.ndarray]:
         """Every array indexed by slot, besides the index (``meta``'s records as rows of three int64 words)."""
