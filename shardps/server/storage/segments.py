@@ -34,7 +34,7 @@ import numpy as np
 
 from shardps.core import kernels
 from shardps.core.files import ChecksummedWriter
-from shardps.core.memory import grown, zeros
+from shardps.core.memory import grown, regrow, zeros
 from shardps.core.routing import slot_of_ids
 from shardps.server.storage.index import HashIndex
 from shardps.server.storage.records import RecordCodec
@@ -297,7 +297,9 @@ class SegmentStore:
         if new.size:
             count = len(self.index)
             if count + new.size > self.loc.shape[0]:
-                self.loc = grown(self.loc[:count], max(count + new.size, self.loc.shape[0] * 3 // 2))
+                # In place where nothing else holds it (memory.regrow): a copy would hold old and new at once.
+                self.loc[count:] = 0
+                regrow(self, "loc", max(count + new.size, self.loc.shape[0] * 3 // 2))
             self.index.insert(ids[new], np.arange(count, count + new.size, dtype=np.int64))
             self.loc[count:count + new.size] = locs[new]
 
