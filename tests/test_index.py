@@ -144,6 +144,24 @@ def test_regrow_moves_a_mapping_only_held_by_its_owner_and_copies_one_that_a_rea
     assert arrays["small"].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
 
 
+def test_a_regrow_that_runs_out_of_memory_leaves_the_holder_its_rows(monkeypatch):
+    from types import SimpleNamespace
+
+    from shardps.core import memory
+
+    owner = SimpleNamespace(rows=memory.zeros((70_000, 4), np.float32))
+    owner.rows[7] = 3.0
+    reader = owner.rows[:1]  # forces the copy, which fails
+
+    def no_memory(arr, cap):
+        raise MemoryError("no room for the copy")
+
+    monkeypatch.setattr(memory, "grown", no_memory)
+    with pytest.raises(MemoryError):
+        memory.regrow(owner, "rows", 100_000)
+    assert owner.rows.shape == (70_000, 4) and owner.rows[7].tolist() == [3.0] * 4 and reader.shape == (1, 4)
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 1000])
 def test_unique_ids_is_np_unique(n):
     from shardps.core.ids import unique_ids

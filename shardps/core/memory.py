@@ -163,11 +163,18 @@ def regrow(holder: Union[MutableMapping[str, Any], Any], key: str, cap: int) -> 
             setattr(holder, key, None)
         del arr
         try:
-            pages.resize(cap * row_items * dt.itemsize)
-            new = np.frombuffer(pages, dtype=dt, count=cap * row_items).reshape((cap,) + rest)
-        except (BufferError, OSError, SystemError, ValueError, TypeError):  # held elsewhere, or no mremap
-            old = np.frombuffer(pages, dtype=dt, count=n * row_items).reshape((n,) + rest)
-            new = grown(old, cap)
+            try:
+                pages.resize(cap * row_items * dt.itemsize)
+                new = np.frombuffer(pages, dtype=dt, count=cap * row_items).reshape((cap,) + rest)
+            except (BufferError, OSError, SystemError, ValueError, TypeError):  # held elsewhere, or no mremap
+                new = grown(np.frombuffer(pages, dtype=dt, count=n * row_items).reshape((n,) + rest), cap)
+        except BaseException:  # (out of memory): the holder keeps its rows as they were
+            new = np.frombuffer(pages, dtype=dt, count=n * row_items).reshape((n,) + rest)
+            if mapping:
+                holder[key] = new
+            else:
+                setattr(holder, key, new)
+            raise
     if mapping:
         holder[key] = new
     else:
