@@ -1,5 +1,7 @@
 """One contract, checked for every index implementation against a dict; tables reloaded from snapshots."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -142,6 +144,40 @@ def test_regrow_moves_a_mapping_only_held_by_its_owner_and_copies_one_that_a_rea
     regrow(arrays, "small", 8)  # numpy's own allocation: a copy
     assert arrays["acc"].shape == (90_000, 4) and arrays["acc"][3].tolist() == [2.5] * 4
     assert arrays["small"].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+
+
+def _vm_flags(arr: np.ndarray) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds ``arr``'s first byte (/proc/self/smaps)."""
+    addr, flags, inside = arr.ctypes.data, None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    assert flags is not None, "no mapping holds the array"
+    return flags
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
+def test_large_arrays_ask_for_huge_pages_and_keep_asking_when_grown_in_place(monkeypatch):
+    from types import SimpleNamespace
+
+    from shardps.core import memory
+
+    small = memory.zeros((50_000, 64), np.float32)  # 12.2 MiB: 4 KiB pages
+    big = SimpleNamespace(rows=memory.zeros((70_000, 64), np.float32))  # 17 MiB
+    assert "hg" not in _vm_flags(small) and "hg" in _vm_flags(big.rows)
+    memory.regrow(big, "rows", 200_000)
+    assert "hg" in _vm_flags(big.rows)
+    grown_past = SimpleNamespace(rows=small)
+    del small
+    memory.regrow(grown_past, "rows", 100_000)  # 24 MiB now: asks once it is large enough
+    assert "hg" in _vm_flags(grown_past.rows)
+    monkeypatch.setattr(memory, "_HUGE", False)  # SHARDPS_HUGEPAGES=0
+    assert "hg" not in _vm_flags(memory.zeros((70_000, 64), np.float32))
 
 
 def test_a_regrow_that_runs_out_of_memory_leaves_the_holder_its_rows(monkeypatch):

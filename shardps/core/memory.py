@@ -6,6 +6,7 @@ or reply costs hundreds of page faults when its buffers are touched. Measured
 on a 2-core machine: a 4,400-row pull went from 5.7 ms to 2.2 ms with the
 threshold at 32 MiB (glibc's maximum) and trimming at 16 MiB (so freed
 temporaries do not pile up). Set SHARDPS_TUNE_MALLOC=0 to leave malloc alone.
+Mappings of 16 MiB and up ask for transparent huge pages (``SHARDPS_HUGEPAGES=0``: not).
 
 ``zeros`` / ``full`` / ``grown`` / ``regrow``: a shard's long-lived arrays (rows, optimizer
 state, ids, index) get pages of their own from ``mmap`` instead of the heap.
@@ -90,7 +91,25 @@ def zeros(shape: Union[int, tuple[int, ...]], dtype: Any) -> np.ndarray:
     if nbytes < _OWN_PAGES or not _CAN_MAP:
         return np.zeros(dims, dtype=dt)
     pages = mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)
+    _huge(pages)
     return np.frombuffer(pages, dtype=dt, count=nbytes // dt.itemsize).reshape(dims)
+
+
+_HUGE_FROM = 16 << 20  # mappings from this size up ask for transparent huge pages
+_HUGE = os.environ.get("SHARDPS_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def _huge(pages: mmap.mmap) -> None:
+    """Ask for transparent huge pages (2 MiB) on a large mapping: a pull's rows and a push's optimizer steps land on
+    random rows of a large table, and each row on a page of its own missed the TLB (measured in
+    ``docs/performance.md``). Pages are still made only when written, so the rows a table has not reached cost
+    nothing; at most the last 2 MiB an array has reached is not yet all used. ``SHARDPS_HUGEPAGES=0`` leaves the
+    kernel's default (where transparent huge pages are ``madvise``-only, as on Debian, that is 4 KiB pages)."""
+    if _HUGE and len(pages) >= _HUGE_FROM:
+        try:
+            pages.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages
+            pass
 
 
 _MADVISE = getattr(_LIBC, "madvise", None)
@@ -165,6 +184,7 @@ def regrow(holder: Union[MutableMapping[str, Any], Any], key: str, cap: int) -> 
         try:
             try:
                 pages.resize(cap * row_items * dt.itemsize)
+                _huge(pages)
                 new = np.frombuffer(pages, dtype=dt, count=cap * row_items).reshape((cap,) + rest)
             except (BufferError, OSError, SystemError, ValueError, TypeError):  # held elsewhere, or no mremap
                 new = grown(np.frombuffer(pages, dtype=dt, count=n * row_items).reshape((n,) + rest), cap)

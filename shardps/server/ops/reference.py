@@ -42,6 +42,11 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
          "`0` leaves glibc's malloc settings alone; otherwise M_MMAP_THRESHOLD is raised to 32 MiB and "
          "M_TRIM_THRESHOLD set to 16 MiB at start, so message-sized buffers stay in the heap "
          "(see [performance](performance.md#performance-notes))"),
+        ("SHARDPS_HUGEPAGES", "`shardps serve` (`shardps.core.memory.zeros`)",
+         "`0` leaves a shard's large arrays (tables' rows, optimizer state and ids of 16 MiB and up) on the "
+         "kernel's default pages; otherwise (the default) they ask for transparent huge pages (`MADV_HUGEPAGE`): "
+         "a pull and a push on a 1 GB table took 11-25% less CPU a row (see "
+         "[performance](performance.md#performance-notes))"),
         ("SHARDPS_DATA_REGIONS", "`Client` (`shardps_client.data_plane`)",
          "`0`: the client asks its shards for no shared-memory regions (its data goes through the Unix socket); "
          "otherwise (the default) a connection over a shard's Unix socket without TLS asks for one: a pull's answer "
