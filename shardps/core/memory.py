@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -155,7 +156,7 @@ def _own_mapping(arr: np.ndarray) -> Optional[mmap.mmap]:
     if not (isinstance(base, memoryview) and isinstance(base.obj, mmap.mmap)):
         return None
     pages = base.obj
-    return pages if arr.flags.c_contiguous and arr.nbytes == len(pages) and arr.base is not None else None
+    return pages if arr.flags.c_contiguous and arr.nbytes == len(pages) else None
 
 
 def regrow(holder: Union[MutableMapping[str, Any], Any], key: str, cap: int) -> None:
@@ -168,34 +169,29 @@ def regrow(holder: Union[MutableMapping[str, Any], Any], key: str, cap: int) -> 
     Measured on row creation (a 64-float table grown from 64K to 424K rows by Zipf batches): growing took a third
     of a created row's CPU as a copy (0.25 s of 0.75), mostly the copy's page faults."""
     mapping = isinstance(holder, MutableMapping)
+    put = holder.__setitem__ if mapping else functools.partial(setattr, holder)
     arr = holder[key] if mapping else getattr(holder, key)
     pages = _own_mapping(arr)
     if pages is None or cap <= arr.shape[0]:
-        new = grown(arr, cap)
-    else:
-        rest, dt, n = arr.shape[1:], arr.dtype, arr.shape[0]
-        row_items = int(np.prod(rest, dtype=np.int64))
-        # Drop every reference this call and ``holder`` have; the mapping can move only if none is left.
-        if mapping:
-            holder[key] = None
-        else:
-            setattr(holder, key, None)
-        del arr
+        put(key, grown(arr, cap))
+        return
+    n, rest, dt = arr.shape[0], arr.shape[1:], arr.dtype
+    row_items = int(np.prod(rest, dtype=np.int64))
+
+    def rows(count: int) -> np.ndarray:
+        return np.frombuffer(pages, dtype=dt, count=count * row_items).reshape((count,) + rest)
+
+    # Drop every reference this call and ``holder`` have; the mapping can move only if none is left.
+    put(key, None)
+    del arr
+    try:
         try:
-            try:
-                pages.resize(cap * row_items * dt.itemsize)
-                _huge(pages)
-                new = np.frombuffer(pages, dtype=dt, count=cap * row_items).reshape((cap,) + rest)
-            except (BufferError, OSError, SystemError, ValueError, TypeError):  # held elsewhere, or no mremap
-                new = grown(np.frombuffer(pages, dtype=dt, count=n * row_items).reshape((n,) + rest), cap)
-        except BaseException:  # (out of memory): the holder keeps its rows as they were
-            new = np.frombuffer(pages, dtype=dt, count=n * row_items).reshape((n,) + rest)
-            if mapping:
-                holder[key] = new
-            else:
-                setattr(holder, key, new)
-            raise
-    if mapping:
-        holder[key] = new
-    else:
-        setattr(holder, key, new)
+            pages.resize(cap * row_items * dt.itemsize)
+            _huge(pages)
+            new = rows(cap)
+        except (BufferError, OSError, SystemError, ValueError, TypeError):  # held elsewhere, or no mremap
+            new = grown(rows(n), cap)
+    except BaseException:  # (out of memory): the holder keeps its rows as they were
+        put(key, rows(n))
+        raise
+    put(key, new)
