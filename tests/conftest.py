@@ -13,14 +13,25 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import contextlib  # noqa: E402
+import json
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 from shardps_client import Client
 
 from shardps.server.rpc import ServerConfig, ShardServer
 from shardps.server.shard.facade import ShardConfig
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Tests' own breakdowns of their time (``record_property("timings", {...})``, the container test's steps),
+    printed at the end of the run, so that a slow CI run says where its time went."""
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            for name, value in getattr(rep, "user_properties", ()):
+                if name == "timings" and getattr(rep, "when", "") == "call":
+                    terminalreporter.write_line(f"timings of {rep.nodeid}: {json.dumps(value)}")
 
 
 def pytest_collection_modifyitems(items: list) -> None:

@@ -169,7 +169,7 @@ def _auc(logs: str, label: str) -> float:
 
 
 @pytest.mark.timeout(1500)
-def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(docker_env):
+def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(docker_env, record_property):
     t_start = time.monotonic()
     env = docker_env
     # The wheelhouse fills (pip, mostly waiting on the registry) while the base image is built (mmdebstrap).
@@ -358,6 +358,7 @@ def test_compose_deployment_trains_survives_a_crash_and_restarts_with_its_state(
         report["total_s"] = round(time.monotonic() - t_start, 1)
     finally:
         print("\ncontainer test:", json.dumps(report))
+        record_property("timings", report)  # printed at the end of the run (conftest): where a slow run's time went
         dep.down()
 
 
