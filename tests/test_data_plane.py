@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import threading
 import time
@@ -24,7 +23,7 @@ from shardps.core import codec, protocol
 from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
 from shardps.server.ops import certs
 from shardps.v1 import shardps_pb2 as pb
-from tests.procs import start_shard
+from tests.procs import freeze, start_shard
 
 TOKEN = "t" * 24 + "-trainer"
 
@@ -463,7 +462,7 @@ def test_each_lost_connection_gets_its_own_retry_window(tmp_path):
             for k in range(2):
                 if k:
                     time.sleep(12.5)  # used past retry_timeout since the first loss
-                shard.proc.send_signal(signal.SIGSTOP)  # a push in flight when the shard goes
+                freeze(shard.proc.pid)  # a push in flight when the shard goes
                 c.push("t", torch.arange(4), torch.ones(4, 2))
                 port = shard.address.rsplit(":", 1)[1]
                 shard.kill()

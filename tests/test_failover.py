@@ -41,7 +41,7 @@ from shardps.server.replica.member import ReplicaConfig
 from shardps.server.rpc import ServerConfig, ShardServer
 from shardps.server.shard.facade import ShardConfig
 from shardps.v1 import shardps_pb2 as pb
-from tests.procs import start_shard
+from tests.procs import freeze, start_shard
 
 
 def _member(tmp_path, etcd, m: int, group: int = 3) -> ShardServer:
@@ -286,7 +286,7 @@ def test_training_goes_on_while_the_old_primary_is_still_frozen(tmp_path, etcd, 
         with Client([g.addresses], timeout=60, retry_timeout=60, data_plane=data_plane) as c:
             c.create_table("t", num_embeddings=1000, dim=2, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
             c.push("t", torch.arange(10), -torch.ones(10, 2), wait=True)
-            os.kill(g.procs[old].proc.pid, signal.SIGSTOP)
+            freeze(g.procs[old].proc.pid)
             t0 = time.monotonic()
             for _ in range(5):
                 c.push("t", torch.arange(10), -torch.ones(10, 2), wait=True)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from shardps_client import Adam, Client
 
 from shardps.core.specs import Initializer
-from tests.procs import start_shard
+from tests.procs import freeze, start_shard
 
 
 def test_cli_cluster_trains_and_survives_sigterm_restart(tmp_path):
@@ -197,3 +202,37 @@ def test_a_local_cluster_removes_the_log_directory_it_made_and_keeps_it_when_it_
     with launcher.LocalCluster(1, log_dir=str(given)):
         pass
     assert (given / "shard-0.log").exists()
+
+
+def test_freeze_returns_once_no_thread_of_the_process_runs(tmp_path):
+    """``tests.procs.freeze``, the tests' SIGSTOP: when it returns, no thread of the process runs (a counter four
+    threads advance stays put) until SIGCONT; a SIGSTOP alone left the other threads running for a moment."""
+    counter = tmp_path / "counter"
+    counter.write_bytes(bytes(8))
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys, threading, time\n"
+        "f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 8)\n"
+        "def spin():\n"
+        "    while True:\n"
+        "        m[:8] = (int.from_bytes(m[:8], 'little') + 1).to_bytes(8, 'little')\n"
+        "for _ in range(4): threading.Thread(target=spin, daemon=True).start()\n"
+        "time.sleep(120)\n"), str(counter)])
+    try:
+        deadline = time.monotonic() + 60
+        while int.from_bytes(counter.read_bytes(), "little") < 1000:
+            assert time.monotonic() < deadline and child.poll() is None, "the threads never ran"
+            time.sleep(0.01)
+        freeze(child.pid)
+        states = {(pathlib.Path(f"/proc/{child.pid}/task/{t}/stat").read_bytes().rsplit(b")", 1)[1][1:2])
+                  for t in os.listdir(f"/proc/{child.pid}/task")}
+        assert states == {b"T"}, states
+        frozen = counter.read_bytes()
+        time.sleep(0.2)
+        assert counter.read_bytes() == frozen
+        os.kill(child.pid, signal.SIGCONT)
+        while counter.read_bytes() == frozen:
+            assert time.monotonic() < deadline, "not running again after SIGCONT"
+            time.sleep(0.01)
+    finally:
+        child.kill()
+        child.wait(10)

@@ -28,6 +28,7 @@ from torch import nn
 from shardps.core.specs import Initializer
 from shardps.server.ops.launcher import LocalCluster
 from tests.conftest import running_cluster
+from tests.procs import freeze
 
 ROWS, DIM = 40, 6
 
@@ -307,7 +308,7 @@ def test_dense_lag_goes_on_with_the_previous_steps_values_while_the_last_are_on_
         opt.step()
         c.flush()  # step 1's values are back
         shard = cluster.procs[0].popen.pid
-        os.kill(shard, signal.SIGSTOP)  # the shard answers nothing until SIGCONT
+        freeze(shard)  # the shard answers nothing until SIGCONT
         try:
             def two_steps() -> None:
                 opt.zero_grad()  # step 1's values, already back

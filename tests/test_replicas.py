@@ -23,7 +23,7 @@ from shardps.server.ops.etcd import LocalEtcd
 from shardps.server.replica.coordination import Coordinator
 from shardps.server.rpc.replication import frame_of
 from shardps.v1 import shardps_pb2 as pb
-from tests.procs import start_shard
+from tests.procs import freeze, start_shard
 
 ROWS = 2000
 KILLS = int(os.environ.get("SHARDPS_REPLICA_KILLS", "3"))  # make failover runs 10
@@ -184,7 +184,7 @@ def test_a_primary_frozen_past_its_lease_writes_nothing_with_its_old_epoch(tmp_p
         t = Trainers(g.addresses)
         t.progress()
         old = g.procs[m]
-        old.proc.send_signal(signal.SIGSTOP)
+        freeze(old.proc.pid)
         try:
             t.progress(timeout=90)  # through the new primary
             new = g.primary()

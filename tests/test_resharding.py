@@ -28,6 +28,7 @@ from shardps.server.ops.launcher import LocalCluster
 from shardps.server.ops.resharding import Journal, Resharder, ShardCalls
 from shardps.server.shard.move import Move
 from shardps.v1 import shardps_pb2 as pb
+from tests.procs import freeze
 
 ROWS = 6000
 DENSE = (64, 4)  # a dense tensor in 8 row chunks, moved chunk by chunk
@@ -230,7 +231,7 @@ def test_kill9_of_the_reshard_command_then_resume(tmp_path):
             while True:  # kill it in the middle of a move (the journal names one), a few moves in
                 state = json.loads(journal.read_text()) if journal.exists() else {}
                 if state.get("move") and state.get("moved_slots", 0) >= 512:
-                    driver.send_signal(signal.SIGSTOP)  # frozen, it cannot finish the move before the kill lands
+                    freeze(driver.pid)  # frozen, it cannot finish the move before the kill lands
                     if json.loads(journal.read_text()).get("move"):  # (the journal is replaced whole: os.replace)
                         break
                     driver.send_signal(signal.SIGCONT)  # that move ended between the two reads: the next one

@@ -79,8 +79,11 @@ class LabProcess:
         return self.popen.wait(10)
 
     def pause(self) -> None:
-        """SIGSTOP: the process is frozen (its sockets stay open, nothing answers)."""
-        os.kill(self.pid, signal.SIGSTOP)
+        """SIGSTOP: the process is frozen (its sockets stay open, nothing answers), every thread of it by the
+        time this returns (``tests.procs.freeze``)."""
+        from tests.procs import freeze
+
+        freeze(self.pid)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
