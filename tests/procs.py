@@ -47,7 +47,7 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
 
 def _all_stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped: every thread of it stopped (state T), or gone, or in the kernel on a disk (D: it
-    stops on its way out, once one thread stopped the group); True for a process that is gone."""
+    stops on its way out, once one thread stopped the group); True for a process that is gone or dead."""
     states = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -60,8 +60,9 @@ def _all_stopped(pid: int) -> bool:
         except (FileNotFoundError, ProcessLookupError):
             continue  # the thread ended
         states.append(stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3])
-    return all(st in (b"T", b"t", b"D", b"Z", b"X") for st in states) and (not states or b"T" in states
-                                                                           or b"t" in states)
+    if all(st in (b"Z", b"X") for st in states):
+        return True  # dead (a zombie until its parent waits for it)
+    return all(st in (b"T", b"t", b"D", b"Z", b"X") for st in states) and (b"T" in states or b"t" in states)
 
 
 def start_shard(
