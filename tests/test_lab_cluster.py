@@ -6,6 +6,7 @@ on a control host). Skips where no lab can be made, failing instead under SHARDP
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import sys
 import time
@@ -38,8 +39,6 @@ def _start_cluster(lab: Lab, shards: list[str], cluster_file: pathlib.Path, *ext
 def _train_and_report(cluster_file: str, admin: str, trainer: str) -> dict:
     """On the control host: create a table (admin token), pull and push it (trainer token), read the shards'
     stats (what ``shardps stats`` shows)."""
-    import os
-
     import numpy as np
     import torch
     from shardps_client import SGD, Client
@@ -48,7 +47,9 @@ def _train_and_report(cluster_file: str, admin: str, trainer: str) -> dict:
     from shardps.server.ops.report import collect
 
     data = json.loads(pathlib.Path(cluster_file).read_text())
+    threads = [torch.get_num_threads()]  # torch's default here, then as the client left it (torch_threads="auto")
     with Client.from_file(cluster_file, token=admin) as c:
+        threads.append(torch.get_num_threads())
         c.create_table("t", num_embeddings=10_000, dim=8, optimizer=SGD(lr=0.5),
                        initializer=Initializer("zeros"))
     ids = torch.arange(0, 10_000, 7)
@@ -60,7 +61,7 @@ def _train_and_report(cluster_file: str, admin: str, trainer: str) -> dict:
         rows = c.pull("t", ids).numpy()
     os.environ["SHARDPS_TOKEN"] = admin
     stats = collect(data["addresses"], interval=0, tls=data["tls"])
-    return {"addresses": data["addresses"], "rows_ok": bool(np.allclose(rows, -0.5 * (1 + 2 + 3 + 4))),
+    return {"addresses": data["addresses"], "rows_ok": bool(np.allclose(rows, -0.5 * (1 + 2 + 3 + 4))), "threads": threads,
             "clients": [s["clients"] for s in stats], "tables": [s["tables"] for s in stats]}
 
 
@@ -76,6 +77,10 @@ def test_shards_on_hosts_of_their_own_serve_over_tcp_with_mutual_tls_and_tokens(
                      "trainer-secret-0123456789", timeout=120)
         assert [a.rsplit(":", 1)[0] for a in r["addresses"]] == [lab.address("s0"), lab.address("s1")]
         assert r["rows_ok"]
+        # The shards are on hosts of their own, yet under this machine's kernel (their ShardInfo says so): they share
+        # its cores, so the client gave torch one thread per core they leave free, as beside shards on loopback.
+        default, after = r["threads"]
+        assert after == min(default, max(1, (os.cpu_count() or 1) - 2)), r["threads"]
         for clients in r["clients"]:  # the trainer's data-plane connections, as each shard saw them
             assert clients, r
             for c in clients:

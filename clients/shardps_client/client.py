@@ -86,11 +86,12 @@ class Client(ClusterMethods, DenseMethods):
             ShardTimeoutError). None: no bound.
         heartbeat_s: seconds between liveness heartbeats (sent while rank is known).
         torch_threads: torch's intra-op threads in this process. "auto" (the default):
-            when shards run on this host (a loopback address) and neither
-            OMP_NUM_THREADS nor an earlier ``torch.set_num_threads`` chose otherwise,
-            one thread per core the local shards leave free (at least 1), because
-            torch's idle threads spin and take the shards' cores. An int: that many.
-            None: leave torch alone.
+            when shards run on this machine (a loopback address, or a shard whose
+            ShardInfo says it runs under this kernel: another network namespace or
+            container here) and neither OMP_NUM_THREADS nor an earlier
+            ``torch.set_num_threads`` chose otherwise, one thread per core those
+            shards leave free (at least 1), because torch's idle threads spin and take
+            the shards' cores. An int: that many. None: leave torch alone.
         tls: TLS to the shards (``TLS(ca, cert=None, key=None)``; files). None: TLS from
             SHARDPS_TLS_CA / SHARDPS_TLS_CLIENT_CERT / SHARDPS_TLS_CLIENT_KEY when set, else plaintext.
         token: the bearer token every call carries; None: the file SHARDPS_TOKEN_FILE names, else
@@ -117,7 +118,7 @@ class Client(ClusterMethods, DenseMethods):
             raise InvalidArgumentError("Client needs at least one shard address")
         code = wire_code(wire_dtype)
         tune_malloc()  # message-sized buffers stay in the heap (see shardps.core.memory)
-        set_torch_threads(torch_threads, addresses)
+        set_torch_threads(torch_threads, [])  # (refused before any call when it is not a setting)
         addresses, max_message_bytes = list(addresses), int(max_message_bytes)
         client_id = client_id or uuid.uuid4().hex
         transport = Transport(addresses, timeout, retry_timeout, max_message_bytes,
@@ -138,8 +139,8 @@ class Client(ClusterMethods, DenseMethods):
         self._cluster = ClusterOps(self._session, self.flush, self.pull)
         self._hold: Optional[PushHold] = None  # defer_pushes
         self._closed = False
-        if check_shard_map:
-            self.check_shard_map()
+        infos = self.check_shard_map() if check_shard_map else []
+        set_torch_threads(torch_threads, addresses, infos)
         self.worker.start(heartbeat_s)
 
     @classmethod

@@ -76,7 +76,7 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("RANK", "`Client` (when `rank=None`)", "this worker's rank, as torchrun sets it"),
         ("WORLD_SIZE", "`Client` (when `world_size=None`)", "the number of workers, as torchrun sets it"),
         ("OMP_NUM_THREADS", "`Client(torch_threads=\"auto\")`",
-         "when set, the client leaves torch's intra-op threads alone (otherwise, next to shards on this host, "
+         "when set, the client leaves torch's intra-op threads alone (otherwise, next to shards on this machine, "
          "it sets one thread per core they leave free)"),
     ]),
     ("The examples", "`clients/examples/`: set by the launching process for the workers it starts.", [
