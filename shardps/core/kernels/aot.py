@@ -24,6 +24,7 @@ is compiled into it, and ``load`` refuses a module built from other sources or f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -34,7 +35,7 @@ import shutil
 import sysconfig
 import tempfile
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -155,7 +156,7 @@ def build() -> pathlib.Path:
             self.release_gil = True  # type: ignore[assignment]
             self.error_model = "numpy"  # type: ignore[assignment]
 
-    with tempfile.TemporaryDirectory(dir=_HERE, prefix=".aot-build-") as tmp:
+    with tempfile.TemporaryDirectory(dir=_HERE, prefix=".aot-build-") as tmp, _temporary_files_in(tmp):
         cc = CC(MODULE)
         cc.output_dir = tmp
         cc.verbose = False
@@ -185,6 +186,17 @@ def build() -> pathlib.Path:
         built = pathlib.Path(tmp) / path().name
         os.replace(built, path())
     return path()
+
+
+@contextlib.contextmanager
+def _temporary_files_in(directory: str) -> Iterator[None]:
+    """Python's temporary files and directories made in ``directory`` meanwhile: the C compiler's probes (numba's
+    pycc and distutils make ``temp.c`` and ``temp.o`` in directories of their own and leave them) go with the build."""
+    saved, tempfile.tempdir = tempfile.tempdir, directory
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 # ---- calling it ----------------------------------------------------------------------------------------------------
