@@ -45,24 +45,30 @@ def freeze(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def _all_stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped: every thread of it stopped (state T), or gone, or in the kernel on a disk (D: it
-    stops on its way out, once one thread stopped the group); True for a process that is gone or dead."""
-    states = []
+def thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of ``pid`` (``/proc/PID/task/*/stat``: R, S, D, T, Z...); none when it is
+    gone."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
-        return True
+        return []
+    states = []
     for task in tasks:
         try:
-            with open(f"/proc/{pid}/task/{task}/stat", "rb") as f:
-                stat = f.read()
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
         except (FileNotFoundError, ProcessLookupError):
             continue  # the thread ended
-        states.append(stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3])
-    if all(st in (b"Z", b"X") for st in states):
-        return True  # dead (a zombie until its parent waits for it)
-    return all(st in (b"T", b"t", b"D", b"Z", b"X") for st in states) and (b"T" in states or b"t" in states)
+    return states
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped: every thread of it stopped (state T), or gone, or in the kernel on a disk (D: it
+    stops on its way out, once one thread stopped the group); True for a process that is gone or dead."""
+    states = thread_states(pid)
+    if all(st in ("Z", "X") for st in states):
+        return True  # gone, or dead (a zombie until its parent waits for it)
+    return all(st in ("T", "t", "D", "Z", "X") for st in states) and ("T" in states or "t" in states)
 
 
 def start_shard(

@@ -14,7 +14,7 @@ import torch
 from shardps_client import Adam, Client
 
 from shardps.core.specs import Initializer
-from tests.procs import freeze, start_shard
+from tests.procs import freeze, start_shard, thread_states
 
 
 def test_cli_cluster_trains_and_survives_sigterm_restart(tmp_path):
@@ -223,9 +223,8 @@ def test_freeze_returns_once_no_thread_of_the_process_runs(tmp_path):
             assert time.monotonic() < deadline and child.poll() is None, "the threads never ran"
             time.sleep(0.01)
         freeze(child.pid)
-        states = {(pathlib.Path(f"/proc/{child.pid}/task/{t}/stat").read_bytes().rsplit(b")", 1)[1][1:2])
-                  for t in os.listdir(f"/proc/{child.pid}/task")}
-        assert states == {b"T"}, states
+        states = thread_states(child.pid)
+        assert set(states) == {"T"}, states
         frozen = counter.read_bytes()
         time.sleep(0.2)
         assert counter.read_bytes() == frozen
