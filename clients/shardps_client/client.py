@@ -45,7 +45,7 @@ from shardps_client.inputs import IdsLike, MiB, wire_code
 from shardps_client.pulls import Pulls
 from shardps_client.pushes import DensePull, PushHold, PushPipeline
 from shardps_client.session import Session, Shared
-from shardps_client.threads import set_torch_threads
+from shardps_client.threads import check_setting, set_torch_threads
 from shardps_client.transport import TLS, Transport
 from shardps_client.versions import Versions
 from shardps_client.worker import WorkerClock
@@ -118,7 +118,7 @@ class Client(ClusterMethods, DenseMethods):
             raise InvalidArgumentError("Client needs at least one shard address")
         code = wire_code(wire_dtype)
         tune_malloc()  # message-sized buffers stay in the heap (see shardps.core.memory)
-        set_torch_threads(torch_threads, [])  # (refused before any call when it is not a setting)
+        check_setting(torch_threads)  # (applied once the shards said where they run)
         addresses, max_message_bytes = list(addresses), int(max_message_bytes)
         client_id = client_id or uuid.uuid4().hex
         transport = Transport(addresses, timeout, retry_timeout, max_message_bytes,

@@ -17,17 +17,23 @@ _TORCH_DEFAULT_THREADS = torch.get_num_threads()  # at import: a later change is
 _LOOPBACK = ("127.", "localhost:", "[::1]:", "::1")
 
 
-def set_torch_threads(setting: Union[int, str, None], addresses: Sequence[str],
-                      infos: Sequence[Optional[Any]] = ()) -> None:
-    """Apply ``Client(torch_threads=...)`` (see its docstring); ``infos``: the shards' ``ShardInfo`` where the
-    client asked for them (``local_shards``)."""
+def check_setting(setting: Union[int, str, None]) -> None:
+    """Refuse a ``Client(torch_threads=...)`` that is not "auto", a positive int or None (before any call)."""
     if setting is None:
         return
     if isinstance(setting, bool) or not (setting == "auto" or isinstance(setting, int)):
         raise InvalidArgumentError(f"torch_threads must be 'auto', a positive int or None, got {setting!r}")
+    if isinstance(setting, int) and setting < 1:
+        raise InvalidArgumentError(f"torch_threads must be >= 1, got {setting}")
+
+
+def set_torch_threads(setting: Union[int, str, None], addresses: Sequence[str],
+                      infos: Sequence[Optional[Any]] = ()) -> None:
+    """Apply ``Client(torch_threads=...)`` (see its docstring; ``check_setting`` passed it); ``infos``: the shards'
+    ``ShardInfo`` where the client asked for them (``local_shards``)."""
+    if setting is None:
+        return
     if isinstance(setting, int):
-        if setting < 1:
-            raise InvalidArgumentError(f"torch_threads must be >= 1, got {setting}")
         torch.set_num_threads(setting)
         return
     local = local_shards(addresses, infos)
