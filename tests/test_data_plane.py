@@ -94,6 +94,26 @@ def _pull_frame(n: int = 3) -> bytes:
                             ).SerializeToString()
 
 
+def test_a_client_connects_its_data_planes_once_its_shards_answered_not_at_its_first_call(tmp_path):
+    """A client whose shards answered its shard-map check connects their data planes at once, in its lanes' threads:
+    its first pull finds the connection made. Without the check a lane connects at its first call."""
+    shard = start_shard(0, 1, tmp_path)
+    try:
+        with Client([shard.address], timeout=10) as c:
+            deadline = time.monotonic() + 30
+            while c.transport.data_planes() == [""] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert c.transport.data_planes() == ["zmq-shm"]
+        with Client([shard.address], timeout=10, check_shard_map=False) as c:
+            time.sleep(0.5)
+            assert c.transport.data_planes() == [""]
+            c.create_table("t", dim=2, num_embeddings=10)
+            c.pull("t", torch.arange(3))
+            assert c.transport.data_planes() == ["zmq-shm"]
+    finally:
+        shard.terminate()
+
+
 def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_path, monkeypatch):
     with_plane = start_shard(0, 1, tmp_path)
     without = start_shard(0, 1, tmp_path, extra=["--data-threads", "0"])
@@ -303,7 +323,9 @@ def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_d
     shard = start_shard(0, 1, tmp_path, extra=["--tls-cert", dev.server_cert, "--tls-key", dev.server_key])
     tls = TLS(ca=dev.ca)
     try:
-        with Client([shard.address], tls=tls, timeout=10, data_plane="zmq") as c:
+        # (Without the shard-map check a client's lanes connect at its first call, not at once: the test swaps the
+        # lane's discovery before it connects.)
+        with Client([shard.address], tls=tls, timeout=10, data_plane="zmq", check_shard_map=False) as c:
             c.create_table("t", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
             used = data_session(shard.address, tls)
             assert not data_plane_call(c.shard_info()[0].data_ports[0], _pull_frame(), session=used).HasField("error")
@@ -329,7 +351,7 @@ def test_a_sealed_lane_connects_again_when_its_session_is_refused_or_an_answer_d
             torch.testing.assert_close(c.pull("t", torch.arange(3)), -2 * torch.ones(3, 2), rtol=0, atol=0)
             assert c.shard_info()[0].stats.duplicates == 1  # the resend, answered without applying it again
             assert c.transport.data_planes() == ["zmq-ipc"]
-        with Client([shard.address], tls=tls, timeout=10, data_plane="zmq") as c:
+        with Client([shard.address], tls=tls, timeout=10, data_plane="zmq", check_shard_map=False) as c:
             # A client on TLS whose ShardInfo hands out no session (a proxy that ends TLS in front of a plaintext
             # shard, say) does not send its token in clear on the data plane: it uses gRPC streams.
             lane = c.transport.lanes[0]

@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from shardps.core import kernels
 from shardps.core.memory import tune_malloc
 from shardps.core.specs import TableSpec
 from shardps.core.tokens import token_from_environment
@@ -118,6 +119,7 @@ class Client(ClusterMethods, DenseMethods):
             raise InvalidArgumentError("Client needs at least one shard address")
         code = wire_code(wire_dtype)
         tune_malloc()  # message-sized buffers stay in the heap (see shardps.core.memory)
+        kernels.jit()  # the compiled kernels load now (about 10 ms), not in the first pull
         check_setting(torch_threads)  # (applied once the shards said where they run)
         addresses, max_message_bytes = list(addresses), int(max_message_bytes)
         client_id = client_id or uuid.uuid4().hex
@@ -140,6 +142,9 @@ class Client(ClusterMethods, DenseMethods):
         self._hold: Optional[PushHold] = None  # defer_pushes
         self._closed = False
         infos = self.check_shard_map() if check_shard_map else []
+        if check_shard_map:  # every shard answered: their data planes' connections are made while we go on
+            for lane in transport.lanes:
+                getattr(lane, "open", lambda: None)()
         set_torch_threads(torch_threads, addresses, infos)
         self.worker.start(heartbeat_s)
 

@@ -118,14 +118,26 @@ class DataLane(SocketTurns):
                 self._ids += 1
                 item = Item(method, request, self._ids.to_bytes(8, "little"), self)
                 self._queue.append(item)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name=f"shardps-data-{self.address}",
-                                                    daemon=True)
-                    self._thread.start()
+                self._start()
         if item is None:
             return self.fallback.submit(method, request)
         self._send_now()
         return item.future
+
+    def open(self) -> None:
+        """Connect now, in the lane's thread, rather than at the first call (``Client`` opens its lanes once the shards
+        answered its shard-map check: the first pull then finds its connection made)."""
+        if self.fallback.removed:
+            return
+        with self._lock:
+            if self.mode != "grpc" and not self._closed:
+                self._start()
+
+    def _start(self) -> None:
+        """Start the lane's thread, once (caller holds ``_lock``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"shardps-data-{self.address}", daemon=True)
+            self._thread.start()
 
     def request_slot(self, nbytes: int) -> Optional[memoryview]:
         """A request slot of the connection's shared-memory region to build a call of ``nbytes`` in, or None
