@@ -87,7 +87,7 @@ def cluster2() -> Iterator[list[ShardServer]]:
         yield servers
 
 
-# How each data_plane setting of client2 travels to shards on this machine (data_planes(); "": no call yet).
+# How each data_plane setting of client2 travels to shards on this machine (data_planes(); "": not connected yet).
 _TRAVELS = {"zmq": {"zmq-shm", ""}, "zmq-tcp": {"zmq", ""}, "grpc": {"grpc-stream"}}
 
 

@@ -265,8 +265,8 @@ class SocketTurns:
         if len(parts[0]) == 0 and self._seal is not None:  # a control message on a sealed connection
             return self._sealed_control(parts, unacked, answers)
         if not len(parts[0]) and len(parts) >= 2 and parts[1].bytes == b"ok":  # [b"", b"ok"] (, the region)
-            self._reached = self._hello_ok = True
             self._region = _open_region(self.address, parts[2].bytes) if len(parts) == 3 else None
+            self._reached = self._hello_ok = True  # (after the region: data_planes() never says "zmq-ipc" between)
             return None
         if len(parts) == 3 and not len(parts[0]):  # the hello refused: [b"", b"error", StreamResponse]
             self._refused(parts[2].buffer, unacked, answers)

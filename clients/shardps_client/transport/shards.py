@@ -219,11 +219,13 @@ class Transport:
 
     def data_planes(self) -> list[str]:
         """How each shard's pulls and pushes travel: "zmq" (TCP), "zmq-ipc" (a Unix socket), "zmq-shm" (a Unix
-        socket and a shared-memory region, ``shardps.core.region``), "grpc-stream", "grpc-unary" or "" (no call
-        yet)."""
+        socket and a shared-memory region, ``shardps.core.region``), "grpc-stream", "grpc-unary" or "" (not connected
+        yet: its first hello is not answered)."""
         out = []
         for lane in self.lanes:
             mode = getattr(lane, "mode", "grpc")
+            if mode == "zmq" and not getattr(lane, "_reached", True):
+                mode = None
             grpc_lane = getattr(lane, "fallback", lane)
             ipc = mode == "zmq" and lane.endpoint.startswith("ipc:")
             shm = ipc and getattr(lane, "shared_memory", False)
