@@ -322,3 +322,72 @@ def test_a_growing_tables_probe_table_starts_small_and_keeps_its_load_as_rows_ar
     assert len(sizes) >= 4  # it doubled along the way
     hot = RowStore("h", 4, {}, None, 50_000, MemoryBudget(1 << 30), 50_000, sized=True)
     assert hot.index._table.shape[0] == HashIndex.table_size(50_000)
+
+
+def _resident_rows(arr: np.ndarray, start: int, end: int) -> tuple[int, int]:
+    """How many of the pages that rows ``[start, end)`` of ``arr`` lie on are made (``mincore``), of how many."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    per = arr.nbytes // arr.shape[0]
+    lo = (arr.ctypes.data + start * per) // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = arr.ctypes.data + end * per
+    pages = -(-(hi - lo) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), pages
+
+
+def _wait_made(store) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while (store._queued or store._made < store._asked) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not store._queued
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
+def test_a_growing_tables_next_rows_get_their_pages_ahead_within_its_window_and_its_budget():
+    """A growing table's next rows have their pages made in the background (no fault on a row's first write), as
+    far as its window (an eighth of the rows reserved here) and never past what its memory budget has left; the
+    rows keep their values; a hot set (``sized``) gets none."""
+    from shardps.core import memory
+    from shardps.server.storage.budget import MemoryBudget
+    from shardps.server.storage.rows import AHEAD_BYTES, RowStore
+
+    if not memory.can_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    huge = 8192  # rows of 64 float32 on one 2 MiB page: how far past a limit a made page may reach
+    store = RowStore("t", 64, {}, 10**8, 400_000, MemoryBudget(1 << 40), 2**31 - 1)
+    window = min(400_000 // 8, AHEAD_BYTES // store.row_bytes)
+    store.append(np.arange(1000), np.ones((1000, 64), np.float32))
+    _wait_made(store)
+    assert store._made == store._asked == window  # asked for when the table was made
+    made, pages = _resident_rows(store.rows, 1000, window - huge)
+    assert made == pages  # every page of the window
+    assert _resident_rows(store.rows, window + huge, 400_000)[0] == 0  # none past it
+    assert (store.rows[:1000] == 1).all() and not store.rows[1000:].any()
+
+    # Rows that arrive move the window on.
+    store.append(np.arange(1000, 40_000), np.full((39_000, 64), 2, np.float32))
+    _wait_made(store)
+    assert store._asked >= 40_000 + window // 2 and (store.rows[1000:40_000] == 2).all()
+    made, pages = _resident_rows(store.rows, 40_000, 40_000 + window // 2 - huge)
+    assert made == pages
+
+    # A budget with room for 10,000 more rows: no page past them (and the slack of one huge page).
+    small = MemoryBudget(1 << 20)  # (the index; then the limit is set to leave room for 12,000 rows)
+    tight = RowStore("t", 64, {}, 10**8, 400_000, small, 2**31 - 1)
+    _wait_made(tight)
+    assert tight._made == tight._asked == (small.limit - small.used) // tight.row_bytes
+    small.limit = small.used + 2000 * (tight.row_bytes + 24) + 10_000 * tight.row_bytes
+    tight.append(np.arange(2000), np.ones((2000, 64), np.float32))
+    _wait_made(tight)
+    assert 2000 < tight._asked <= 2000 + 10_000
+    assert _resident_rows(tight.rows, 12_000 + huge, 400_000)[0] == 0
+
+    hot = RowStore("t", 64, {}, 10**8, 400_000, MemoryBudget(1 << 40), 2**31 - 1, sized=True)
+    hot.append(np.arange(1000), np.ones((1000, 64), np.float32))
+    assert not hot._queued and hot._asked == 0 and _resident_rows(hot.rows, 1000 + huge, 400_000)[0] == 0

@@ -20,18 +20,24 @@ whole when the array is freed. ``regrow`` enlarges such a mapping where it lies
 ``release_free_memory``: shards hand the heap's free pages back to the OS
 (``malloc_trim``) when they fall idle after traffic; a no-op where the C
 library has no such call.
+
+``populate`` / ``in_background``: pages made before they are first written, by a thread of their own
+(``RowStore`` makes a growing table's next rows' pages ahead of them; ``SHARDPS_PREFAULT=0``: not).
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
+import errno
 import functools
 import logging
 import mmap
 import os
 import sys
-from typing import Any, MutableMapping, Optional, Union
+import threading
+from typing import Any, Callable, MutableMapping, Optional, Union
 
 import numpy as np
 
@@ -46,7 +52,7 @@ def _libc() -> Optional[Any]:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
 
@@ -119,6 +125,12 @@ if _MADVISE is not None:
     _MADVISE.restype = ctypes.c_int
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
+
+
+def owns_pages(arr: np.ndarray) -> bool:
+    """Whether ``arr`` (C-contiguous, 1 MiB or larger) lies on a mapping of ``zeros``' own, as ``release_pages`` and
+    ``populate`` take it."""
+    return _MADVISE is not None and arr.nbytes >= _OWN_PAGES and arr.flags.c_contiguous and arr.shape[0] > 0
 
 
 def release_pages(arr: np.ndarray, first_row: int) -> None:
@@ -195,3 +207,64 @@ def regrow(holder: Union[MutableMapping[str, Any], Any], key: str, cap: int) -> 
         put(key, rows(n))
         raise
     put(key, new)
+
+
+# ---- pages made ahead -------------------------------------------------------------------
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable, as a write to each would, keeping what they hold
+_populating = _MADVISE is not None and os.environ.get("SHARDPS_PREFAULT", "1") != "0"
+
+
+def can_populate() -> bool:
+    """Whether ``populate`` makes pages here (Linux 5.14 and later; not with ``SHARDPS_PREFAULT=0``)."""
+    return _populating
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Make the pages of ``[address, address + nbytes)``, within one of ``zeros``' own mappings, as a write to each
+    would (zeroed where none was made yet; nothing in them changes). A write that comes later finds its page made:
+    no fault, no zeroing on its path. False where it did nothing (a kernel without ``MADV_POPULATE_WRITE`` turns it
+    off for the process)."""
+    global _populating
+    if not _populating or nbytes <= 0:
+        return False
+    lo = address // _PAGE * _PAGE
+    hi = -(-(address + nbytes) // _PAGE) * _PAGE
+    if _MADVISE(lo, hi - lo, _MADV_POPULATE_WRITE) == 0:  # type: ignore[misc]
+        return True
+    if ctypes.get_errno() == errno.EINVAL:  # advice unknown to this kernel
+        _populating = False
+    return False
+
+
+_jobs: collections.deque[Callable[[], bool]] = collections.deque()
+_jobs_ready = threading.Condition()
+_worker: Optional[threading.Thread] = None
+
+
+def in_background(step: Callable[[], bool]) -> None:
+    """Run ``step`` on the process's page-making thread (started on first use, a daemon) until it returns False: one
+    step at a time, jobs in turn, so that one holds no lock of its caller for long."""
+    global _worker
+    with _jobs_ready:
+        _jobs.append(step)
+        if _worker is None:
+            _worker = threading.Thread(target=_work, name="shardps-pages-ahead", daemon=True)
+            _worker.start()
+        _jobs_ready.notify()
+
+
+def _work() -> None:
+    while True:
+        with _jobs_ready:
+            while not _jobs:
+                _jobs_ready.wait()
+            step = _jobs.popleft()
+        try:
+            again = step()
+        except Exception:  # noqa: BLE001 - making pages ahead is only ever an optimisation
+            log.exception("making pages ahead failed")
+            again = False
+        if again:
+            with _jobs_ready:
+                _jobs.append(step)

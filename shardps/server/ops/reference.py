@@ -47,6 +47,11 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
          "kernel's default pages; otherwise (the default) they ask for transparent huge pages (`MADV_HUGEPAGE`): "
          "a pull and a push on a 1 GB table took 11-25% less CPU a row (see "
          "[performance](performance.md#performance-notes))"),
+        ("SHARDPS_PREFAULT", "`shardps serve` (`shardps.core.memory.populate`, `RowStore`)",
+         "`0` leaves a growing table's pages to be made by its rows' first writes; otherwise (the default, on "
+         "Linux 5.14 and later) a thread makes the pages of a table's next rows ahead of them "
+         "(`MADV_POPULATE_WRITE`): an eighth of its reserved rows or a quarter of those it holds, at most 32 MiB "
+         "and never past what the memory budget has left (see [performance](performance.md#performance-notes))"),
         ("SHARDPS_DATA_REGIONS", "`Client` (`shardps_client.data_plane`)",
          "`0`: the client asks its shards for no shared-memory regions (its data goes through the Unix socket); "
          "otherwise (the default) a connection over a shard's Unix socket without TLS asks for one: a pull's answer "
