@@ -127,10 +127,8 @@ class DataLane(SocketTurns):
     def open(self) -> None:
         """Connect now, in the lane's thread, rather than at the first call (``Client`` opens its lanes once the shards
         answered its shard-map check: the first pull then finds its connection made)."""
-        if self.fallback.removed:
-            return
         with self._lock:
-            if self.mode != "grpc" and not self._closed:
+            if self.mode != "grpc" and not self._closed and not self.fallback.removed:
                 self._start()
 
     def _start(self) -> None:

@@ -224,8 +224,7 @@ class Transport:
         out = []
         for lane in self.lanes:
             mode = getattr(lane, "mode", "grpc")
-            if mode == "zmq" and not getattr(lane, "_reached", True):
-                mode = None
+            mode = None if mode == "zmq" and not getattr(lane, "_reached", True) else mode
             grpc_lane = getattr(lane, "fallback", lane)
             ipc = mode == "zmq" and lane.endpoint.startswith("ipc:")
             shm = ipc and getattr(lane, "shared_memory", False)
