@@ -485,14 +485,17 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in runs]
         out[key] = float(np.median(values)) if all(isinstance(v, (int, float)) for v in values) else value
     out["runs_rows_per_s"] = [r["both_rows_per_s"] for r in runs]
+    out["runs_first_pass_rows_per_s"] = [r["first_pass_rows_per_s"] for r in runs]
     return out
 
 
-def ratio(ours: dict[str, Any], base: Optional[dict[str, Any]]) -> tuple[Optional[float], Optional[str]]:
-    """Median and range of our pull+push rows/s over the baseline's, run by run (runs paired by order)."""
+def ratio(ours: dict[str, Any], base: Optional[dict[str, Any]],
+          key: str = "runs_rows_per_s") -> tuple[Optional[float], Optional[str]]:
+    """Median and range of our pull+push rows/s (or ``key``'s runs: the first pass's) over the baseline's, run by
+    run (runs paired by order)."""
     if base is None:
         return None, None
-    return median_and_range([a / b for a, b in zip(ours["runs_rows_per_s"], base["runs_rows_per_s"])])
+    return median_and_range([a / b for a, b in zip(ours[key], base[key])])
 
 
 def _find(results: list[dict], **kv: Any) -> Optional[dict]:
@@ -515,8 +518,9 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
             name = "torch_rpc" if base == rpc else base
             found = _find(rows, backend=base, **key, rows=r["rows"], wire="float32")
             r[f"x_{name}"], r[f"x_{name}_range"] = ratio(r, found)
-            if found is not None and name == "torch_rpc":
-                r["x_torch_rpc_first_pass"] = r["first_pass_rows_per_s"] / found["first_pass_rows_per_s"]
+            if found is not None and name == "torch_rpc":  # (paired run by run too: it moves more between runs)
+                r["x_torch_rpc_first_pass"], r["x_torch_rpc_first_pass_range"] = ratio(
+                    r, found, "runs_first_pass_rows_per_s")
         r["x_in_process"], _ = ratio(r, _find(rows, backend="in_process", batch=r["batch"], zipf=r["zipf"], rows=r["rows"]))
         if r["backend"] != "shardps":  # what the defaults, TLS or tokens cost against the tuned path
             r["x_shardps"], r["x_shardps_range"] = ratio(r, _find(rows, backend="shardps", **key, rows=r["rows"],
@@ -545,6 +549,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     if args.repeat > 1:
         cols.append(("x_shardps_range", "x shardps range", ""))
         cols.insert(cols.index(("x_torch_rpc", "x rpc", ".2f")) + 1, ("x_torch_rpc_range", "x rpc range", ""))
+        cols.insert(cols.index(("x_torch_rpc_first_pass", "x rpc 1st pass", ".2f")) + 1,
+                    ("x_torch_rpc_first_pass_range", "x rpc 1st pass range", ""))
         cols.insert(cols.index(("x_ray", "x ray", ".2f")) + 1, ("x_ray_range", "x ray range", ""))
     print()
     print(table([r for r in rows if "error" not in r], cols))
