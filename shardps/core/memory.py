@@ -128,9 +128,8 @@ _PAGE = mmap.PAGESIZE
 
 
 def owns_pages(arr: np.ndarray) -> bool:
-    """Whether ``arr`` (C-contiguous, 1 MiB or larger) lies on a mapping of ``zeros``' own, as ``release_pages`` and
-    ``populate`` take it."""
-    return _MADVISE is not None and arr.nbytes >= _OWN_PAGES and arr.flags.c_contiguous and arr.shape[0] > 0
+    """Whether ``arr`` covers a whole mapping of ``zeros``' own (whose pages ``populate`` may make)."""
+    return _MADVISE is not None and _own_mapping(arr) is not None and arr.shape[0] > 0
 
 
 def release_pages(arr: np.ndarray, first_row: int) -> None:

@@ -174,7 +174,7 @@ class RowStore:
         of those it should keep ahead are asked for. Measured on this project's 2-core VM, where a page's first write
         costs 1-3 ns a byte (the kernel zeroes it, and the hypervisor backs it): a created row of 64 float32 took 0.6-
         0.8 us of a shard's CPU in the write of its first value, on the request's path."""
-        if not self._ahead:
+        if not self._ahead or not memory.can_populate():
             return
         cap, row_bytes = self.rows.shape[0], self.row_bytes
         headroom = max(0, self.budget.limit - self.budget.used) // row_bytes
