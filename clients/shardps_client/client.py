@@ -141,11 +141,11 @@ class Client(ClusterMethods, DenseMethods):
         self._cluster = ClusterOps(self._session, self.flush, self.pull)
         self._hold: Optional[PushHold] = None  # defer_pushes
         self._closed = False
-        infos = self.check_shard_map() if check_shard_map else []
-        if check_shard_map:  # every shard answered: their data planes' connections are made while we go on
-            for lane, group in zip(transport.lanes, transport.groups):  # (a replica group's lane: at its first call,
-                if len(group) == 1:  # once a call found the primary; at once it may reach a member an election left)
-                    getattr(lane, "open", lambda: None)()
+        infos = []
+        if check_shard_map:
+            infos = self.check_shard_map()
+            for lane in transport.lanes:  # every shard answered: the data planes' connections are made while we go on
+                getattr(lane, "open", lambda: None)()
         set_torch_threads(torch_threads, addresses, infos)
         self.worker.start(heartbeat_s)
 

@@ -126,9 +126,10 @@ class DataLane(SocketTurns):
 
     def open(self) -> None:
         """Connect now, in the lane's thread, rather than at the first call (``Client`` opens its lanes once the shards
-        answered its shard-map check: the first pull then finds its connection made)."""
+        answered its shard-map check). A replica group's lane waits for a call to find the primary: at once it could
+        reach a member a fresh group's election left behind."""
         with self._lock:
-            if self.mode != "grpc" and not self._closed and not self.fallback.removed:
+            if self.mode != "grpc" and not self._closed and not self.fallback.removed and not self.fallback.group:
                 self._start()
 
     def _start(self) -> None:

@@ -68,7 +68,7 @@ class RowStore:
         self.extra = {k: zeros(cap, dt) for k, dt in (extra or {}).items()}
         self._high = 0  # slots ever used (past it the arrays are still zeros)
         # Pages made ahead (``_make_ahead``): not for a hot set, whose arrays are its budget's to the byte.
-        self._ahead = not sized and memory.can_populate()
+        self._ahead = not sized
         self._map_lock = threading.Lock()  # the arrays' mappings stay where they are while held (no regrow)
         self._ahead_lock = threading.Lock()
         self._made = 0  # slots whose pages are made (below it a row's first write faults nothing)
