@@ -352,6 +352,20 @@ def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothin
         backup = g.procs[(m + 1) % 3].address  # a client posing as a primary's follower at a backup
         other = {**base, "member": f"m{(m + 2) % 3}"}
         assert _replicate(backup, pb.ReplicaHello(**other)).code() == grpc.StatusCode.UNAVAILABLE
+        # A push to a backup is refused as not the primary's, naming it, also for a table the backup has not heard of
+        # (a member left behind by an election may lack one): never NOT_FOUND, which a client does not retry.
+        from shardps.core import status, wire
+
+        for table in ("cnt", "made-after"):
+            req = wire.encode_push(table, np.ones((2, 2), np.float32), pb.FLOAT32, ids=np.arange(2, dtype=np.int64),
+                                   shard_map=pb.ShardMap(shard_index=0, num_shards=1))
+            with grpc.insecure_channel(backup) as ch, pytest.raises(grpc.RpcError) as refused:
+                ch.unary_unary("/shardps.v1.Shard/Push", response_deserializer=pb.PushResponse.FromString)(req,
+                                                                                                          timeout=10)
+            trailers = dict(refused.value.trailing_metadata() or ())
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (table, refused.value.details())
+            assert trailers.get(status.KIND_METADATA) == "not_primary", (table, trailers)
+            assert trailers.get(status.REDIRECT_METADATA) == primary, (table, trailers)
         # Election keys: a member key of garbage is ignored; a primary key of garbage is followed by nobody.
         coord = Coordinator(etcd.url, "t", 0, "tester")
         coord._post("/kv/put", {"key": _b64(coord.prefix + "members/junk"), "value": _b64("{not json")})

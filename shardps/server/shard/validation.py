@@ -70,9 +70,10 @@ class Validator:
         return t
 
     def push(self, name: str, ids: np.ndarray, grads: np.ndarray, sync: Optional[SyncPart] = None) -> Table:
-        """Check a row push without applying it; returns its table."""
-        t = self.registry.get(name, dense=False)
+        """Check a row push without applying it; returns its table. A member that is not its group's primary refuses
+        it before it looks for the table (it may lack one the primary has: the client goes on to the primary)."""
         self.writable(f"a push to {name!r}")
+        t = self.registry.get(name, dense=False)
         self.check_ids_count(ids)
         if sync is None or ids.size:  # a synchronous worker may contribute nothing to a step
             t.check_ids(ids)
@@ -84,8 +85,8 @@ class Validator:
 
     def assign(self, name: str, ids: np.ndarray, values: np.ndarray) -> tuple[Table, np.ndarray, np.ndarray]:
         """Check an assignment of rows; returns its table and the ids and values sorted by id."""
-        t = self.registry.get(name, dense=False)
         self.writable(f"assigning rows of {name!r}")
+        t = self.registry.get(name, dense=False)
         self.check_ids_count(ids)
         t.check_ids(ids)
         if values.shape != (ids.shape[0], t.dim):
@@ -119,8 +120,8 @@ class Validator:
     def push_dense(self, name: str, row_start: int, grads: np.ndarray,
                    sync: Optional[SyncPart] = None) -> tuple[Table, np.ndarray]:
         """Check a dense push without applying it; returns its table and row ids."""
-        t = self.registry.get(name, dense=True)
         self.writable(f"a push to {name!r}")
+        t = self.registry.get(name, dense=True)
         if grads.ndim != 2:
             raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
         ids = self.dense_rows(t, row_start, row_start + grads.shape[0])
