@@ -29,7 +29,8 @@ class Op:
     outcome: str = "info"  # ok, fail or info
     completed: Optional[float] = None
     error: str = ""
-    shards: list[int] = field(default_factory=list)  # the shards its rows live on
+    shards: list[int] = field(default_factory=list)  # the shards its rows lived on, by the client's slot map as it
+    # was invoked and as it completed (a live reshard moves rows between them)
 
     @property
     def own_row(self) -> int:
@@ -52,11 +53,13 @@ class Recorder:
         self._write({"c": self.client, "type": "invoke", "k": k, "ids": ids, "shards": shards,
                      "t": time.monotonic()})
 
-    def complete(self, k: int, outcome: str, error: str = "") -> None:
+    def complete(self, k: int, outcome: str, error: str = "", shards: Optional[list[int]] = None) -> None:
         assert outcome in KINDS
-        event = {"c": self.client, "type": outcome, "k": k, "t": time.monotonic()}
+        event: dict = {"c": self.client, "type": outcome, "k": k, "t": time.monotonic()}
         if error:
             event["error"] = error[:300]
+        if shards:
+            event["shards"] = shards
         self._write(event)
 
     def close(self) -> None:
@@ -80,6 +83,7 @@ def load(paths: Iterable[pathlib.Path]) -> list[Op]:
             elif key in ops:
                 op = ops[key]
                 op.outcome, op.completed, op.error = e["type"], e["t"], e.get("error", "")
+                op.shards = sorted(set(op.shards) | set(e.get("shards", [])))
     return sorted(ops.values(), key=lambda o: o.invoked)
 
 

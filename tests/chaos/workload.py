@@ -15,7 +15,6 @@ fraction of the CPU).
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import sys
@@ -35,6 +34,12 @@ def own_row(client: int, k: int) -> int:
     return SHARED + client * OPS_PER_CLIENT + k
 
 
+def shards_of(client, ids: list[int]) -> list[int]:
+    """The shards the rows of ``ids`` live on by the client's slot map now (during a live reshard, a spare group
+    that took slots: a hash over the groups the cluster started with would never name it)."""
+    return sorted(set(client._session.slots.owner_of(np.array(ids, np.int64)).tolist()))
+
+
 def create_table(cluster_file: str) -> None:
     from shardps_client import SGD, Client, Initializer
 
@@ -51,7 +56,6 @@ def main(argv: list[str]) -> int:
     from shardps_client import Client
     from shardps_client.errors import InvalidArgumentError, TableNotFoundError
 
-    from shardps.core import routing
     from tests.chaos.history import Recorder
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,22 +64,19 @@ def main(argv: list[str]) -> int:
     rng = np.random.default_rng(seed)
     name = f"c{index}"
     rec = Recorder(pathlib.Path(history), name)
-    groups = json.loads(pathlib.Path(cluster_file).read_text()).get("groups") or [[a] for a in json.loads(
-        pathlib.Path(cluster_file).read_text())["addresses"]]
     with Client.from_file(cluster_file, client_id=f"chaos-{name}-{os.getpid()}") as c:
         k = 0
         while not os.path.exists(stop_file) and k < OPS_PER_CLIENT:
             ids = [own_row(index, k), *rng.choice(SHARED, size=SHARED_PER_OP, replace=False).tolist()]
-            shards = sorted(set(routing.shard_of_ids(np.array(ids, np.int64), len(groups)).tolist()))
-            rec.invoke(k, ids, shards)
+            rec.invoke(k, ids, shards_of(c, ids))
             try:
                 c.push(TABLE, torch.tensor(ids), torch.full((len(ids), 1), -1.0), wait=True)
             except (InvalidArgumentError, TableNotFoundError) as e:  # refused before anything was applied
-                rec.complete(k, "fail", f"{type(e).__name__}: {e}")
+                rec.complete(k, "fail", f"{type(e).__name__}: {e}", shards_of(c, ids))
             except Exception as e:  # noqa: BLE001 - anything else may have been applied: unknown
-                rec.complete(k, "info", f"{type(e).__name__}: {e}")
+                rec.complete(k, "info", f"{type(e).__name__}: {e}", shards_of(c, ids))
             else:
-                rec.complete(k, "ok")
+                rec.complete(k, "ok", shards=shards_of(c, ids))
             k += 1
             if gap_s:
                 time.sleep(gap_s)
