@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -325,10 +326,44 @@ def _replicate(address: str, hello: pb.ReplicaHello | None, raw: bytes | None = 
     return e.value
 
 
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_whole_copies_left_by_killed_members_are_swept_and_only_theirs(tmp_path):
+    """A member killed mid-copy leaves its copy's directory in the temporary directory; the sweep a member makes as
+    it starts removes those whose pid no process has, and nothing else."""
+    from shardps.server.replica import copies
+
+    dead = _dead_pid()
+    names = [f"shardps-copy-in-{dead}-a", f"shardps-copy-out-{dead}-b", f"shardps-copy-in-{os.getpid()}-c",
+             "shardps-copy-in-x-d", "shardps-copy-d", f"other-{dead}"]
+    for n in names:
+        (tmp_path / n).mkdir()
+        (tmp_path / n / "checkpoint").write_bytes(b"x" * 10)
+    (tmp_path / f"shardps-copy-in-{dead}-file").write_bytes(b"not a directory")
+    assert sorted(copies.sweep(str(tmp_path))) == sorted(str(tmp_path / n) for n in names[:2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:] + [f"shardps-copy-in-{dead}-file"])
+    mine = pathlib.Path(copies.scratch("in"))  # a copy's directory names its process, as the sweep reads it
+    try:
+        assert mine.is_dir() and copies.SCRATCH.match(mine.name).group(1) == str(os.getpid())
+    finally:
+        mine.rmdir()
+
+
 def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothing(tmp_path, etcd):
+    import tempfile
+
+    left = pathlib.Path(tempfile.gettempdir()) / f"shardps-copy-in-{_dead_pid()}-test"  # a killed member's copy
+    left.mkdir()
     g = Group(tmp_path, etcd)
     try:
         m = g.primary()
+        assert not left.exists(), "the members' start did not sweep a whole copy a killed member left"
         _counter(g.addresses)
         with Client([g.addresses]) as c:
             c.push("cnt", torch.arange(10), torch.ones(10, 2), wait=True)
@@ -376,6 +411,8 @@ def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothin
             assert c.shard_info()[0].replica.lsn == info.lsn
     finally:
         g.kill_all()
+        if left.exists():
+            left.rmdir()
 
 
 def _b64(text: str) -> str:

@@ -1,11 +1,17 @@
 """Whole copies for a replica group's backup too far behind its primary, or whose log diverged: the primary takes a
 checkpoint and sends it file by file (``send``: the checkpoint file, and its disk tier's checkpoint); the backup
-gathers them (``IncomingCopy``) and installs them as its state and its newest checkpoint (``install``)."""
+gathers them (``IncomingCopy``) and installs them as its state and its newest checkpoint (``install``).
+
+Both ends work in a directory of the system's temporary directory named with their pid
+(``shardps-copy-{out,in}-<pid>-*``), gone when the copy ends; one that a member killed mid-copy left behind is removed
+by the next member started on the machine (``sweep``), once no process has its pid."""
 
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
+import re
 import shutil
 import tempfile
 from typing import Generator, Iterator
@@ -18,6 +24,40 @@ from shardps.server.shard.facade import Shard
 from shardps.server.shard.recovery import load_state
 
 log = logging.getLogger(__name__)
+
+SCRATCH = re.compile(r"shardps-copy-(?:in|out)-(\d+)-")
+
+
+def scratch(kind: str) -> str:
+    """A new directory for one copy's files (``kind``: out, the primary's; in, the backup's), named with our pid."""
+    return tempfile.mkdtemp(prefix=f"shardps-copy-{kind}-{os.getpid()}-")
+
+
+def sweep(root: str = "") -> list[str]:
+    """Remove the copies' directories that processes gone (killed mid-copy) left in ``root`` (the system's temporary
+    directory); those of live pids stay. Returns the paths removed."""
+    gone: list[str] = []
+    try:
+        entries = list(pathlib.Path(root or tempfile.gettempdir()).iterdir())
+    except OSError as e:
+        log.warning("the temporary directory could not be swept of whole copies' files: %s", e)
+        return gone
+    for entry in entries:
+        m = SCRATCH.match(entry.name)
+        if m is None or not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # a live process has that pid (its own copy, or another process's: left)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        gone.append(str(entry))
+    if gone:
+        log.info("removed %d whole copies' directories left by processes gone: %s", len(gone), ", ".join(gone))
+    return gone
 
 CHUNK = 1 << 20  # bytes of a whole copy per frame
 
@@ -54,7 +94,8 @@ def send(shard: Shard, log_: ReplicatedLog, epoch: int, sent: list[int]) -> Gene
     """A whole copy: a checkpoint taken now, sent file by file; its LSN (records follow from there; ``sent`` holds the
     LSN the backup may acknowledge)."""
     meta, arrays, _ = shard.snapshot()
-    with tempfile.TemporaryDirectory(prefix="shardps-copy-") as tmp:
+    tmp = scratch("out")
+    try:
         path = pathlib.Path(tmp) / "checkpoint"
         checkpoints.write(path, meta, arrays)
         del arrays
@@ -69,6 +110,8 @@ def send(shard: Shard, log_: ReplicatedLog, epoch: int, sent: list[int]) -> Gene
         finally:
             if meta.get("disk_tier") and tiers is not None:
                 tiers.remove_checkpoint(meta["disk_tier"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     history = log_.history
     sent[0] = int(meta["lsn"])  # acknowledged once the backup installed it
     yield Frame(epoch, copied=int(meta["lsn"]), history=[(e, s) for e, s in history])
@@ -92,7 +135,7 @@ class IncomingCopy:
     """The files of a whole copy as they arrive, in a temporary directory."""
 
     def __init__(self) -> None:
-        self.dir = pathlib.Path(tempfile.mkdtemp(prefix="shardps-copy-in-"))
+        self.dir = pathlib.Path(scratch("in"))
 
     def path(self, name: str) -> pathlib.Path:
         return self.dir / name

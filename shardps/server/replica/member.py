@@ -38,6 +38,7 @@ from typing import Any, Optional
 from shardps.core.errors import InvalidArgument, NotPrimary, Unavailable
 from shardps.server.durability import modes as durability
 from shardps.server.durability.replication import ReplicatedLog, Shipped
+from shardps.server.replica import copies
 from shardps.server.replica.coordination import Coordinator, EtcdUnavailable, Primary
 from shardps.server.replica.copies import IncomingCopy, install
 from shardps.server.replica.frames import Connect, Hello, Stream
@@ -141,6 +142,7 @@ class ReplicaMember:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> ReplicaMember:
+        copies.sweep()  # whole copies' files that members killed mid-copy left in the temporary directory
         self.coord.start()
         self._publish()
         for target, name in ((self._elect_loop, "replica-election"), (self._follow_loop, "replica-follow")):
