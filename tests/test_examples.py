@@ -53,8 +53,9 @@ def test_examples_run_under_torchrun(tmp_path):
     with LocalCluster(2) as cluster:
         cluster.write_cluster_file(str(tmp_path / "c.json"))
         out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", f"{EXAMPLES}.lstm_lm",
-             "--cluster-file", str(tmp_path / "c.json"), "--steps", "20", "--mode", "sync"],
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "--log-dir", str(tmp_path / "torchrun"),  # (else a torchelastic_* directory left in /tmp)
+             "-m", f"{EXAMPLES}.lstm_lm", "--cluster-file", str(tmp_path / "c.json"), "--steps", "20", "--mode", "sync"],
             cwd=ROOT, capture_output=True, text=True, timeout=240,
         )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
