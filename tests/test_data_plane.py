@@ -18,6 +18,7 @@ import pytest
 import torch
 import zmq
 from shardps_client import SGD, TLS, Client, Initializer
+from shardps_client.errors import ShardpsError
 
 from shardps.core import codec, protocol
 from shardps.core.seal import HELLO_AAD, TO_CLIENT, TO_SHARD, Seal
@@ -110,6 +111,19 @@ def test_a_client_connects_its_data_planes_once_its_shards_answered_not_at_its_f
             c.create_table("t", dim=2, num_embeddings=10)
             c.pull("t", torch.arange(3))
             assert c.transport.data_planes() == ["zmq-shm"]
+    finally:
+        shard.terminate()
+    # A client refused once its lanes were opening (2 workers where the shard takes 1: its first heartbeat is refused)
+    # leaves no thread behind (a lane's holds a connection and a region): the caller has no client to close.
+    shard = start_shard(0, 1, tmp_path, extra=["--max-workers", "1"])
+    try:
+        with pytest.raises(ShardpsError, match="workers"):
+            Client([shard.address], timeout=10, retry_timeout=1, rank=1, world_size=2)
+        deadline = time.monotonic() + 30
+        while any(t.name.startswith(("shardps-data-", "shardps-client", "shardps-heartbeat"))
+                  for t in threading.enumerate()):
+            assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+            time.sleep(0.05)
     finally:
         shard.terminate()
 

@@ -129,25 +129,34 @@ class Client(ClusterMethods, DenseMethods):
                               data_plane or os.environ.get("SHARDPS_DATA_PLANE") or "zmq", client_id, stale_reads)
         n = len(addresses)
         pool = ThreadPoolExecutor(max_workers=max(4, 4 * n), thread_name_prefix="shardps-client")
-        pushes = PushPipeline(transport, n, max_message_bytes, max_inflight_pushes)
-        worker = WorkerClock(transport, lambda: self._session.active_shards(), rank, world_size, ssp_bound,
-                             pool.submit)
-        self._session = Session(addresses, timeout, retry_timeout, code, max_message_bytes, read_your_writes,
-                                client_id, transport, Catalog(transport), pushes, worker, pool)
-        pushes.replan, pushes.run_async = self._session.replan, pool.submit
-        self._caches = CachedTables(self._session)
-        self._pulls = Pulls(self._session, self._caches)
-        self._dense = DenseTensors(self._session)
-        self._cluster = ClusterOps(self._session, self.flush, self.pull)
-        self._hold: Optional[PushHold] = None  # defer_pushes
-        self._closed = False
-        infos = []
-        if check_shard_map:
-            infos = self.check_shard_map()
-            for lane in transport.lanes:  # every shard answered: the data planes' connections are made while we go on
-                getattr(lane, "open", lambda: None)()
-        set_torch_threads(torch_threads, addresses, infos)
-        self.worker.start(heartbeat_s)
+        self._closed = True  # until made: a client refused here (a rank, a shard map, a token) leaves nothing running
+        worker: Optional[WorkerClock] = None
+        try:
+            pushes = PushPipeline(transport, n, max_message_bytes, max_inflight_pushes)
+            worker = WorkerClock(transport, lambda: self._session.active_shards(), rank, world_size, ssp_bound,
+                                 pool.submit)
+            self._session = Session(addresses, timeout, retry_timeout, code, max_message_bytes, read_your_writes,
+                                    client_id, transport, Catalog(transport), pushes, worker, pool)
+            pushes.replan, pushes.run_async = self._session.replan, pool.submit
+            self._caches = CachedTables(self._session)
+            self._pulls = Pulls(self._session, self._caches)
+            self._dense = DenseTensors(self._session)
+            self._cluster = ClusterOps(self._session, self.flush, self.pull)
+            self._hold: Optional[PushHold] = None  # defer_pushes
+            infos = []
+            if check_shard_map:
+                infos = self.check_shard_map()
+                for lane in transport.lanes:  # every shard answered: the data planes' connections made as we go on
+                    getattr(lane, "open", lambda: None)()
+            set_torch_threads(torch_threads, addresses, infos)
+            worker.start(heartbeat_s)
+            self._closed = False
+        except BaseException:
+            if worker is not None:
+                worker.stop()
+            pool.shutdown(wait=True)
+            transport.close()
+            raise
 
     @classmethod
     def from_file(cls, path: str, **kwargs: Any) -> Client:
