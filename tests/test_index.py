@@ -391,3 +391,45 @@ def test_a_growing_tables_next_rows_get_their_pages_ahead_within_its_window_and_
     hot = RowStore("t", 64, {}, 10**8, 400_000, MemoryBudget(1 << 40), 2**31 - 1, sized=True)
     hot.append(np.arange(1000), np.ones((1000, 64), np.float32))
     assert not hot._queued and hot._asked == 0 and _resident_rows(hot.rows, 1000 + huge, 400_000)[0] == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_pages_ahead_are_bounded_across_a_shards_tables_and_shared_as_their_rows_arrive():
+    """Pages made ahead are resident and not charged: a shard's tables together make at most AHEAD_SHARD_BYTES of
+    them (26 empty tables must not each take AHEAD_BYTES), each its share; a table's rows that arrive, or a table
+    dropped, give the room back to the others."""
+    from shardps.core import memory
+    from shardps.server.storage.budget import AHEAD_SHARD_BYTES, MemoryBudget
+    from shardps.server.storage.rows import AHEAD_BYTES, RowStore
+
+    if not memory.can_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    budget = MemoryBudget(1 << 40)
+
+    def table(name: str) -> RowStore:  # an eighth of its million reserved rows is past AHEAD_BYTES
+        return RowStore(name, 64, {}, 10**8, 1_000_000, budget, 2**31 - 1)
+
+    a, b, c = table("a"), table("b"), table("c")
+    per = AHEAD_BYTES // a.row_bytes
+    assert (a._asked, b._asked, c._asked) == (per, per, 0)  # the shard's pages ahead are all a's and b's
+    assert budget.ahead_bytes == 2 * per * a.row_bytes <= AHEAD_SHARD_BYTES
+    for s in (a, b, c):
+        _wait_made(s)
+    assert _resident_rows(c.rows, 0, 100_000)[0] == 0
+    # Rows arriving in a and b: what they ask for again is their share of three (a third each), and c's rows find
+    # the room that frees.
+    share = AHEAD_SHARD_BYTES // 3 // a.row_bytes
+    for s in (a, b):
+        s.append(np.arange(per - per // 4), np.ones((per - per // 4, 64), np.float32))
+        assert s._asked - s.n <= share
+    c.append(np.arange(10), np.ones((10, 64), np.float32))
+    assert 0 < c._asked - c.n <= share
+    assert budget.ahead_bytes <= AHEAD_SHARD_BYTES
+    # A table dropped gives its pages ahead back: two tables left, a half each (c asks again once its rows have used
+    # half of its window).
+    a.release()
+    c.append(np.arange(10, 70_000), np.ones((69_990, 64), np.float32))
+    assert share < c._asked - c.n <= AHEAD_SHARD_BYTES // 2 // c.row_bytes
+    assert budget.ahead_bytes <= AHEAD_SHARD_BYTES
+    for s in (a, b, c):
+        _wait_made(s)

@@ -8,6 +8,9 @@ from typing import Optional
 from shardps.core.errors import ResourceExhausted
 
 MIB = 1 << 20
+# Pages made ahead of a growing table's rows (``RowStore._make_ahead``) are resident but not charged until their rows
+# arrive: at most this many bytes of them in all of a shard's tables, and never more than the budget has left.
+AHEAD_SHARD_BYTES = 64 << 20
 
 
 class MemoryBudget:
@@ -17,6 +20,8 @@ class MemoryBudget:
         self.limit = limit_bytes
         self.used = 0
         self._lock = threading.Lock()
+        self._ahead: dict[int, int] = {}  # a store's key -> bytes of pages made (or asked) ahead of its rows
+        self._ahead_total = 0
 
     def charge(self, nbytes: int, what: str) -> None:
         """Reserve ``nbytes`` or raise ResourceExhausted without reserving anything."""
@@ -32,6 +37,35 @@ class MemoryBudget:
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.used = max(0, self.used - nbytes)
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes of pages made (or asked) ahead of rows in all of the shard's tables: resident, not charged."""
+        return self._ahead_total
+
+    def ahead(self, key: int, outstanding: int, want: int, unit: int = 1) -> int:
+        """A store (``key``) holds ``outstanding`` bytes of pages made ahead of its rows and would make ``want`` more:
+        the bytes it may make (0..want), then counted as its own. With every other store's pages ahead, no more than
+        ``AHEAD_SHARD_BYTES`` in all, nor than the budget has left; and no store more than its share of them (the
+        stores that asked, alike). Each store's count falls as its rows arrive and are charged, so the room of one
+        that found none returns as the others' rows arrive."""
+        with self._lock:
+            others = self._ahead_total - self._ahead.get(key, 0)
+            self._count_ahead(key, outstanding)
+            share = AHEAD_SHARD_BYTES // len(self._ahead)  # each store counted, with pages ahead or not
+            room = min(AHEAD_SHARD_BYTES - others, self.limit - self.used - others, share) - outstanding
+            grant = max(0, min(want, room)) // unit * unit  # (in whole rows of ``unit`` bytes)
+            self._count_ahead(key, outstanding + grant)
+            return grant
+
+    def ahead_gone(self, key: int) -> None:
+        """A store's pages ahead are no longer its own to count (it was dropped, or is gone)."""
+        with self._lock:
+            self._ahead_total -= self._ahead.pop(key, 0)
+
+    def _count_ahead(self, key: int, nbytes: int) -> None:
+        self._ahead_total += nbytes - self._ahead.get(key, 0)
+        self._ahead[key] = nbytes
 
 
 def optional_budget(budget: Optional[MemoryBudget]) -> MemoryBudget:

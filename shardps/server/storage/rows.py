@@ -31,7 +31,8 @@ META = np.dtype([("last_version", np.int64), ("steps", np.int32), ("last_time", 
 META_BYTES_PER_ROW = META.itemsize  # 24: 20 of fields, 4 of padding (records of whole 8-byte words)
 # A growing table's arrays get their next rows' pages made ahead of the rows, in the background (``memory.populate``):
 # an eighth of the rows reserved or a quarter of those held, whichever is more, at most this many bytes of the
-# per-row arrays and never more than the memory budget has left. Made a step (2 MiB of rows) at a time.
+# per-row arrays; in all of a shard's tables no more than ``budget.AHEAD_SHARD_BYTES``, and never more than the memory
+# budget has left. Made a step (2 MiB of the per-row arrays) at a time.
 AHEAD_BYTES = 32 << 20
 AHEAD_STEP_BYTES = 2 << 20
 
@@ -74,6 +75,8 @@ class RowStore:
         self._made = 0  # slots whose pages are made (below it a row's first write faults nothing)
         self._asked = 0  # slots whose pages are asked for
         self._queued = False  # a step of it is on the page-making thread's list
+        if self._ahead:
+            weakref.finalize(self, budget.ahead_gone, id(self))
         self._make_ahead()
 
     def _meta_fields(self) -> None:
@@ -106,9 +109,10 @@ class RowStore:
         self.charged += nbytes
 
     def release(self) -> None:
-        """Give every byte back to the budget (the table was dropped or replaced)."""
+        """Give every byte back to the budget (the table was dropped or replaced), and its pages made ahead."""
         self.budget.release(self.charged)
         self.charged = 0
+        self.budget.ahead_gone(id(self))  # (counted again as rows arrive, for a store that loads a snapshot)
 
     @property
     def row_bytes(self) -> int:
@@ -177,12 +181,15 @@ class RowStore:
         if not self._ahead or not memory.can_populate():
             return
         cap, row_bytes = self.rows.shape[0], self.row_bytes
-        headroom = max(0, self.budget.limit - self.budget.used) // row_bytes
-        window = min(max(cap // 8, self.n // 4), AHEAD_BYTES // row_bytes, headroom, cap - self.n)
+        window = min(max(cap // 8, self.n // 4), AHEAD_BYTES // row_bytes, cap - self.n)
         with self._ahead_lock:
-            if window <= 0 or self._asked - self.n >= window // 2 + 1:
+            outstanding = max(0, self._asked - self.n)
+            want = window - outstanding if window > 0 and outstanding < window // 2 + 1 else 0
+            # (the budget counts this store's pages ahead as they are now, so that others' room follows its rows)
+            more = self.budget.ahead(id(self), outstanding * row_bytes, want * row_bytes, row_bytes) // row_bytes
+            if more <= 0:
                 return
-            self._asked = self.n + window
+            self._asked = self.n + outstanding + more
             if self._queued:
                 return
             self._queued = True
@@ -233,8 +240,9 @@ class RowStore:
             for arr in self.per_row():
                 release_pages(arr, slot)
             self._made = min(self._made, slot)
-        with self._ahead_lock:
-            self._asked = min(self._asked, slot)
+            with self._ahead_lock:  # (before a step waiting for the map lock could make them again)
+                self._asked = min(self._asked, slot)
+                self.budget.ahead(id(self), max(0, self._asked - self.n) * self.row_bytes, 0)
 
     # ---- copies ------------------------------------------------------------------------
 
@@ -279,10 +287,15 @@ def _ahead_step(ref: weakref.ref) -> bool:
     with store._map_lock:
         start = max(store._made, store.n)  # (rows below n are written: their pages are made)
         with store._ahead_lock:
-            end = min(store._asked, store.rows.shape[0], start + max(1, AHEAD_STEP_BYTES // (4 * store.dim)))
+            end = min(store._asked, store.rows.shape[0], start + max(1, AHEAD_STEP_BYTES // store.row_bytes))
             if start >= end:
                 store._queued = False
                 return False
-        store._populate(start, end)
+        try:
+            store._populate(start, end)
+        except BaseException:
+            with store._ahead_lock:  # (the thread drops a step that failed: asked again as rows arrive)
+                store._queued = False
+            raise
         store._made = end
     return True
