@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from shardps_client import SGD, Client, Initializer, NotPrimaryError
+from shardps_client.errors import InvalidArgumentError
 
 from shardps.core.errors import InvalidArgument, NotPrimary
 from shardps.server.durability.modes import NoDurability
@@ -401,6 +402,13 @@ def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothin
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (table, refused.value.details())
             assert trailers.get(status.KIND_METADATA) == "not_primary", (table, trailers)
             assert trailers.get(status.REDIRECT_METADATA) == primary, (table, trailers)
+        req = wire.encode_push("x" * 100_000, np.ones((2, 2), np.float32), pb.FLOAT32, ids=np.arange(2, dtype=np.int64),
+                               shard_map=pb.ShardMap(shard_index=0, num_shards=1))
+        with grpc.insecure_channel(backup) as ch, pytest.raises(grpc.RpcError) as refused:  # its name is not echoed
+            ch.unary_unary("/shardps.v1.Shard/Push", response_deserializer=pb.PushResponse.FromString)(bytes(req),
+                                                                                                      timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(refused.value.details()) < 300, \
+            refused.value.details()[:300]
         # Election keys: a member key of garbage is ignored; a primary key of garbage is followed by nobody.
         coord = Coordinator(etcd.url, "t", 0, "tester")
         coord._post("/kv/put", {"key": _b64(coord.prefix + "members/junk"), "value": _b64("{not json")})
@@ -409,6 +417,33 @@ def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothin
         with Client([g.addresses]) as c:
             torch.testing.assert_close(c.pull("cnt", torch.arange(10))[:, 0], torch.full((10,), -1.0))
             assert c.shard_info()[0].replica.lsn == info.lsn
+        # A dense tensor registered on the primary without values: a backup sent its values refuses them before it
+        # sets any row (it set them, then found it could record nothing: its rows and the primary's differed).
+        from shardps.core.specs import DenseSpec, dense_spec_from_pb, dense_spec_to_pb
+
+        spec = dense_spec_to_pb(DenseSpec("w", (4, 2)))
+        shard_map = pb.ShardMap(shard_index=0, num_shards=1)
+
+        def register(address: str, values: np.ndarray | None) -> pb.RegisterDenseResponse:
+            req = pb.RegisterDenseRequest(spec=spec, shard_map=shard_map)
+            if values is not None:
+                req.values.CopyFrom(pb.Tensor(dtype=pb.FLOAT32, shape=list(values.shape), data=values.tobytes()))
+            with grpc.insecure_channel(address) as ch:
+                return ch.unary_unary("/shardps.v1.Shard/RegisterDense", request_serializer=pb.RegisterDenseRequest.
+                                      SerializeToString, response_deserializer=pb.RegisterDenseResponse.FromString)(
+                    req, timeout=10)
+
+        assert register(primary, None).created and dense_spec_from_pb(spec).name == "w"
+        deadline = time.monotonic() + 30
+        while g.info((m + 1) % 3).lsn < g.info(m).lsn:  # the backup holds the tensor (no values yet)
+            assert time.monotonic() < deadline, "the backup did not catch up"
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as refused:
+            register(backup, np.full((4, 2), 7.0, np.float32))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        with Client([backup], check_shard_map=False, timeout=10) as direct:
+            with pytest.raises(InvalidArgumentError, match="not initialised"):  # still no values on the backup
+                direct.pull_dense("w")
     finally:
         g.kill_all()
         if left.exists():

@@ -455,7 +455,9 @@ class Shard(ShardCuts):
         t.check_ids(ids)
         if not np.isfinite(values).all():
             raise InvalidArgument(f"{spec.name}: initial values contain NaN or Inf")
-        with self.registry.lock:  # log order = application order for first-writer-wins
+        # Log order = application order for first-writer-wins; a replica group's member that is not its primary applies
+        # nothing (origin: NotPrimary before the assign; it had set the rows, then found it could record nothing).
+        with self.registry.lock, self.durability.origin():
             initialized = t.assign(ids, values, stamp=self.version + 1)
             ticket = self._record(durability.record_register_dense, spec, row_start, values) if initialized or created else 0
         self.durability.wait(ticket, durable=True)

@@ -72,6 +72,7 @@ class Validator:
     def push(self, name: str, ids: np.ndarray, grads: np.ndarray, sync: Optional[SyncPart] = None) -> Table:
         """Check a row push without applying it; returns its table. A member that is not its group's primary refuses
         it before it looks for the table (it may lack one the primary has: the client goes on to the primary)."""
+        self.registry.check_name(name)  # (before a refusal names it)
         self.writable(f"a push to {name!r}")
         t = self.registry.get(name, dense=False)
         self.check_ids_count(ids)
@@ -85,6 +86,7 @@ class Validator:
 
     def assign(self, name: str, ids: np.ndarray, values: np.ndarray) -> tuple[Table, np.ndarray, np.ndarray]:
         """Check an assignment of rows; returns its table and the ids and values sorted by id."""
+        self.registry.check_name(name)
         self.writable(f"assigning rows of {name!r}")
         t = self.registry.get(name, dense=False)
         self.check_ids_count(ids)
@@ -120,6 +122,7 @@ class Validator:
     def push_dense(self, name: str, row_start: int, grads: np.ndarray,
                    sync: Optional[SyncPart] = None) -> tuple[Table, np.ndarray]:
         """Check a dense push without applying it; returns its table and row ids."""
+        self.registry.check_name(name)
         self.writable(f"a push to {name!r}")
         t = self.registry.get(name, dense=True)
         if grads.ndim != 2:
