@@ -117,12 +117,13 @@ def test_a_client_connects_its_data_planes_once_its_shards_answered_not_at_its_f
     # leaves no thread behind (a lane's holds a connection and a region): the caller has no client to close.
     shard = start_shard(0, 1, tmp_path, extra=["--max-workers", "1"])
     try:
+        before = set(threading.enumerate())  # (threads other tests of this worker left are not this client's)
         with pytest.raises(ShardpsError, match="workers"):
             Client([shard.address], timeout=10, retry_timeout=1, rank=1, world_size=2)
         deadline = time.monotonic() + 30
-        while any(t.name.startswith(("shardps-data-", "shardps-client", "shardps-heartbeat"))
-                  for t in threading.enumerate()):
-            assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        while left := [t.name for t in set(threading.enumerate()) - before
+                       if t.name.startswith(("shardps-data-", "shardps-client", "shardps-heartbeat"))]:
+            assert time.monotonic() < deadline, left
             time.sleep(0.05)
     finally:
         shard.terminate()

@@ -431,5 +431,18 @@ def test_pages_ahead_are_bounded_across_a_shards_tables_and_shared_as_their_rows
     c.append(np.arange(10, 70_000), np.ones((69_990, 64), np.float32))
     assert share < c._asked - c.n <= AHEAD_SHARD_BYTES // 2 // c.row_bytes
     assert budget.ahead_bytes <= AHEAD_SHARD_BYTES
-    for s in (a, b, c):
-        _wait_made(s)
+    for store in (a, b, c):
+        _wait_made(store)
+    # A store garbage-collected without a release (its finalizer takes no lock: it may run inside any allocation of a
+    # thread holding the budget's) gives its count back too.
+    import gc
+
+    before = budget.ahead_bytes
+    with budget._lock:
+        budget.ahead_collected(id(b))  # what the finalizer does, here while the lock is held: no deadlock
+    assert budget.ahead_bytes == before - (b._asked - b.n) * b.row_bytes
+    del a, b, store
+    gc.collect()
+    assert budget.ahead_bytes == (c._asked - c.n) * c.row_bytes
+    c.release()
+    assert budget.ahead_bytes == 0

@@ -335,25 +335,28 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_whole_copies_left_by_killed_members_are_swept_and_only_theirs(tmp_path):
+def test_whole_copies_left_by_killed_members_are_swept_and_only_theirs(tmp_path, monkeypatch):
     """A member killed mid-copy leaves its copy's directory in the temporary directory; the sweep a member makes as
-    it starts removes those whose pid no process has, and nothing else."""
+    it starts removes those whose pid no process has, and those bearing its own pid that are not its copies in
+    progress (a container's processes often get the same pid each time), and nothing else."""
+    import tempfile
+
     from shardps.server.replica import copies
 
-    dead = _dead_pid()
-    names = [f"shardps-copy-in-{dead}-a", f"shardps-copy-out-{dead}-b", f"shardps-copy-in-{os.getpid()}-c",
-             "shardps-copy-in-x-d", "shardps-copy-d", f"other-{dead}"]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the copies' directories made here
+    dead, me, live = _dead_pid(), os.getpid(), os.getppid()
+    mine = pathlib.Path(copies.scratch("in"))  # a copy of ours in progress
+    assert mine.parent == tmp_path and copies.SCRATCH.match(mine.name).group(1) == str(me)
+    names = [f"shardps-copy-in-{dead}-a", f"shardps-copy-out-{dead}-b", f"shardps-copy-in-{me}-stale",
+             f"shardps-copy-in-{live}-c", "shardps-copy-in-x-d", "shardps-copy-d", f"other-{dead}"]
     for n in names:
         (tmp_path / n).mkdir()
         (tmp_path / n / "checkpoint").write_bytes(b"x" * 10)
     (tmp_path / f"shardps-copy-in-{dead}-file").write_bytes(b"not a directory")
-    assert sorted(copies.sweep(str(tmp_path))) == sorted(str(tmp_path / n) for n in names[:2])
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:] + [f"shardps-copy-in-{dead}-file"])
-    mine = pathlib.Path(copies.scratch("in"))  # a copy's directory names its process, as the sweep reads it
-    try:
-        assert mine.is_dir() and copies.SCRATCH.match(mine.name).group(1) == str(os.getpid())
-    finally:
-        mine.rmdir()
+    assert sorted(copies.sweep(str(tmp_path))) == sorted(str(tmp_path / n) for n in names[:3])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[3:] + [f"shardps-copy-in-{dead}-file", mine.name])
+    copies.scratch_done(str(mine))  # its end: gone, and no longer ours
+    assert not mine.exists() and mine.name not in copies._MINE
 
 
 def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothing(tmp_path, etcd):

@@ -107,7 +107,9 @@ class Workload:
 def _stalls(events: list[Event], ops: list[history.Op], end: float, settle_s: float = 10.0) -> list[tuple[str, float]]:
     """Per fault of a primary and per client: (the fault's name, the longest the client went without an
     acknowledgment from the fault until ``settle_s`` after the heal that lifted it; the whole window when none
-    came)."""
+    came), among the client's operations on the faulted group. A client that asked nothing of that group in the
+    window (none of its operations in flight at the fault or invoked before the window's end) has no stall there to
+    measure: left out (a reshard's spare group before its first slots, a group that owns few)."""
     out = []
     clients = sorted({o.client for o in ops})
     for i, ev in enumerate(events):
@@ -118,8 +120,10 @@ def _stalls(events: list[Event], ops: list[history.Op], end: float, settle_s: fl
                      end)  # the next fault's stall is its own
         stop = min(end, heal + settle_s, after)
         for c in clients:
-            oks = sorted(o.completed for o in ops if o.client == c and o.outcome == "ok" and o.completed
-                         and ev.t < o.completed <= stop and ev.group in (o.shards or [ev.group]))
+            mine = [o for o in ops if o.client == c and ev.group in (o.shards or [ev.group])]
+            if not any(o.invoked <= stop and (o.completed is None or o.completed > ev.t) for o in mine):
+                continue
+            oks = sorted(o.completed for o in mine if o.outcome == "ok" and o.completed and ev.t < o.completed <= stop)
             if not oks:
                 out.append((ev.name, stop - ev.t))
                 continue

@@ -26,11 +26,20 @@ from shardps.server.shard.recovery import load_state
 log = logging.getLogger(__name__)
 
 SCRATCH = re.compile(r"shardps-copy-(?:in|out)-(\d+)-")
+_MINE: set[str] = set()  # this process's copies' directories in use (a leftover may bear our pid: a container's)
 
 
 def scratch(kind: str) -> str:
     """A new directory for one copy's files (``kind``: out, the primary's; in, the backup's), named with our pid."""
-    return tempfile.mkdtemp(prefix=f"shardps-copy-{kind}-{os.getpid()}-")
+    path = tempfile.mkdtemp(prefix=f"shardps-copy-{kind}-{os.getpid()}-")
+    _MINE.add(os.path.basename(path))
+    return path
+
+
+def scratch_done(path: str) -> None:
+    """A copy's directory, removed (at its end)."""
+    _MINE.discard(os.path.basename(path))
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def sweep(root: str = "") -> list[str]:
@@ -46,13 +55,18 @@ def sweep(root: str = "") -> list[str]:
         m = SCRATCH.match(entry.name)
         if m is None or not entry.is_dir() or entry.is_symlink():
             continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # a live process has that pid (its own copy, or another process's: left)
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
-            continue
+        pid = int(m.group(1))
+        if pid == os.getpid():
+            if entry.name in _MINE:
+                continue  # a copy of ours, in progress
+        else:
+            try:
+                os.kill(pid, 0)
+                continue  # a live process has that pid (its own copy, or another process's: left)
+            except ProcessLookupError:
+                pass
+            except (PermissionError, OverflowError):
+                continue
         shutil.rmtree(entry, ignore_errors=True)
         gone.append(str(entry))
     if gone:
@@ -111,7 +125,7 @@ def send(shard: Shard, log_: ReplicatedLog, epoch: int, sent: list[int]) -> Gene
             if meta.get("disk_tier") and tiers is not None:
                 tiers.remove_checkpoint(meta["disk_tier"])
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        scratch_done(tmp)
     history = log_.history
     sent[0] = int(meta["lsn"])  # acknowledged once the backup installed it
     yield Frame(epoch, copied=int(meta["lsn"]), history=[(e, s) for e, s in history])
@@ -152,4 +166,4 @@ class IncomingCopy:
             f.write(data)
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        scratch_done(str(self.dir))

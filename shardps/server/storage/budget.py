@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Optional
 
@@ -22,6 +23,7 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._ahead: dict[int, int] = {}  # a store's key -> bytes of pages made (or asked) ahead of its rows
         self._ahead_total = 0
+        self._collected: collections.deque[int] = collections.deque()  # keys of stores garbage-collected
 
     def charge(self, nbytes: int, what: str) -> None:
         """Reserve ``nbytes`` or raise ResourceExhausted without reserving anything."""
@@ -41,7 +43,9 @@ class MemoryBudget:
     @property
     def ahead_bytes(self) -> int:
         """Bytes of pages made (or asked) ahead of rows in all of the shard's tables: resident, not charged."""
-        return self._ahead_total
+        with self._lock:
+            self._drain_collected()
+            return self._ahead_total
 
     def ahead(self, key: int, outstanding: int, want: int, unit: int = 1) -> int:
         """A store (``key``) holds ``outstanding`` bytes of pages made ahead of its rows and would make ``want`` more:
@@ -50,6 +54,7 @@ class MemoryBudget:
         stores that asked, alike). Each store's count falls as its rows arrive and are charged, so the room of one
         that found none returns as the others' rows arrive."""
         with self._lock:
+            self._drain_collected()
             others = self._ahead_total - self._ahead.get(key, 0)
             self._count_ahead(key, outstanding)
             share = AHEAD_SHARD_BYTES // len(self._ahead)  # each store counted, with pages ahead or not
@@ -61,7 +66,17 @@ class MemoryBudget:
     def ahead_gone(self, key: int) -> None:
         """A store's pages ahead are no longer its own to count (it was dropped, or is gone)."""
         with self._lock:
+            self._drain_collected()
             self._ahead_total -= self._ahead.pop(key, 0)
+
+    def ahead_collected(self, key: int) -> None:
+        """A store was garbage-collected (its finalizer): its count goes at the next call that takes the lock. Takes
+        no lock itself: a collection may run inside any allocation, of a thread that holds it."""
+        self._collected.append(key)
+
+    def _drain_collected(self) -> None:
+        while self._collected:  # (before a new store can be given a collected one's key: its finalizer ran first)
+            self._ahead_total -= self._ahead.pop(self._collected.popleft(), 0)
 
     def _count_ahead(self, key: int, nbytes: int) -> None:
         self._ahead_total += nbytes - self._ahead.get(key, 0)

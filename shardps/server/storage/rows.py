@@ -76,7 +76,7 @@ class RowStore:
         self._asked = 0  # slots whose pages are asked for
         self._queued = False  # a step of it is on the page-making thread's list
         if self._ahead:
-            weakref.finalize(self, budget.ahead_gone, id(self))
+            weakref.finalize(self, budget.ahead_collected, id(self))
         self._make_ahead()
 
     def _meta_fields(self) -> None:
