@@ -4,7 +4,8 @@ gathers them (``IncomingCopy``) and installs them as its state and its newest ch
 
 Both ends work in a directory of the system's temporary directory named with their pid
 (``shardps-copy-{out,in}-<pid>-*``), gone when the copy ends; one that a member killed mid-copy left behind is removed
-by the next member started on the machine (``sweep``), once no process has its pid."""
+by the next member started on the machine (``sweep``), once no process has its pid (or it bears that member's own pid,
+as a container's processes often get, and is not one of its copies in progress)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def scratch_done(path: str) -> None:
 
 def sweep(root: str = "") -> list[str]:
     """Remove the copies' directories that processes gone (killed mid-copy) left in ``root`` (the system's temporary
-    directory); those of live pids stay. Returns the paths removed."""
+    directory); those of other live pids, and our own copies in progress, stay. Returns the paths removed."""
     gone: list[str] = []
     try:
         entries = list(pathlib.Path(root or tempfile.gettempdir()).iterdir())
