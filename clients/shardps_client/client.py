@@ -89,7 +89,8 @@ class Client(ClusterMethods, DenseMethods):
         torch_threads: torch's intra-op threads in this process. "auto" (the default):
             when shards run on this machine (a loopback address, or a shard whose
             ShardInfo says it runs under this kernel: another network namespace or
-            container here) and neither OMP_NUM_THREADS nor an earlier
+            container here; with ``check_shard_map=False`` no ShardInfo is asked, so only
+            loopback addresses count) and neither OMP_NUM_THREADS nor an earlier
             ``torch.set_num_threads`` chose otherwise, one thread per core those
             shards leave free (at least 1), because torch's idle threads spin and take
             the shards' cores. An int: that many. None: leave torch alone.
