@@ -69,14 +69,14 @@ def main(argv: list[str]) -> int:
         while not os.path.exists(stop_file) and k < OPS_PER_CLIENT:
             ids = [own_row(index, k), *rng.choice(SHARED, size=SHARED_PER_OP, replace=False).tolist()]
             rec.invoke(k, ids, shards_of(c, ids))
+            outcome, error = "ok", ""
             try:
                 c.push(TABLE, torch.tensor(ids), torch.full((len(ids), 1), -1.0), wait=True)
             except (InvalidArgumentError, TableNotFoundError) as e:  # refused before anything was applied
-                rec.complete(k, "fail", f"{type(e).__name__}: {e}", shards_of(c, ids))
+                outcome, error = "fail", f"{type(e).__name__}: {e}"
             except Exception as e:  # noqa: BLE001 - anything else may have been applied: unknown
-                rec.complete(k, "info", f"{type(e).__name__}: {e}", shards_of(c, ids))
-            else:
-                rec.complete(k, "ok", shards=shards_of(c, ids))
+                outcome, error = "info", f"{type(e).__name__}: {e}"
+            rec.complete(k, outcome, error, shards_of(c, ids))
             k += 1
             if gap_s:
                 time.sleep(gap_s)

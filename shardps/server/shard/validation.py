@@ -38,6 +38,14 @@ class Validator:
         if self.guard is not None:
             self.guard(what)
 
+    def _to_change(self, name: str, dense: bool, what: str) -> Table:
+        """The table a change names, once this shard may make it: a member that is not its group's primary refuses
+        before it looks for the table (it may lack one the primary has: the client goes on to the primary), and the
+        name is checked before a refusal quotes it."""
+        self.registry.check_name(name)
+        self.writable(what)
+        return self.registry.get(name, dense=dense)
+
     def check_shard_map(self, shard_index: int, num_shards: int, map_epoch: int = 0, map_id: str = "") -> None:
         """Refuse requests addressed to another shard, or naming another cluster's slot map or one from the future
         (count 0: no shard map given)."""
@@ -70,11 +78,8 @@ class Validator:
         return t
 
     def push(self, name: str, ids: np.ndarray, grads: np.ndarray, sync: Optional[SyncPart] = None) -> Table:
-        """Check a row push without applying it; returns its table. A member that is not its group's primary refuses
-        it before it looks for the table (it may lack one the primary has: the client goes on to the primary)."""
-        self.registry.check_name(name)  # (before a refusal names it)
-        self.writable(f"a push to {name!r}")
-        t = self.registry.get(name, dense=False)
+        """Check a row push without applying it; returns its table."""
+        t = self._to_change(name, False, f"a push to {name!r}")
         self.check_ids_count(ids)
         if sync is None or ids.size:  # a synchronous worker may contribute nothing to a step
             t.check_ids(ids)
@@ -86,9 +91,7 @@ class Validator:
 
     def assign(self, name: str, ids: np.ndarray, values: np.ndarray) -> tuple[Table, np.ndarray, np.ndarray]:
         """Check an assignment of rows; returns its table and the ids and values sorted by id."""
-        self.registry.check_name(name)
-        self.writable(f"assigning rows of {name!r}")
-        t = self.registry.get(name, dense=False)
+        t = self._to_change(name, False, f"assigning rows of {name!r}")
         self.check_ids_count(ids)
         t.check_ids(ids)
         if values.shape != (ids.shape[0], t.dim):
@@ -122,9 +125,7 @@ class Validator:
     def push_dense(self, name: str, row_start: int, grads: np.ndarray,
                    sync: Optional[SyncPart] = None) -> tuple[Table, np.ndarray]:
         """Check a dense push without applying it; returns its table and row ids."""
-        self.registry.check_name(name)
-        self.writable(f"a push to {name!r}")
-        t = self.registry.get(name, dense=True)
+        t = self._to_change(name, True, f"a push to {name!r}")
         if grads.ndim != 2:
             raise InvalidArgument(f"{name}: grads must be 2-D [rows, {t.dim}], got shape {list(grads.shape)}")
         ids = self.dense_rows(t, row_start, row_start + grads.shape[0])

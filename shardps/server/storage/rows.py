@@ -242,7 +242,8 @@ class RowStore:
             self._made = min(self._made, slot)
             with self._ahead_lock:  # (before a step waiting for the map lock could make them again)
                 self._asked = min(self._asked, slot)
-                self.budget.ahead(id(self), max(0, self._asked - self.n) * self.row_bytes, 0)
+                if self._ahead:  # (a store that makes none is not counted among those that do)
+                    self.budget.ahead(id(self), max(0, self._asked - self.n) * self.row_bytes, 0)
 
     # ---- copies ------------------------------------------------------------------------
 
