@@ -395,23 +395,22 @@ def test_bad_replication_streams_and_election_keys_are_refused_and_change_nothin
         # (a member left behind by an election may lack one): never NOT_FOUND, which a client does not retry.
         from shardps.core import status, wire
 
-        for table in ("cnt", "made-after"):
+        def refused_push(table: str) -> grpc.RpcError:
             req = wire.encode_push(table, np.ones((2, 2), np.float32), pb.FLOAT32, ids=np.arange(2, dtype=np.int64),
                                    shard_map=pb.ShardMap(shard_index=0, num_shards=1))
             with grpc.insecure_channel(backup) as ch, pytest.raises(grpc.RpcError) as refused:
-                ch.unary_unary("/shardps.v1.Shard/Push", response_deserializer=pb.PushResponse.FromString)(req,
-                                                                                                          timeout=10)
-            trailers = dict(refused.value.trailing_metadata() or ())
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (table, refused.value.details())
+                ch.unary_unary("/shardps.v1.Shard/Push", response_deserializer=pb.PushResponse.FromString)(
+                    bytes(req), timeout=10)
+            return refused.value
+
+        for table in ("cnt", "made-after"):
+            err = refused_push(table)
+            trailers = dict(err.trailing_metadata() or ())
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, (table, err.details())
             assert trailers.get(status.KIND_METADATA) == "not_primary", (table, trailers)
             assert trailers.get(status.REDIRECT_METADATA) == primary, (table, trailers)
-        req = wire.encode_push("x" * 100_000, np.ones((2, 2), np.float32), pb.FLOAT32, ids=np.arange(2, dtype=np.int64),
-                               shard_map=pb.ShardMap(shard_index=0, num_shards=1))
-        with grpc.insecure_channel(backup) as ch, pytest.raises(grpc.RpcError) as refused:  # its name is not echoed
-            ch.unary_unary("/shardps.v1.Shard/Push", response_deserializer=pb.PushResponse.FromString)(bytes(req),
-                                                                                                      timeout=10)
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(refused.value.details()) < 300, \
-            refused.value.details()[:300]
+        err = refused_push("x" * 100_000)  # its name is not echoed
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and len(err.details()) < 300, err.details()[:300]
         # Election keys: a member key of garbage is ignored; a primary key of garbage is followed by nobody.
         coord = Coordinator(etcd.url, "t", 0, "tester")
         coord._post("/kv/put", {"key": _b64(coord.prefix + "members/junk"), "value": _b64("{not json")})
