@@ -190,7 +190,7 @@ def run_session(scenarios: list[Scenario], scale: Scale, seed: int, out: pathlib
         r.applied_twice = sum((o.client, o.k) in keys for o in classes["twice"])
         r.divergent = divergent
         events = [Event(**e) for e in r.events]
-        r.stall_by_fault = _stalls(events, ops, end)
+        r.stall_by_fault = _stalls(events, ops, min(end, windows[i][1]))  # (the next scenario's faults are its own)
         r.stalls = [x for _, x in r.stall_by_fault]
         if r.stalls:
             r.stall_p50_s, r.stall_max_s = statistics.median(r.stalls), max(r.stalls)
