@@ -393,6 +393,53 @@ def test_a_growing_tables_next_rows_get_their_pages_ahead_within_its_window_and_
     assert not hot._queued and hot._asked == 0 and _resident_rows(hot.rows, 1000 + huge, 400_000)[0] == 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and MADV_POPULATE_WRITE are Linux's")
+def test_tables_that_stopped_growing_give_their_pages_ahead_to_one_that_found_no_room():
+    """The first tables of a shard take its AHEAD_SHARD_BYTES of pages ahead; once they have had no new row for
+    AHEAD_IDLE_S and another table found no room, the shard's sweeper hands their pages back to the OS (mincore: not
+    resident) and the other table's next rows get pages of their own. Without a table short of room, or before
+    AHEAD_IDLE_S, nothing is given back; a table that grows again asks again."""
+    from shardps.core import memory
+    from shardps.core.specs import TableSpec
+    from shardps.server.shard.limits import Limits
+    from shardps.server.shard.registry import TableRegistry
+    from shardps.server.storage import budget as budget_mod
+    from shardps.server.storage import rows as rows_mod
+
+    if not memory.can_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+    registry = TableRegistry(0, Limits())
+    owns = lambda ids: np.ones(ids.shape[0], bool)  # noqa: E731 - every id this shard's
+    a, b = (registry.new(TableSpec(name, 64, 10**8), owns, 1_000_000) for name in ("a", "b"))
+    per = rows_mod.AHEAD_BYTES // a.store.row_bytes
+    assert (a.store._asked, b.store._asked) == (per, per)
+    for t in (a, b):
+        _wait_made(t.store)
+    assert _resident_rows(a.store.rows, 0, per - 8192)[0] > 0
+    assert registry.give_back_pages_ahead() == 0  # nobody short of room yet
+    c = registry.new(TableSpec("c", 64, 10**8), owns, 1_000_000)
+    assert c.store._asked == 0 and registry.budget.short_within(1.0)  # c found no room
+    assert registry.give_back_pages_ahead() == 0  # a and b were made just now
+    a.store._grew_at -= budget_mod.AHEAD_IDLE_S  # as if AHEAD_IDLE_S had passed without a row
+    b.store._grew_at -= budget_mod.AHEAD_IDLE_S
+    assert registry.give_back_pages_ahead() == 2
+    for t in (a, b):
+        assert t.store._asked == t.store.n == 0
+        assert _resident_rows(t.store.rows, 0, per)[0] == 0  # handed back to the OS
+    assert registry.budget.ahead_bytes == 0
+    with c.lock:
+        c.read(np.arange(10))  # c's next rows: now it gets its pages ahead, its share of the three tables'
+    assert c.store._asked - c.store.n == budget_mod.AHEAD_SHARD_BYTES // 3 // c.store.row_bytes
+    _wait_made(c.store)
+    assert np.array_equal(c.read(np.arange(10)), c.read(np.arange(10)))
+    with a.lock:
+        a.apply(np.arange(5), np.ones((5, 64), np.float32))  # a grows again: asks again, within its share
+    assert 0 < a.store._asked - a.store.n <= budget_mod.AHEAD_SHARD_BYTES // 3 // a.store.row_bytes
+    assert registry.budget.ahead_bytes <= budget_mod.AHEAD_SHARD_BYTES
+    registry.clear()
+    assert registry.budget.ahead_bytes == 0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 def test_pages_ahead_are_bounded_across_a_shards_tables_and_shared_as_their_rows_arrive():
     """Pages made ahead are resident and not charged: a shard's tables together make at most AHEAD_SHARD_BYTES of

@@ -288,8 +288,13 @@ class ShardServer:
 
     def _sweep_loop(self) -> None:
         """Reclaim the memory of expired rows (TTL eviction), a slice of each table per second; the rows
-        already read as their initial value, so this only frees memory."""
+        already read as their initial value, so this only frees memory. And the pages made ahead of tables that
+        stopped growing, while another table finds no room for its own (``TableRegistry.give_back_pages_ahead``)."""
         while not self._stop.wait(SWEEP_INTERVAL_S):
+            try:
+                self.shard.registry.give_back_pages_ahead()
+            except Exception:
+                log.exception("giving back pages made ahead failed")
             if self.replica is not None and not self.replica.is_primary:
                 continue  # a backup's evictions are its primary's records
             try:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Optional, Union
 
 from shardps.core.errors import InvalidArgument, NotFound, clip
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.shard.limits import Limits
-from shardps.server.storage.budget import MemoryBudget
+from shardps.server.storage.budget import AHEAD_IDLE_S, MemoryBudget
 from shardps.server.storage.disk import DiskTiers
 from shardps.server.storage.table import Table
 
@@ -83,6 +84,18 @@ class TableRegistry:
     def tables(self) -> list[Table]:
         with self.lock:
             return list(self._tables.values())
+
+    def give_back_pages_ahead(self) -> int:
+        """Pages made ahead of tables that have had no new row for ``AHEAD_IDLE_S``, handed back while another table
+        finds no room for its own (the shard's sweeper, about once a second); how many tables gave some back."""
+        if not self.budget.short_within(AHEAD_IDLE_S):
+            return 0
+        now, gave = time.monotonic(), 0
+        for t in self.tables():
+            if t.store.idle_ahead(now):
+                with t.lock:
+                    gave += t.store.give_back_ahead(now)
+        return gave
 
     def sorted_items(self) -> list[tuple[str, Table]]:
         with self.lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Optional
 
 from shardps.core.errors import ResourceExhausted
@@ -12,6 +13,10 @@ MIB = 1 << 20
 # Pages made ahead of a growing table's rows (``RowStore._make_ahead``) are resident but not charged until their rows
 # arrive: at most this many bytes of them in all of a shard's tables, and never more than the budget has left.
 AHEAD_SHARD_BYTES = 64 << 20
+# A table that has had no new row for this long gives its pages ahead back while another table of its shard finds no
+# room for its own (``TableRegistry.give_back_pages_ahead``, about once a second): the room is first come, and a
+# table that stopped growing would otherwise keep it until it was dropped.
+AHEAD_IDLE_S = 5.0
 
 
 class MemoryBudget:
@@ -24,6 +29,7 @@ class MemoryBudget:
         self._ahead: dict[int, int] = {}  # a store's key -> bytes of pages made (or asked) ahead of its rows
         self._ahead_total = 0
         self._collected: collections.deque[int] = collections.deque()  # keys of stores garbage-collected
+        self._short_at = float("-inf")  # time.monotonic() a store last found less room than it asked for
 
     def charge(self, nbytes: int, what: str) -> None:
         """Reserve ``nbytes`` or raise ResourceExhausted without reserving anything."""
@@ -52,16 +58,22 @@ class MemoryBudget:
         the bytes it may make (0..want), then counted as its own. With every other store's pages ahead, no more than
         ``AHEAD_SHARD_BYTES`` in all, nor than the budget has left; and no store more than its share of them (the
         stores that asked, alike). Each store's count falls as its rows arrive and are charged, so the room of one
-        that found none returns as the others' rows arrive."""
+        that found none returns as the others' rows arrive, or when they stopped growing (``AHEAD_IDLE_S``)."""
         with self._lock:
             self._drain_collected()
             others = self._ahead_total - self._ahead.get(key, 0)
-            self._count_ahead(key, outstanding)
-            share = AHEAD_SHARD_BYTES // len(self._ahead)  # each store counted, with pages ahead or not
+            share = AHEAD_SHARD_BYTES // (len(self._ahead) + (key not in self._ahead))  # every store that asked
             room = min(AHEAD_SHARD_BYTES - others, self.limit - self.used - others, share) - outstanding
             grant = max(0, min(want, room)) // unit * unit  # (in whole rows of ``unit`` bytes)
+            if grant < want and others:
+                self._short_at = time.monotonic()
             self._count_ahead(key, outstanding + grant)
             return grant
+
+    def short_within(self, seconds: float) -> bool:
+        """Did a store find less room for pages ahead than it asked for, with others holding some, in the last
+        ``seconds``?"""
+        return time.monotonic() - self._short_at <= seconds
 
     def ahead_gone(self, key: int) -> None:
         """A store's pages ahead are no longer its own to count (it was dropped, or is gone)."""

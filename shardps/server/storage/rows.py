@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -16,7 +17,7 @@ import numpy as np
 from shardps.core import kernels, memory
 from shardps.core.errors import ResourceExhausted
 from shardps.core.memory import regrow, release_pages, zeros
-from shardps.server.storage.budget import MemoryBudget
+from shardps.server.storage.budget import AHEAD_IDLE_S, MemoryBudget
 from shardps.server.storage.index import DirectIndex, HashIndex
 
 INITIAL_ROWS = 1 << 20  # what a declared size may reserve before any row arrives
@@ -75,6 +76,7 @@ class RowStore:
         self._made = 0  # slots whose pages are made (below it a row's first write faults nothing)
         self._asked = 0  # slots whose pages are asked for
         self._queued = False  # a step of it is on the page-making thread's list
+        self._grew_at = time.monotonic()  # when the last rows arrived
         if self._ahead:
             weakref.finalize(self, budget.ahead_collected, id(self))
         self._make_ahead()
@@ -168,6 +170,7 @@ class RowStore:
         self.index.insert(new_ids, slots)
         self.n += k
         self._high = max(self._high, self.n)
+        self._grew_at = time.monotonic()
         self._make_ahead()
         return slots
 
@@ -194,6 +197,18 @@ class RowStore:
                 return
             self._queued = True
         memory.in_background(functools.partial(_ahead_step, weakref.ref(self)))
+
+    def idle_ahead(self, now: float) -> bool:
+        """Pages made ahead of rows that have not come for ``budget.AHEAD_IDLE_S``?"""
+        return self._ahead and self._asked > self.n and now - self._grew_at >= AHEAD_IDLE_S
+
+    def give_back_ahead(self, now: float) -> bool:
+        """Hand an idle store's pages made ahead back to the OS (``idle_ahead``), and their room to the shard's other
+        tables; asked for again when its rows arrive. Caller holds the table's lock (no row arrives meanwhile)."""
+        if not self.idle_ahead(now):
+            return False
+        self.release_from(self.n)
+        return True
 
     def _populate(self, start: int, end: int) -> None:
         """Make the pages of slots ``[start, end)`` in every per-row array of a mapping of its own (caller holds
