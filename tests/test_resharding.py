@@ -283,10 +283,12 @@ def test_a_stale_client_is_redirected_and_future_or_foreign_maps_are_refused(tmp
         new = driver.map
         moved = np.flatnonzero(new.owner_of(np.arange(ROWS)) == 2)
         assert moved.size > 1000
+        assert set(stale.shards_of(moved[:50]).tolist()) <= {0, 1}  # where its map still puts them
         # A push and a pull by the stale client land where the rows are now: it was redirected, once.
         ids = torch.from_numpy(moved[:50])
         stale.push("t", ids, torch.ones(50, 4), wait=True)
         assert stale._session.slots.epoch == new.epoch and stale.num_shards == 3
+        assert (stale.shards_of(moved[:50]) == 2).all()  # its map now: the new shard's
         assert torch.equal(stale.pull("t", ids), -torch.ones(50, 4))
         stale.close()
         # A request routed by the old map to the old owner is refused with the new owner's address, not applied.

@@ -37,7 +37,7 @@ def own_row(client: int, k: int) -> int:
 def shards_of(client, ids: list[int]) -> list[int]:
     """The shards the rows of ``ids`` live on by the client's slot map now (during a live reshard, a spare group
     that took slots: a hash over the groups the cluster started with would never name it)."""
-    return sorted(set(client._session.slots.owner_of(np.array(ids, np.int64)).tolist()))
+    return sorted(set(client.shards_of(ids).tolist()))
 
 
 def create_table(cluster_file: str) -> None:
