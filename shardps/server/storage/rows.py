@@ -25,6 +25,11 @@ FIRST_PROBE_ROWS = 1024  # a growing table's first hash probe table is made for 
 # The slot's id (8) and its share of the probe table (up to 16). Charged per live row, as the row arrays are: a hash
 # probe table does not shrink when rows go, so a table that shrank holds up to 16 bytes a row of its peak uncharged.
 INDEX_BYTES_PER_ROW = 24
+# A table of known size gets a flat id -> slot map (``DirectIndex``) when it costs at most this, whatever the share of
+# its ids a shard will hold: a lookup is then one read where the hash index's takes two (its probe table, then the
+# slot's id), each a cache miss on a large table. Measured on the DLRM example's 1M-id tables of 16 (a 4 MB map per
+# shard): the shards' CPU a step 11% lower (docs/performance.md).
+DIRECT_INDEX_BYTES = 16 << 20
 # A row's step count and metadata (shard version and time of its last push, pushes) as one record a row: a push
 # writes all four for each of its rows, and one record shares a cache line where four arrays took four.
 META = np.dtype([("last_version", np.int64), ("steps", np.int32), ("last_time", np.uint32), ("touches", np.int32),
@@ -101,10 +106,13 @@ class RowStore:
         return 4 * self.num_embeddings if self._direct else 4 * HashIndex.table_size(probe)  # type: ignore[operator]
 
     def _direct_index_pays(self, cap: int) -> bool:
-        """A flat map costs 4 bytes per id of the whole table; use it when that is cheap."""
+        """A flat map costs 4 bytes per id of the whole table, charged when the table is made; use it when that is
+        cheap: under 5% of the rows' payload, or at most ``DIRECT_INDEX_BYTES`` (and 1/64 of the budget)."""
         assert self.num_embeddings is not None
         row_bytes = self.dim * 4 * (1 + len(self.state_init))
-        return self.num_embeddings < 2**31 and self.num_embeddings * 4 <= 0.05 * cap * row_bytes
+        nbytes = self.num_embeddings * 4
+        return self.num_embeddings < 2**31 and (nbytes <= 0.05 * cap * row_bytes
+                                                or nbytes <= min(DIRECT_INDEX_BYTES, self.budget.limit // 64))
 
     def charge(self, nbytes: int, doing: str) -> None:
         self.budget.charge(nbytes, f"{self.name}: {doing}")
