@@ -161,12 +161,10 @@ class _RemoteCollection(nn.Module):
                                  f"asks for {wanted!r}: a table's optimizer is fixed when it is created (apply it "
                                  "before the collection's first forward, or give the collection optimizer=)")
 
-    def _zero(self, g: int, device: Any) -> torch.Tensor:
-        """0 through the placeholders of group ``g``'s tables: added to its local weight, so each placeholder gets a
-        (zero-size) gradient at every backward, as DistributedDataParallel expects of every parameter."""
+    def _placeholders(self, g: int) -> list[torch.Tensor]:
+        """The placeholders of group ``g``'s tables (``TableSlot.weight``)."""
         a, b = self.layout.groups[g]
-        total = sum(self.slot(t).weight.sum() for t in self.layout.tables[a:b])
-        return total.to(device) if isinstance(total, torch.Tensor) else torch.zeros((), device=device)
+        return [self.slot(t).weight for t in self.layout.tables[a:b]]
 
     # ---- the plan of a step (numpy; every check before anything is pulled) ----------------
 
@@ -262,7 +260,7 @@ class _RemoteCollection(nn.Module):
             if pushes is not None:
                 w.requires_grad_(True)
                 w.register_hook(pushes.hook(g))
-                w = w + self._zero(g, device)
+                w = _Used.apply(w, *self._placeholders(g))
             weights.append(w)
         return weights
 
@@ -311,6 +309,21 @@ class _StepPushes:
                 hold.send()
             finally:
                 hold.release()
+
+
+class _Used(torch.autograd.Function):
+    """A group's local weight as it is, with its tables' placeholders as inputs: each placeholder gets a (zero-size)
+    gradient at every backward, as DistributedDataParallel and in-backward optimizers expect of every parameter. One
+    node, no copy of the weight (adding 0 summed through the placeholders took 0.3 ms a DLRM step)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, *placeholders: torch.Tensor) -> torch.Tensor:
+        ctx.like = [(p.shape, p.dtype, p.device) for p in placeholders]
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like))
 
 
 class _SumBags(torch.autograd.Function):
