@@ -399,6 +399,8 @@ def test_tables_that_stopped_growing_give_their_pages_ahead_to_one_that_found_no
     AHEAD_IDLE_S and another table found no room, the shard's sweeper hands their pages back to the OS (mincore: not
     resident) and the other table's next rows get pages of their own. Without a table short of room, or before
     AHEAD_IDLE_S, nothing is given back; a table that grows again asks again."""
+    import time
+
     from shardps.core import memory
     from shardps.core.specs import TableSpec
     from shardps.server.shard.limits import Limits
@@ -419,9 +421,11 @@ def test_tables_that_stopped_growing_give_their_pages_ahead_to_one_that_found_no
     assert registry.give_back_pages_ahead() == 0  # nobody short of room yet
     c = registry.new(TableSpec("c", 64, 10**8), owns, 1_000_000)
     assert c.store._asked == 0 and registry.budget.short_within(1.0)  # c found no room
-    assert registry.give_back_pages_ahead() == 0  # a and b were made just now
+    a.store._grew_at = b.store._grew_at = time.monotonic()  # (as if rows had just come: however slow this machine)
+    assert registry.give_back_pages_ahead() == 0
     a.store._grew_at -= budget_mod.AHEAD_IDLE_S  # as if AHEAD_IDLE_S had passed without a row
     b.store._grew_at -= budget_mod.AHEAD_IDLE_S
+    c.store._make_ahead()  # c asks again (as its rows arrive), and finds no room: just now
     assert registry.give_back_pages_ahead() == 2
     for t in (a, b):
         assert t.store._asked == t.store.n == 0

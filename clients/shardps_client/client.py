@@ -175,12 +175,6 @@ class Client(ClusterMethods, DenseMethods):
 
     addresses: Shared[list[str]] = Shared("shard addresses, in shard index order")
     num_shards = property(lambda self: self._session.num_shards, doc="number of shards")
-
-    def shards_of(self, ids: Any) -> np.ndarray:
-        """The shard that holds each row id (of any table; a dense tensor's chunks are placed by name), by the slot
-        map this client routes with now: the shards' own, adopted on connect and again when one answers that a slot
-        moved (a live reshard)."""
-        return self._session.slots.owner_of(np.asarray(ids, dtype=np.int64))
     timeout: Shared[float] = Shared("deadline in seconds of every call")
     retry_timeout: Shared[float] = Shared("how long calls keep retrying an UNAVAILABLE shard")
     wire_dtype: Shared[int] = Shared("the default wire dtype's code (planner.WIRE)")
@@ -233,6 +227,12 @@ class Client(ClusterMethods, DenseMethods):
         self.worker.barrier(timeout)
 
     # ---- tables ----------------------------------------------------------------------
+
+    def shards_of(self, ids: Any) -> np.ndarray:
+        """The shard that holds each row id (of any table; a dense tensor's chunks are placed by name), by the slot
+        map this client routes with now: the shards' own, adopted on connect and again when one answers that a slot
+        moved (a live reshard)."""
+        return self._session.slots.owner_of(np.asarray(ids, dtype=np.int64))
 
     def table_spec(self, name: str) -> TableSpec:
         """The spec of a table (asked of shard 0 the first time, then cached)."""
