@@ -228,12 +228,6 @@ class Client(ClusterMethods, DenseMethods):
 
     # ---- tables ----------------------------------------------------------------------
 
-    def shards_of(self, ids: Any) -> np.ndarray:
-        """The shard that holds each row id (of any table; a dense tensor's chunks are placed by name), by the slot
-        map this client routes with now: the shards' own, adopted on connect and again when one answers that a slot
-        moved (a live reshard)."""
-        return self._session.slots.owner_of(np.asarray(ids, dtype=np.int64))
-
     def table_spec(self, name: str) -> TableSpec:
         """The spec of a table (asked of shard 0 the first time, then cached)."""
         return self.catalog.table(name)

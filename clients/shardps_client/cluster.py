@@ -77,6 +77,10 @@ class ClusterOps:
         self._session.catalog.remember(spec)
         return any(r.created for r in results)
 
+    def shards_of(self, ids: Any) -> np.ndarray:
+        """``Client.shards_of``."""
+        return self._session.slots.owner_of(np.asarray(ids, dtype=np.int64))
+
     def describe_table(self, name: str) -> list[pb.TableInfo]:
         """``Client.describe_table``."""
         return self._everywhere("DescribeTable", pb.DescribeTableRequest(name=name))
@@ -175,6 +179,12 @@ class ClusterMethods:
     def shard_info(self) -> list[Optional[pb.ShardInfoResponse]]:
         """ShardInfo of every shard, in index order (None where a shard was removed from the cluster)."""
         return self._cluster.shard_info()
+
+    def shards_of(self, ids: Any) -> np.ndarray:
+        """The shard that holds each row id (of any table; a dense tensor's chunks are placed by name), by the slot
+        map this client routes with now: the shards' own, adopted on connect and again when one answers that a slot
+        moved (a live reshard)."""
+        return self._cluster.shards_of(ids)
 
     def create_table(
         self, name: str, dim: int, num_embeddings: Optional[int] = None, optimizer: Optional[Optimizer] = None,
