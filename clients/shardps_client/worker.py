@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Optional
 
 from shardps.v1 import shardps_pb2 as pb
-from shardps_client.errors import InvalidArgumentError, ShardpsError, ShardTimeoutError, ShardUnavailableError
+from shardps_client.errors import InvalidArgumentError, ShardpsError, ShardTimeoutError
 from shardps_client.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -64,18 +64,7 @@ class WorkerClock:
         """Announce this worker and send heartbeats every ``period`` seconds (when its rank is known)."""
         if self.rank is None:
             return
-        try:
-            self.heartbeat()
-        except ShardpsError as e:
-            # A shard refused it (a world size over its --max-workers, a token): the shards that took it hear at once
-            # that this worker left, where they would count it live until it timed out. Not after a shard that did
-            # not answer: its retries took the caller's retry_timeout once already.
-            if not isinstance(e, (ShardUnavailableError, ShardTimeoutError)):
-                try:
-                    self.heartbeat(leaving=True)
-                except ShardpsError as again:
-                    log.debug("leaving heartbeat after a refused one: %s", again)
-            raise
+        self.heartbeat()
         self._thread = threading.Thread(target=self._loop, args=(period,), name="shardps-heartbeat", daemon=True)
         self._thread.start()
 
