@@ -324,6 +324,29 @@ def test_a_growing_tables_probe_table_starts_small_and_keeps_its_load_as_rows_ar
     assert hot.index._table.shape[0] == HashIndex.table_size(50_000)
 
 
+def test_a_table_of_known_size_gets_a_flat_map_when_it_is_small_beside_its_rows_and_the_budget_left():
+    """The flat id map (4 bytes an id, charged when the table is made): under 5% of the rows a shard expects to hold,
+    or up to DIRECT_INDEX_BYTES while it is at most a quarter of them and 1/16 of the budget left; else the hash
+    index (a few KiB at first). So a shard's budget is never spent on maps before rows: a table a shard holds a
+    sixteenth of, or a budget mostly used, gets the hash index."""
+    from shardps.server.storage.budget import MemoryBudget
+    from shardps.server.storage.rows import DIRECT_INDEX_BYTES, RowStore
+
+    big = MemoryBudget(1 << 34)
+
+    def index(num_embeddings: int, expected: int, budget: MemoryBudget = big, dim: int = 16) -> type:
+        return type(RowStore("t", dim, {"sum": 0.0}, num_embeddings, expected, budget, 2**31 - 1).index)
+
+    assert index(1_000_000, 500_000) is DirectIndex  # the DLRM example's tables, 2 shards: 4 MB for 64 MB of rows
+    assert index(1_000_000, 62_500) is HashIndex  # a sixteenth of the ids: the map would be half the rows
+    assert index(DIRECT_INDEX_BYTES // 4 + 1, 2**20) is HashIndex  # over DIRECT_INDEX_BYTES (and 5%)
+    assert index(10**7, 2**20, dim=256) is DirectIndex  # under 5% of the rows: the old rule, at any size
+    tight = MemoryBudget(60 << 20)  # 60 MiB left: under 16 x 4 MB
+    before = tight.used
+    assert index(1_000_000, 500_000, tight) is HashIndex
+    assert tight.used - before < 1 << 20  # the hash index's first probe table, not the map
+
+
 def _resident_rows(arr: np.ndarray, start: int, end: int) -> tuple[int, int]:
     """How many of the pages that rows ``[start, end)`` of ``arr`` lie on are made (``mincore``), of how many."""
     import ctypes
@@ -432,13 +455,13 @@ def test_tables_that_stopped_growing_give_their_pages_ahead_to_one_that_found_no
         assert _resident_rows(t.store.rows, 0, per)[0] == 0  # handed back to the OS
     assert registry.budget.ahead_bytes == 0
     with c.lock:
-        c.read(np.arange(10))  # c's next rows: now it gets its pages ahead, its share of the three tables'
-    assert c.store._asked - c.store.n == budget_mod.AHEAD_SHARD_BYTES // 3 // c.store.row_bytes
+        c.read(np.arange(10))  # c's next rows: now it gets its pages ahead, its whole window (a and b ask no share)
+    assert c.store._asked - c.store.n == per
     _wait_made(c.store)
     assert np.array_equal(c.read(np.arange(10)), c.read(np.arange(10)))
     with a.lock:
-        a.apply(np.arange(5), np.ones((5, 64), np.float32))  # a grows again: asks again, within its share
-    assert 0 < a.store._asked - a.store.n <= budget_mod.AHEAD_SHARD_BYTES // 3 // a.store.row_bytes
+        a.apply(np.arange(5), np.ones((5, 64), np.float32))  # a grows again: asks again, for its share of two
+    assert 0 < a.store._asked - a.store.n <= budget_mod.AHEAD_SHARD_BYTES // 2 // a.store.row_bytes
     assert registry.budget.ahead_bytes <= budget_mod.AHEAD_SHARD_BYTES
     registry.clear()
     assert registry.budget.ahead_bytes == 0

@@ -27,7 +27,7 @@ from shardps.core.specs import Admission, Eviction, Initializer, Staleness, Sync
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import admin, planner
 from shardps_client.errors import ExportGapError, InvalidArgumentError
-from shardps_client.inputs import check_grads, grads_to_numpy
+from shardps_client.inputs import check_grads, grads_to_numpy, ids_to_numpy
 from shardps_client.session import Session
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class ClusterOps:
 
     def shards_of(self, ids: Any) -> np.ndarray:
         """``Client.shards_of``."""
-        return self._session.slots.owner_of(np.asarray(ids, dtype=np.int64))
+        return self._session.slots.owner_of(ids_to_numpy(ids))
 
     def describe_table(self, name: str) -> list[pb.TableInfo]:
         """``Client.describe_table``."""

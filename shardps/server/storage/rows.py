@@ -25,9 +25,9 @@ FIRST_PROBE_ROWS = 1024  # a growing table's first hash probe table is made for 
 # The slot's id (8) and its share of the probe table (up to 16). Charged per live row, as the row arrays are: a hash
 # probe table does not shrink when rows go, so a table that shrank holds up to 16 bytes a row of its peak uncharged.
 INDEX_BYTES_PER_ROW = 24
-# A table of known size gets a flat id -> slot map (``DirectIndex``) when it costs at most this, whatever the share of
-# its ids a shard will hold: a lookup is then one read where the hash index's takes two (its probe table, then the
-# slot's id), each a cache miss on a large table. Measured on the DLRM example's 1M-id tables of 16 (a 4 MB map per
+# A table of known size gets a flat id -> slot map (``DirectIndex``) when it costs at most this (and a quarter of the
+# rows a shard expects to hold, and 1/16 of the budget left): a lookup is then one read where the hash index's takes
+# two (its probe table, then the slot's id), each a cache miss on a large table. Measured on the DLRM example's 1M-id tables of 16 (a 4 MB map per
 # shard): the shards' CPU a step 6.5% lower (docs/performance.md).
 DIRECT_INDEX_BYTES = 16 << 20
 # A row's step count and metadata (shard version and time of its last push, pushes) as one record a row: a push
@@ -46,7 +46,7 @@ AHEAD_STEP_BYTES = 2 << 20
 class RowStore:
     """Arrays indexed by slot for ``name`` (rows of ``dim``, one state array per name of ``state_init``,
     which gives each one's initial value), with a hash index, or a flat one when ``num_embeddings`` is
-    small enough for it to cost under 5% of the expected payload. ``extra`` names further per-row arrays (name ->
+    small enough (``_direct_index_pays``). ``extra`` names further per-row arrays (name ->
     dtype) that move with their rows (a disk tier's flags), zero for a new row. ``sized``: the arrays are made
     for ``expected_rows`` at once (lazily allocated pages; never copied to grow), with a hash index (a store that
     holds a bounded hot set of a larger table)."""
@@ -107,12 +107,13 @@ class RowStore:
 
     def _direct_index_pays(self, cap: int) -> bool:
         """A flat map costs 4 bytes per id of the whole table, charged when the table is made; use it when that is
-        cheap: under 5% of the rows' payload, or at most ``DIRECT_INDEX_BYTES`` (and 1/64 of the budget)."""
+        cheap: under 5% of the rows' payload expected here, or at most ``DIRECT_INDEX_BYTES`` and a quarter of that
+        payload while the budget has 16 times it left (so maps never take a budget declared tables have not used)."""
         assert self.num_embeddings is not None
-        row_bytes = self.dim * 4 * (1 + len(self.state_init))
+        payload = cap * self.dim * 4 * (1 + len(self.state_init))
         nbytes = self.num_embeddings * 4
-        return self.num_embeddings < 2**31 and (nbytes <= 0.05 * cap * row_bytes
-                                                or nbytes <= min(DIRECT_INDEX_BYTES, self.budget.limit // 64))
+        return self.num_embeddings < 2**31 and (nbytes <= 0.05 * payload or (
+            nbytes <= min(DIRECT_INDEX_BYTES, payload // 4) and 16 * nbytes <= self.budget.limit - self.budget.used))
 
     def charge(self, nbytes: int, doing: str) -> None:
         self.budget.charge(nbytes, f"{self.name}: {doing}")
@@ -216,6 +217,7 @@ class RowStore:
         if not self.idle_ahead(now):
             return False
         self.release_from(self.n)
+        self.budget.ahead_gone(id(self))  # (no share of the room either, until its rows arrive and it asks again)
         return True
 
     def _populate(self, start: int, end: int) -> None:
