@@ -129,7 +129,10 @@ class Adagrad:
         param -= self._clr(step, lr_scale)[:, None] * (grad / std)
 
     def _clr(self, step: np.ndarray, lr_scale: float) -> np.ndarray:
-        """Each row's learning rate (float32), decayed by its own step count."""
+        """Each row's learning rate (float32), decayed by its own step count; without decay (the default) every row's
+        is the same, the formula's value (x / 1.0 is x), without its five passes over the rows."""
+        if self.lr_decay == 0:
+            return np.full(step.shape, self.lr * lr_scale, dtype=np.float32)
         return ((self.lr * lr_scale) / (1 + (step.astype(np.float64) - 1) * self.lr_decay)).astype(np.float32)
 
     def apply(self, rows: np.ndarray, state: dict[str, np.ndarray], slots: np.ndarray, grad: np.ndarray,
