@@ -300,7 +300,7 @@ def test_shard_killed_during_training_job_is_restarted_and_job_completes(tmp_pat
     )
     try:
         deadline = time.monotonic() + 60
-        while not (progress.exists() and progress.read_text() and int(progress.read_text().split()[-1]) >= 20):
+        while not (progress.exists() and int(progress.read_text().split()[-1]) >= 20):
             assert job.poll() is None, job.stdout.read() if job.stdout else ""
             assert time.monotonic() < deadline, "job made no progress"
             time.sleep(0.05)

@@ -9,6 +9,7 @@ PROGRESS_FILE. Exits 0 when all steps are applied.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -29,12 +30,18 @@ def main() -> int:
             c.push("job", ids, torch.ones_like(rows))
             if step % 5 == 0:
                 c.flush()
-                with open(progress, "w") as f:
-                    f.write(str(step))
+                _report(progress, str(step))
         c.flush()
-    with open(progress, "w") as f:
-        f.write(f"done {steps}")
+    _report(progress, f"done {steps}")
     return 0
+
+
+def _report(path: str, text: str) -> None:
+    """Replace the progress file whole: a reader never sees it truncated, between an open for writing and the write
+    (the test that polls it once read it empty there, and failed)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
