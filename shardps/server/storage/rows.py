@@ -27,8 +27,8 @@ FIRST_PROBE_ROWS = 1024  # a growing table's first hash probe table is made for 
 INDEX_BYTES_PER_ROW = 24
 # A table of known size gets a flat id -> slot map (``DirectIndex``) when it costs at most this (and a quarter of the
 # rows a shard expects to hold, and 1/16 of the budget left): a lookup is then one read where the hash index's takes
-# two (its probe table, then the slot's id), each a cache miss on a large table. Measured on the DLRM example's 1M-id tables of 16 (a 4 MB map per
-# shard): the shards' CPU a step 6.5% lower (docs/performance.md).
+# two (its probe table, then the slot's id), each a cache miss on a large table. Measured on the DLRM example's 1M-id
+# tables of 16 (a 4 MB map per shard): the shards' CPU a step 6.5% lower (docs/performance.md).
 DIRECT_INDEX_BYTES = 16 << 20
 # A row's step count and metadata (shard version and time of its last push, pushes) as one record a row: a push
 # writes all four for each of its rows, and one record shares a cache line where four arrays took four.
