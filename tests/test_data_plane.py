@@ -129,6 +129,27 @@ def test_a_client_connects_its_data_planes_once_its_shards_answered_not_at_its_f
         shard.terminate()
 
 
+def test_a_worker_refused_by_one_shard_leaves_the_others_at_once(tmp_path):
+    """A client whose first heartbeat one shard refuses (a world size over its --max-workers) tells the shards that
+    took it that the worker left: they count it gone at once, not live until it times out (10 s by default)."""
+    import grpc
+
+    takes = start_shard(0, 2, tmp_path)
+    refuses = start_shard(1, 2, tmp_path, extra=["--max-workers", "1"])
+    try:
+        with pytest.raises(ShardpsError, match="workers"):
+            Client([takes.address, refuses.address], timeout=10, retry_timeout=1, rank=1, world_size=2)
+        with grpc.insecure_channel(takes.address) as ch:
+            beat = ch.unary_unary("/shardps.v1.Shard/Heartbeat",
+                                  request_serializer=pb.HeartbeatRequest.SerializeToString,
+                                  response_deserializer=pb.HeartbeatResponse.FromString)
+            reply = beat(pb.HeartbeatRequest(rank=0, world_size=2), timeout=10)
+        assert list(reply.live_ranks) == [0] and list(reply.gone_ranks) == [1]
+    finally:
+        takes.terminate()
+        refuses.terminate()
+
+
 def test_clients_use_the_data_plane_by_default_and_grpc_streams_without_one(tmp_path, monkeypatch):
     with_plane = start_shard(0, 1, tmp_path)
     without = start_shard(0, 1, tmp_path, extra=["--data-threads", "0"])

@@ -235,6 +235,43 @@ def test_a_step_split_into_several_parts_per_shard_completes_without_waiting_out
             torch.testing.assert_close(c.pull("big", ids), torch.full((rows, dim), -6.0))
 
 
+def test_a_worker_started_again_in_its_rank_is_live_at_its_own_clock_and_the_old_ones_leaving_is_ignored():
+    """A rank's leaving was for good: a worker started again in the rank (torchrun's restart) stayed gone, and its
+    peers' barriers and SSP waits did not wait for it. Each client's heartbeats carry its incarnation: another
+    incarnation is a new worker in the rank, live at its own clock; the old incarnation's late leaving is ignored."""
+    import grpc
+
+    from shardps.server.rpc import ServerConfig, ShardServer
+    from shardps.server.shard.facade import ShardConfig
+    from shardps.v1 import shardps_pb2 as pb
+
+    with ShardServer(ShardConfig(0, 1, worker_timeout_s=600.0), ServerConfig()).start() as server, \
+            grpc.insecure_channel(server.address) as ch:
+        beat = ch.unary_unary("/shardps.v1.Shard/Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
+                              response_deserializer=pb.HeartbeatResponse.FromString)
+
+        def view() -> tuple[int, list[int], list[int]]:  # as rank 1 sees the group (no incarnation: changes nothing)
+            r = beat(pb.HeartbeatRequest(rank=1, world_size=2, clock=3), timeout=10)
+            return r.min_clock, list(r.live_ranks), list(r.gone_ranks)
+
+        with Client([server.address], rank=0, world_size=2, heartbeat_s=300) as first:
+            for _ in range(5):
+                first.advance_clock()
+            first.worker.heartbeat()  # (its clock 5 on the shard now)
+            old = first.worker.incarnation
+        assert view() == (3, [1], [0])  # it left
+        with Client([server.address], rank=0, world_size=2, heartbeat_s=300) as again:
+            assert again.worker.incarnation != old
+            assert view() == (0, [0, 1], [])  # live again, at its own clock (0), not the old one's 5
+            # the old worker's leaving, arriving late, does not remove the new one
+            beat(pb.HeartbeatRequest(rank=0, world_size=2, leaving=True, incarnation=old), timeout=10)
+            assert view() == (0, [0, 1], [])
+            again.advance_clock()
+            again.worker.heartbeat()
+            assert view() == (1, [0, 1], [])
+        assert view() == (3, [1], [0])  # and its own leaving counts
+
+
 def test_an_ssp_wait_has_a_deadline(monkeypatch):
     """A worker held back by bounded staleness behind a live worker that never advances
     gives up after the SSP wait's deadline, with ShardTimeoutError, instead of waiting for ever."""

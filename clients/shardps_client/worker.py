@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Optional
 
 from shardps.v1 import shardps_pb2 as pb
-from shardps_client.errors import InvalidArgumentError, ShardpsError, ShardTimeoutError
+from shardps_client.errors import InvalidArgumentError, ShardpsError, ShardTimeoutError, ShardUnavailableError
 from shardps_client.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class WorkerClock:
         self.min_clock = 0
         self._sync_steps: dict[str, int] = {}
         self._reported = 0  # the clock the last heartbeat carried
+        # This client's own number in its rank (HeartbeatRequest.incarnation): a worker started again in the rank
+        # (torchrun's restart) is live again at its own clock, and the old one's late leaving cannot remove it.
+        self.incarnation = int.from_bytes(os.urandom(8), "little") >> 1 or 1
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -64,14 +67,26 @@ class WorkerClock:
         """Announce this worker and send heartbeats every ``period`` seconds (when its rank is known)."""
         if self.rank is None:
             return
-        self.heartbeat()
+        try:
+            self.heartbeat()
+        except ShardpsError as e:
+            # A shard refused it (a world size over its --max-workers, a token): the shards that took it hear at once
+            # that this worker left, where they would count it live until it timed out. Its incarnation is its own,
+            # so a worker started again in the rank is live again there. Not after a shard that did not answer: its
+            # retries took the caller's retry_timeout once already.
+            if not isinstance(e, (ShardUnavailableError, ShardTimeoutError)):
+                try:
+                    self.heartbeat(leaving=True)
+                except ShardpsError as again:
+                    log.debug("leaving heartbeat after a refused one: %s", again)
+            raise
         self._thread = threading.Thread(target=self._loop, args=(period,), name="shardps-heartbeat", daemon=True)
         self._thread.start()
 
     def heartbeat(self, leaving: bool = False, wait_min_clock: Optional[int] = None, wait_s: float = 0.0) -> None:
         clock = self.clock
         req = pb.HeartbeatRequest(rank=self.rank or 0, world_size=self.world_size or 0, clock=clock,
-                                  leaving=leaving, wait_s=wait_s)
+                                  leaving=leaving, wait_s=wait_s, incarnation=self.incarnation)
         if wait_min_clock is not None:
             req.wait_min_clock = wait_min_clock
         replies = self._transport.fan_out([(s, "Heartbeat", req) for s in self._shards()])

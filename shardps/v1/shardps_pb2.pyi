@@ -407,20 +407,22 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ..., late: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., moved: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "world_size", "clock", "leaving", "wait_min_clock", "wait_s")
+    __slots__ = ("rank", "world_size", "clock", "leaving", "wait_min_clock", "wait_s", "incarnation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     WAIT_MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     clock: int
     leaving: bool
     wait_min_clock: int
     wait_s: float
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., clock: _Optional[int] = ..., leaving: _Optional[bool] = ..., wait_min_clock: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., clock: _Optional[int] = ..., leaving: _Optional[bool] = ..., wait_min_clock: _Optional[int] = ..., wait_s: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("min_clock", "live_ranks", "gone_ranks")

@@ -270,7 +270,7 @@ class ShardServicer(pb_grpc.ShardServicer):
             wait_s = min(wait_s, max(0.0, remaining - max(0.5, remaining / 4)))  # for a busy machine's answer)
         if wait is None or not wait_s > 0:
             min_clock, live, gone = self.shard.heartbeat(request.rank, request.world_size, request.clock,
-                                                         request.leaving)
+                                                         request.leaving, incarnation=request.incarnation)
             return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)
         # A waiting heartbeat holds a handler thread: a few per connection (and per token, where it sets a
         # limit); beyond max_streams waiting in all, a heartbeat answers at once with what there is.
@@ -284,7 +284,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         try:
             min_clock, live, gone = self.shard.heartbeat(
                 request.rank, request.world_size, request.clock, request.leaving, wait, wait_s,
-                lambda: context.is_active() and not self._stopping,
+                lambda: context.is_active() and not self._stopping, request.incarnation,
             )
         finally:
             with self._streams_lock:

@@ -31,6 +31,7 @@ class _Worker:
     clock: int = 0
     last_seen: float = 0.0
     left: bool = False
+    incarnation: int = 0  # the client in this rank now (HeartbeatRequest.incarnation; 0: not told)
 
 
 class Membership:
@@ -69,12 +70,22 @@ class Membership:
             raise InvalidArgument(f"rank {rank:,} is not in [0, {'world_size ' if world_size else '--max-workers '}"
                                   f"{world_size or self.max_workers:,})")
 
-    def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool) -> None:
+    def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool, incarnation: int = 0) -> None:
+        """Record a rank's heartbeat. Under one incarnation (or none given) its clock only rises and its leaving is
+        for good. Another incarnation is a new client in the rank (a worker restarted, by torchrun say): its
+        leaving and clock replace the old ones', so that a rank that left is live again and waited for at its own
+        clock. A leaving of an incarnation the rank no longer has (the old worker's, arriving late) is ignored."""
         self.check_rank(rank, world_size)
         with self.cond:
+            w = self._workers.get(rank)
+            if leaving and incarnation and w is not None and w.incarnation not in (0, incarnation):
+                return
             w = self._seen(rank, world_size)
-            w.clock = max(w.clock, clock)
-            w.left = w.left or leaving
+            if incarnation and incarnation != w.incarnation:
+                w.incarnation, w.clock, w.left = incarnation, clock, leaving
+            else:
+                w.clock = max(w.clock, clock)
+                w.left = w.left or leaving
             self.cond.notify_all()
 
     def touch(self, rank: int, world_size: int) -> None:
@@ -287,10 +298,10 @@ class SyncCoordinator:
 
     def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool,
                   wait_min_clock: Optional[int] = None, wait_s: float = 0.0,
-                  active: Callable[[], bool] = lambda: True) -> tuple[int, list[int], list[int]]:
-        """Record a worker's liveness and clock; optionally wait (at most 60 s, while ``active()``) for the
-        slowest one."""
-        self.membership.heartbeat(rank, world_size, clock, leaving)
+                  active: Callable[[], bool] = lambda: True, incarnation: int = 0) -> tuple[int, list[int], list[int]]:
+        """Record a worker's liveness and clock (``Membership.heartbeat``); optionally wait (at most 60 s, while
+        ``active()``) for the slowest one."""
+        self.membership.heartbeat(rank, world_size, clock, leaving, incarnation)
         if wait_min_clock is not None and wait_s > 0:  # NaN compares False: no wait
             self.membership.wait_min_clock(wait_min_clock, min(wait_s, 60.0), active)
         with self._cond:  # a rank that left may complete a waiting step
