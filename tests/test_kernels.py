@@ -257,6 +257,25 @@ def test_sorted_unique_ids_found_in_one_pass() -> None:
         assert got[0] is got[1] is all(a < b for a, b in zip(values, values[1:]))
 
 
+def test_unique_ids_and_where_each_went_by_a_radix_sort() -> None:
+    """``unique_inverse`` (a collection's plan, a pull's dedup) against ``np.unique(return_inverse=True)``: ids of
+    every span (one radix pass to six, the whole int64 range), repeats, negative ids, a step's packed table ids, and
+    one id or none; a strided view takes the reference."""
+    from shardps.core.ids import unique_inverse
+
+    rng = np.random.default_rng(7)
+    zipf = (rng.zipf(1.15, 8192) % 1_000_000 + np.repeat(np.arange(8) * 1_000_000, 1024)).astype(np.int64)
+    cases = [zipf, _ids(rng, 5000), np.full(300, -5, np.int64), np.array([2**63 - 1, -(2**63), 0, 2**63 - 1]),
+             np.zeros(0, np.int64), np.array([42], np.int64), zipf[::3]]
+    for span in (1, 2, 4095, 4096, 2**12 + 1, 2**24, 2**24 + 1, 2**40, 2**62):
+        cases.append(rng.integers(-span, span, 3000, dtype=np.int64))
+    for ids in cases:
+        got = both(lambda ids=ids: unique_inverse(ids))
+        bits_equal(*got)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        bits_equal(got[0], (uniq, inverse.reshape(-1)))
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_tiered_table_pushes(tmp_path, policy: str) -> None:
     """A table with a disk tier holding about a tenth of its rows in memory, Adam pushes of Zipf ids: victims chosen

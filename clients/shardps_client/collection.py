@@ -3,10 +3,10 @@
 ``EmbeddingCollection``), fed a ``KeyedJaggedTensor`` (TorchRec's, or ``shardps_client.sparse``'s).
 
 One pass for all tables per step: the ids of every feature are checked and deduplicated per table in one
-vectorised step (ids packed with their table's index, one ``np.unique``); every table's unique rows are
-pulled in one round trip per shard (``Client.pull_many``: a prefetch or a row cache serves its part); tables
-of the same width and pooling share one local weight and one ``F.embedding_bag`` (``F.embedding``) call;
-one backward hook per such weight hands every table's coalesced row gradients to the client, sent as one
+vectorised step (ids packed with their table's index, one radix sort: ``ids.unique_inverse``); every table's
+unique rows are pulled in one round trip per shard (``Client.pull_many``: a prefetch or a row cache serves its
+part); tables of the same width and pooling share one local weight and one ``F.embedding_bag`` (``F.embedding``)
+call; one backward hook per such weight hands every table's coalesced row gradients to the client, sent as one
 push per shard (queued for ``ShardedOptimizer.step`` when it holds the pushes).
 """
 
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardps.core.ids import unique_inverse
 from shardps.core.optim import Optimizer
 from shardps.core.specs import Initializer
 from shardps_client.client import Client, Versions
@@ -218,7 +219,7 @@ class _RemoteCollection(nn.Module):
             raise IndexError(f"feature {key!r}: id {int(ids[i])} out of range [0, {int(lay.rows[t])}) of table "
                              f"{lay.tables[t]!r}")
         packed = ids + lay.base[table_of_value]
-        uniq, inverse = np.unique(packed, return_inverse=True)
+        uniq, inverse = unique_inverse(packed)
         bounds = np.searchsorted(uniq, np.append(lay.base, np.int64(2**62)))
         per_table = [uniq[bounds[t] : bounds[t + 1]] - lay.base[t] for t in range(len(lay.tables))]
         group_of_value = lay.group_of_table[table_of_value]

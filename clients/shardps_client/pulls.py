@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from shardps.core.ids import unique_ids
+from shardps.core.ids import unique_ids, unique_inverse
 from shardps.core.slots import SlotMap
 from shardps.core.specs import TableSpec
 from shardps.v1 import shardps_pb2 as pb
@@ -105,7 +105,7 @@ class Pulls:
             if session.read_your_writes or expired:
                 session.see_own_pushes(table)
             flat = ids_np.reshape(-1)
-            uniq, inverse = (flat, None) if ordered else np.unique(flat, return_inverse=True)
+            uniq, inverse = (flat, None) if ordered else unique_inverse(flat)
             w = _Wanted(spec, ids_np.shape, uniq, inverse, cached=cache.lookup(uniq) if cache is not None else None)
             w.need = uniq[~w.cached[0]] if w.cached is not None else uniq
             w.prefetched = self._take_prefetched(table, uniq, wire_code)

@@ -136,6 +136,7 @@ def warm_up(client: bool = True, k: Optional[Any] = None) -> None:
     k.split_by_map(ids, owners, 2, 2, seed)
     k.all_owned(ids, 4, owners, 2, seed, 0)
     k.strictly_increasing(ids)
+    k.unique_inverse(ids)
     table = np.full(16, -1, np.int32)
     k.hash_place(table, ids, ids, seed)
     k.hash_lookup(table, ids, ids, seed)

@@ -54,6 +54,7 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "split_by_map": [(_IDS, "int16[::1]", "int64", "int64", "uint64")],
     "all_owned": [(_IDS, "int64", "int16[::1]", "int64", "uint64", "int64")],
     "strictly_increasing": [(_IDS,)],
+    "unique_inverse": [(_IDS,)],
     "hash_lookup": [("int32[::1]", _IDS, _IDS, "uint64")],
     "hash_place": [("int32[::1]", _IDS, _IDS, "uint64")],
     "hash_remove": [("int32[::1]", _IDS, "int64", _IDS, "uint64")],
@@ -111,7 +112,7 @@ def fingerprint() -> int:
     """What the compiled module must have been built from and for: the kernels' source, ``EXPORTS``, numpy's, numba's
     and llvmlite's versions and this machine's processor (it is compiled for this CPU, as numba compiles)."""
     h = hashlib.sha256()
-    for name in ("loops.py", "common.py", "disk_loops.py", "constants.py", "aot.py"):
+    for name in ("loops.py", "common.py", "disk_loops.py", "id_loops.py", "constants.py", "aot.py"):
         h.update((_HERE / name).read_bytes())
     h.update(np.__version__.encode())
     for dist in ("numba", "llvmlite"):  # the compiler (read from the installed metadata: numba is not imported)

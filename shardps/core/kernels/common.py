@@ -1,4 +1,5 @@
-"""What the kernel modules (``loops``, ``disk_loops``) share: the compile options, and the id-mixing hash."""
+"""What the kernel modules (``loops``, ``disk_loops``, ``id_loops``) share: the compile options, and the id-mixing
+hash."""
 
 from __future__ import annotations
 

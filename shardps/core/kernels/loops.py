@@ -1,7 +1,7 @@
 """The numba kernels behind ``shardps.core.kernels`` (imported on first use: importing numba costs 0.3-0.5 s).
 
 Each function mirrors a plain-numpy reference named in ``kernels``; see there for the rules they keep. The disk
-tier's are in ``disk_loops`` (imported here).
+tier's are in ``disk_loops``, the sorting of ids in ``id_loops`` (both imported here).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from shardps.core.kernels.common import kernel as _njit
 from shardps.core.kernels.common import mix
 from shardps.core.kernels.constants import ZIG_ATTEMPTS, ZIGGURAT_R
 from shardps.core.kernels.disk_loops import gather_words, pread_records, sample_victims, scatter_words  # noqa: F401
+from shardps.core.kernels.id_loops import unique_inverse  # noqa: F401
 
 _S32 = np.uint64(32)
 
