@@ -29,7 +29,8 @@ def test_pull_plan_sends_each_id_once_to_its_owner_within_the_size_limit(num_sha
     per_shard = planner.pull_plan([(spec, uniq)], SlotMap.uniform(num_shards), F32, max_bytes)
     seen = []
     for s, entries in enumerate(per_shard):
-        for key, part, req, nbytes in entries:
+        for key, part, raw, nbytes in entries:
+            req = pb.PullRequest.FromString(raw)
             ids = codec.decode(req.ids, "ids")
             assert key == 0 and np.array_equal(ids, uniq[part])
             assert (shard_of_ids(ids, num_shards) == s).all()
@@ -44,10 +45,11 @@ def test_pull_batches_group_below_the_limit_and_assemble_puts_rows_back_in_order
     spec = _spec(dim=4)
     max_bytes = 2000
     per_shard = planner.pull_plan([(spec, uniq)], SlotMap.uniform(2), F32, max_bytes)
-    calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs), max_bytes)
+    calls, metas = planner.pull_batches(per_shard, "Pull", planner.pull_batch, max_bytes)
     assert {m for _, m, _ in calls} == {"PullBatch"}  # several requests per shard: batched
     replies = []
-    for s, _, batch in calls:
+    for s, _, raw in calls:
+        batch = pb.PullBatchRequest.FromString(raw)
         assert sum(len(r.SerializeToString()) for r in batch.pulls) < 2 * max_bytes
         # a shard's answer: each row is its id repeated, at version 10 + shard
         blocks = [wire.encode_pull_response(np.repeat(codec.decode(r.ids, "ids")[:, None], 4, 1).astype(np.float32), F32, 10 + s)

@@ -40,6 +40,23 @@ def test_pull_response_matches_protobuf(dtype, shape, version):
     assert built == [framed]
 
 
+@pytest.mark.parametrize("n", [0, 1, 5, 16384])
+@pytest.mark.parametrize("wire_dtype", [0, pb.FLOAT32, pb.BFLOAT16])
+@pytest.mark.parametrize("shard_map", [None, pb.ShardMap(), pb.ShardMap(shard_index=1, num_shards=3, map_epoch=2**40,
+                                                                       map_id="m")])
+def test_pull_requests_and_their_batch_match_protobuf(n, wire_dtype, shard_map):
+    """A pull's requests are written without protobuf's objects (``wire.encode_pull``, ``planner.pull_batch``): the
+    same bytes, down to an empty shard map (present, zero length), no ids, and a table name of any characters."""
+    from shardps_client import planner
+
+    ids = RNG.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    ours = wire.encode_pull("tablé", ids, wire_dtype, wire.message_field(pb.PullRequest.SHARD_MAP_FIELD_NUMBER,
+                                                                         shard_map))
+    msg = pb.PullRequest(table="tablé", ids=codec.encode(ids), wire_dtype=wire_dtype, shard_map=shard_map)
+    assert ours == msg.SerializeToString()
+    assert planner.pull_batch([ours, ours]) == pb.PullBatchRequest(pulls=[msg, msg]).SerializeToString()
+
+
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("with_optional", [False, True])
 def test_push_requests_match_protobuf(dense, with_optional):

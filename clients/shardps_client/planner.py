@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import numpy as np
 import torch
 
-from shardps.core import codec, kernels, protocol, pushread, wire
+from shardps.core import kernels, protocol, pushread, wire
 from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.v1 import shardps_pb2 as pb
@@ -87,14 +87,21 @@ PerShard = list[list[tuple[Any, Any, Any, int]]]  # per shard: (key, part, reque
 
 
 def pull_plan(items: list[tuple[TableSpec, np.ndarray]], slots: SlotMap, wire_code: int, max_bytes: int) -> PerShard:
-    """Each shard's PullRequests for rows of sorted unique ids of several tables (key: the item's index)."""
+    """Each shard's PullRequests (serialized) for rows of sorted unique ids of several tables (key: the item's
+    index); ``pull_batch`` makes a batch of them."""
     per_shard: PerShard = [[] for _ in range(slots.num_shards)]
+    maps = [wire.message_field(pb.PullRequest.SHARD_MAP_FIELD_NUMBER, shard_map(s, slots))
+            for s in range(slots.num_shards)]
     for k, (spec, uniq) in enumerate(items):
         for s, part in id_pieces(uniq, slots, rows_per_message(max_bytes, spec.dim, wire_code)):
-            req = pb.PullRequest(table=spec.name, ids=codec.encode(uniq[part]), wire_dtype=wire_code,  # type: ignore[arg-type]
-                                 shard_map=shard_map(s, slots))
+            req = wire.encode_pull(spec.name, uniq[part], wire_code, maps[s])  # (serialized: no protobuf objects)
             per_shard[s].append((k, part, req, len(part) * (spec.dim * WIRE_BYTES[wire_code] + 8)))
     return per_shard
+
+
+def pull_batch(requests: list[bytes]) -> wire.Buffer:
+    """A serialized PullBatchRequest of serialized PullRequests (``pull_plan``'s)."""
+    return wire.encode_repeated([(pb.PullBatchRequest.PULLS_FIELD_NUMBER, requests)])
 
 
 def dense_pull_requests(specs: dict[str, DenseSpec], slots: SlotMap, wire_code: int,

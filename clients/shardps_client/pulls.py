@@ -202,7 +202,7 @@ class Pulls:
 
         def pull(slots: SlotMap) -> list[tuple[np.ndarray, Versions]]:
             per_shard = planner.pull_plan(items, slots, wire_code, session.max_message_bytes)
-            calls, metas = planner.pull_batches(per_shard, "Pull", lambda reqs: pb.PullBatchRequest(pulls=reqs),
+            calls, metas = planner.pull_batches(per_shard, "Pull", planner.pull_batch,
                                                 session.max_message_bytes)
             replies = session.transport.read_calls(calls, then=session.pushes.send_trailing)
             blocks = planner.pulled_blocks(calls, metas, replies, pb.PullBatchResponse.PULLS_FIELD_NUMBER)

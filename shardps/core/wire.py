@@ -39,6 +39,8 @@ _P_SEQ = pb.PushRequest.SEQ_FIELD_NUMBER
 _P_SHARD_MAP = pb.PushRequest.SHARD_MAP_FIELD_NUMBER
 _P_SYNC = pb.PushRequest.SYNC_FIELD_NUMBER
 _P_ORIGINS = pb.PushRequest.ORIGINS_FIELD_NUMBER
+_Q_TABLE, _Q_IDS, _Q_WIRE_DTYPE = (pb.PullRequest.TABLE_FIELD_NUMBER, pb.PullRequest.IDS_FIELD_NUMBER,
+                                   pb.PullRequest.WIRE_DTYPE_FIELD_NUMBER)
 
 
 def _encode_varint(n: int) -> bytes:
@@ -217,6 +219,22 @@ def _msg_field(field: int, msg: Optional[object]) -> list:
     if msg is None:
         return []
     return _len_field(field, [msg.SerializeToString()])  # type: ignore[attr-defined]
+
+
+def message_field(field: int, msg: Optional[object]) -> bytes:
+    """``msg`` (a generated message, or None: nothing) serialized as field ``field`` of an enclosing message."""
+    return b"".join(_msg_field(field, msg))
+
+
+def encode_pull(name: str, ids: np.ndarray, wire_dtype: int, shard_map: bytes = b"") -> bytes:
+    """A serialized PullRequest{table, ids, wire_dtype, shard_map}, byte-identical to the generated class's
+    ``SerializeToString`` without building its objects; ``shard_map``: that field already encoded
+    (``message_field(PullRequest.SHARD_MAP_FIELD_NUMBER, ...)``, the same for every request to one shard)."""
+    parts = _string_field(_Q_TABLE, name) + _len_field(_Q_IDS, _tensor_parts(ids, pb.INT64))
+    if wire_dtype:
+        parts += [_tag(_Q_WIRE_DTYPE, _VARINT), _varint(wire_dtype)]
+    parts.append(shard_map)
+    return b"".join(parts)
 
 
 def encode_push(

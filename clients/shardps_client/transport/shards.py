@@ -297,14 +297,15 @@ class Transport:
 
     def lane_calls(self, calls: list[tuple[int, str, Any]], then: Callable[[], None] = lambda: None,
                    lane: Optional[Callable[[int], Any]] = None) -> list[Any]:
-        """Run calls (messages) on their shards' lanes (``lane(shard)``: another lane of it), in order after this
-        client's earlier calls on them; ``then()`` once they are all sent, before waiting for their answers.
+        """Run calls (messages, or messages serialized) on their shards' lanes (``lane(shard)``: another lane of
+        it), in order after this client's earlier calls on them; ``then()`` once they are all sent, before waiting
+        for their answers.
 
         Results in order; raises the first error once every call has finished.
         """
         submit = self.submit if lane is None else lambda s, method, framed: lane(s).submit(method, framed)
-        getters = [self._patient(functools.partial(submit, s, method,
-                                                   wire.frame(protocol.stream_field(method), req.SerializeToString())))
+        getters = [self._patient(functools.partial(submit, s, method, wire.frame(
+            protocol.stream_field(method), req if isinstance(req, (bytes, bytearray)) else req.SerializeToString())))
                    for s, method, req in calls]
         then()
         return results(getters)
