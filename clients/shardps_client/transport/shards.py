@@ -297,9 +297,8 @@ class Transport:
 
     def lane_calls(self, calls: list[tuple[int, str, Any]], then: Callable[[], None] = lambda: None,
                    lane: Optional[Callable[[int], Any]] = None) -> list[Any]:
-        """Run calls (messages, or messages serialized) on their shards' lanes (``lane(shard)``: another lane of
-        it), in order after this client's earlier calls on them; ``then()`` once they are all sent, before waiting
-        for their answers.
+        """Run calls (messages, or serialized) on their shards' lanes (``lane(shard)``: another lane of it), in
+        order after this client's earlier calls on them; ``then()`` once all are sent, before waiting for answers.
 
         Results in order; raises the first error once every call has finished.
         """
