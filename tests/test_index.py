@@ -393,11 +393,15 @@ def test_a_growing_tables_next_rows_get_their_pages_ahead_within_its_window_and_
     assert _resident_rows(store.rows, window + huge, 400_000)[0] == 0  # none past it
     assert (store.rows[:1000] == 1).all() and not store.rows[1000:].any()
 
-    # Rows that arrive move the window on.
+    # Rows that arrive within the first window use it; past it, the window is a quarter of the rows held (no more
+    # the first eighth on top of them: pages a table that stops growing would never use).
     store.append(np.arange(1000, 40_000), np.full((39_000, 64), 2, np.float32))
     _wait_made(store)
-    assert store._asked >= 40_000 + window // 2 and (store.rows[1000:40_000] == 2).all()
-    made, pages = _resident_rows(store.rows, 40_000, 40_000 + window // 2 - huge)
+    assert store._asked == window and (store.rows[1000:40_000] == 2).all()  # 10,000 ahead: a quarter of 40,000
+    store.append(np.arange(40_000, 80_000), np.full((40_000, 64), 3, np.float32))
+    _wait_made(store)
+    assert store._asked == 80_000 + 80_000 // 4 and (store.rows[40_000:80_000] == 3).all()
+    made, pages = _resident_rows(store.rows, 80_000, 100_000 - huge)
     assert made == pages
 
     # A budget with room for 10,000 more rows: no page past them (and the slack of one huge page).
@@ -500,9 +504,9 @@ def test_pages_ahead_are_bounded_across_a_shards_tables_and_shared_as_their_rows
     assert 0 < c._asked - c.n <= share
     assert budget.ahead_bytes <= AHEAD_SHARD_BYTES
     # A table dropped gives its pages ahead back: two tables left, a half each (c asks again once its rows have used
-    # half of its window).
+    # half of its window: past its first eighth, a quarter of the rows it holds).
     a.release()
-    c.append(np.arange(10, 70_000), np.ones((69_990, 64), np.float32))
+    c.append(np.arange(10, 400_000), np.ones((399_990, 64), np.float32))
     assert share < c._asked - c.n <= AHEAD_SHARD_BYTES // 2 // c.row_bytes
     assert budget.ahead_bytes <= AHEAD_SHARD_BYTES
     for store in (a, b, c):

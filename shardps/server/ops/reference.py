@@ -50,7 +50,8 @@ ENVIRONMENT: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("SHARDPS_PREFAULT", "`shardps serve` (`shardps.core.memory.populate`, `RowStore`)",
          "`0` leaves a growing table's pages to be made by its rows' first writes; otherwise (the default, on "
          "Linux 5.14 and later) a thread makes the pages of a table's next rows ahead of them "
-         "(`MADV_POPULATE_WRITE`): an eighth of its reserved rows or a quarter of those it holds, at most 32 MiB "
+         "(`MADV_POPULATE_WRITE`): up to an eighth of its reserved rows, then a quarter of those it holds, "
+         "at most 32 MiB "
          "a table and 64 MiB in all of a shard's tables (each its share), never past what the memory budget has left (see [performance](performance.md#performance-notes))"),
         ("SHARDPS_DATA_REGIONS", "`Client` (`shardps_client.data_plane`)",
          "`0`: the client asks its shards for no shared-memory regions (its data goes through the Unix socket); "
