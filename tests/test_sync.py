@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from shardps_client import SGD, Client, SyncPolicy, SyncStepError, planner
+from shardps_client.errors import InvalidArgumentError
 
 from shardps.core.specs import Initializer
 from tests.conftest import run_workers, running_cluster
@@ -269,6 +270,13 @@ def test_a_worker_started_again_in_its_rank_is_live_at_its_own_clock_and_the_old
             again.advance_clock()
             again.worker.heartbeat()
             assert view() == (1, [0, 1], [])
+            assert again.advance_clock(steps=9) == 10  # a worker resuming from a checkpoint resumes its clock
+            again.worker.heartbeat()
+            assert view() == (3, [0, 1], [])
+            for bad in (0, -1, 1.5, True):
+                with pytest.raises(InvalidArgumentError, match="steps"):
+                    again.advance_clock(bad)
+            assert again.clock == 10
         assert view() == (3, [1], [0])  # and its own leaving counts
 
 

@@ -214,9 +214,10 @@ class Client(ClusterMethods, DenseMethods):
 
     # ---- workers: heartbeats, SSP clocks ---------------------------------------------
 
-    def advance_clock(self) -> int:
-        """Mark the end of a training step (the SSP clock); returns the new clock."""
-        return self.worker.advance()
+    def advance_clock(self, steps: int = 1) -> int:
+        """Mark the end of a training step (the SSP clock), or of ``steps`` (a worker started again from a checkpoint
+        of step N resumes its clock with N: a new client's starts at 0); returns the new clock."""
+        return self.worker.advance(steps)
 
     def barrier(self, timeout: float = 600.0) -> None:
         """Wait until every live worker's clock has reached this worker's clock.

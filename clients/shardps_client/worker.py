@@ -108,10 +108,13 @@ class WorkerClock:
             except ShardpsError as e:
                 log.debug("heartbeat failed: %s", e)
 
-    def advance(self) -> int:
-        """End of a training step: the clock goes up and the shards hear of it in the background: at once under
-        ssp_bound, else from the heartbeat thread within ``CLOCK_REPORT_S`` (one call for all the steps since)."""
-        self.clock += 1
+    def advance(self, steps: int = 1) -> int:
+        """End of a training step (or of ``steps``): the clock goes up and the shards hear of it in the background:
+        at once under ssp_bound, else from the heartbeat thread within ``CLOCK_REPORT_S`` (one call for all the steps
+        since)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
+        self.clock += steps
         if self.rank is not None and self.ssp_bound is not None:
             self._submit(self.heartbeat)
         return self.clock
