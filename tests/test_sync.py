@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from shardps_client import SGD, Client, SyncPolicy, SyncStepError, planner
@@ -273,11 +274,47 @@ def test_a_worker_started_again_in_its_rank_is_live_at_its_own_clock_and_the_old
             assert again.advance_clock(steps=9) == 10  # a worker resuming from a checkpoint resumes its clock
             again.worker.heartbeat()
             assert view() == (3, [0, 1], [])
-            for bad in (0, -1, 1.5, True):
+            for bad in (-1, 1.5, True, "2"):
                 with pytest.raises(InvalidArgumentError, match="steps"):
                     again.advance_clock(bad)
-            assert again.clock == 10
+            assert again.advance_clock(0) == 10  # (a checkpoint of step 0)
+            assert again.advance_clock(np.int64(2)) == again.advance_clock(torch.tensor(0)) == 12
         assert view() == (3, [1], [0])  # and its own leaving counts
+
+
+def test_a_second_client_in_a_live_workers_rank_changes_nothing_and_a_silent_ones_rank_passes_on():
+    """Incarnations have no order: another client in a rank takes it only once the rank's client left or was silent
+    for the shard's worker timeout. A second client of a live worker (an evaluation's, reading RANK as its trainer
+    does) neither moves the rank's clock nor removes the rank when it closes; a worker started again after a crash
+    (no leaving) takes the rank once the old one's heartbeats stopped for the timeout."""
+    import grpc
+
+    from shardps.server.rpc import ServerConfig, ShardServer
+    from shardps.server.shard.facade import ShardConfig
+    from shardps.v1 import shardps_pb2 as pb
+
+    timeout = 1.0
+    with ShardServer(ShardConfig(0, 1, worker_timeout_s=timeout), ServerConfig()).start() as server, \
+            grpc.insecure_channel(server.address) as ch:
+        beat = ch.unary_unary("/shardps.v1.Shard/Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
+                              response_deserializer=pb.HeartbeatResponse.FromString)
+
+        def send(incarnation: int, clock: int, leaving: bool = False) -> tuple[int, list[int], list[int]]:
+            r = beat(pb.HeartbeatRequest(rank=0, world_size=1, clock=clock, leaving=leaving, incarnation=incarnation),
+                     timeout=10)
+            return r.min_clock, list(r.live_ranks), list(r.gone_ranks)
+
+        assert send(11, 120) == (120, [0], [])  # the trainer
+        assert send(22, 0) == (120, [0], [])  # a second client in its rank: the trainer's clock stands
+        assert send(22, 0, leaving=True) == (120, [0], [])  # and its leaving does not remove the trainer
+        assert send(11, 121) == (121, [0], [])
+        deadline = time.monotonic() + 30
+        while send(33, 0) != (0, [0], []):  # the trainer crashed (it sends nothing); started again as 33
+            assert time.monotonic() < deadline, "the silent worker's rank never passed on"
+            time.sleep(timeout / 4)
+        assert send(11, 122) == (0, [0], [])  # the old one's late heartbeat changes nothing now
+        assert send(11, 122, leaving=True) == (0, [0], [])
+        assert send(33, 1, leaving=True) == (0, [], [0])  # the new one's own leaving counts (no live rank: 0)
 
 
 def test_an_ssp_wait_has_a_deadline(monkeypatch):

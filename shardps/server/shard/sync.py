@@ -71,21 +71,22 @@ class Membership:
                                   f"{world_size or self.max_workers:,})")
 
     def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool, incarnation: int = 0) -> None:
-        """Record a rank's heartbeat. Under one incarnation (or none given) its clock only rises and its leaving is
-        for good. Another incarnation is a new client in the rank (a worker restarted, by torchrun say): its
-        leaving and clock replace the old ones', so that a rank that left is live again and waited for at its own
-        clock. A leaving of an incarnation the rank no longer has (the old worker's, arriving late) is ignored."""
+        """Record a rank's heartbeat. Under its client's incarnation (or none given) its clock only rises and its
+        leaving is for good. Another incarnation (another client in the rank) takes the rank once the rank's client
+        has left or been silent for ``dead_after_s``: a worker started again (by torchrun, say) is then live again,
+        at its own clock. Until then (a second client of a live worker, an old worker's late heartbeat or leaving)
+        it changes nothing. A live rank whose client gave none takes the first incarnation it is given."""
         self.check_rank(rank, world_size)
         with self.cond:
             w = self._workers.get(rank)
-            if leaving and incarnation and w is not None and w.incarnation not in (0, incarnation):
-                return
+            if w is not None and incarnation and w.incarnation != incarnation and (w.incarnation or w.left):
+                if leaving or not (w.left or time.monotonic() - w.last_seen > self.dead_after_s):
+                    return
+                w.clock, w.left = clock, False
             w = self._seen(rank, world_size)
-            if incarnation and incarnation != w.incarnation:
-                w.incarnation, w.clock, w.left = incarnation, clock, leaving
-            else:
-                w.clock = max(w.clock, clock)
-                w.left = w.left or leaving
+            w.incarnation = incarnation or w.incarnation
+            w.clock = max(w.clock, clock)
+            w.left = w.left or leaving
             self.cond.notify_all()
 
     def touch(self, rank: int, world_size: int) -> None:
