@@ -8,6 +8,7 @@ instead of blocking for ever behind a worker that neither advances nor leaves.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
@@ -112,9 +113,13 @@ class WorkerClock:
         """End of a training step (or of ``steps``): the clock goes up and the shards hear of it in the background:
         at once under ssp_bound, else from the heartbeat thread within ``CLOCK_REPORT_S`` (one call for all the steps
         since)."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise InvalidArgumentError(f"steps must be a positive integer, got {steps!r}")
-        self.clock += steps
+        try:
+            n = operator.index(steps)  # (an int, numpy's or torch's; 0: a checkpoint of step 0)
+        except TypeError:
+            n = -1
+        if isinstance(steps, bool) or n < 0:
+            raise InvalidArgumentError(f"steps must be an integer >= 0, got {steps!r}")
+        self.clock += n
         if self.rank is not None and self.ssp_bound is not None:
             self._submit(self.heartbeat)
         return self.clock
