@@ -303,8 +303,8 @@ class Transport:
         Results in order; raises the first error once every call has finished.
         """
         submit = self.submit if lane is None else lambda s, method, framed: lane(s).submit(method, framed)
-        getters = [self._patient(functools.partial(submit, s, method, wire.frame(
-            protocol.stream_field(method), req if isinstance(req, (bytes, bytearray)) else req.SerializeToString())))
+        getters = [self._patient(functools.partial(submit, s, method,
+                                                   wire.frame(protocol.stream_field(method), _serialized(req))))
                    for s, method, req in calls]
         then()
         return results(getters)
@@ -343,6 +343,11 @@ class Transport:
         for lane in [*self.lanes, *self._read_lanes.values()]:
             lane.close()
         self.channels.close()
+
+
+def _serialized(request: Any) -> Any:
+    """A call's request as bytes: serialized already (a pull's, ``planner.pull_plan``), or a generated message."""
+    return request if isinstance(request, (bytes, bytearray, memoryview)) else request.SerializeToString()
 
 
 class _Deposed(Exception):
