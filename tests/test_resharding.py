@@ -528,10 +528,12 @@ def routing_slots(ids: np.ndarray) -> np.ndarray:
 def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd):
     """The source (a replica group, --ack quorum) logs a move's commit record, but its backup is dead: the wait for
     the quorum fails and the driver stops. The record is in the source's log and reaches the backup once it is
-    back, so the move must go forward: --resume commits it again and the target activates (rolling it back would
-    leave the slots, once the backup replays the record, to a target that dropped their rows). Then the source's
-    primary and the new shard's are killed with SIGKILL: each backup, promoted, agrees on the map and holds the
-    rows the moves brought (they reached it through the replicated log), and the counts are exact."""
+    back, so the move must go forward: --resume finds it committed and the target activates (rolling it back would
+    leave the slots, once the backup replays the record, to a target that dropped their rows). Until the record
+    reached a quorum, the source says nothing of the move (its status waits for the log): "committed" before then
+    would let the target activate while a backup without the record could still take over the slots. Then the
+    source's primary and the new shard's are killed with SIGKILL: each backup, promoted, agrees on the map and holds
+    the rows the moves brought (they reached it through the replicated log), and the counts are exact."""
     with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
                       etcd=etcd.url, serve_args=["--ack", "quorum", "--quorum-timeout", "2"]) as cluster:
         with Client(cluster.addresses) as c:
@@ -558,9 +560,11 @@ def test_a_commit_whose_quorum_never_came_goes_forward_on_resume(tmp_path, etcd)
         with pytest.raises(Exception, match="quorum"):
             driver.run([0, 1, 2])
         source = Move.from_json(journal.move).source
-        assert calls.migrate(source, "status", move_id=journal.move["id"]).state == "committing"
+        with pytest.raises(Exception, match="quorum"):
+            calls.migrate(source, "status", move_id=journal.move["id"])
         cluster.restart(killed[0])  # the backup is back: a quorum again
         calls.retry_s = 60
+        assert calls.migrate(source, "status", move_id=journal.move["id"]).state == "committed"
         resumed = Resharder(calls, Journal.load(journal.path))
         resumed.settle()
         resumed.run([0, 1, 2])
@@ -711,3 +715,109 @@ def test_a_push_a_leaving_shard_applied_unanswered_is_not_applied_again_where_it
 
         with pytest.raises(ShardError, match="applied_json is not records of applied pushes"):
             driver.calls.migrate(0, "in_prepare", move_id="m", applied_json='{"2": {"c": [1]}}')
+
+
+def _member_reads(cluster: LocalCluster, member: int, ids: torch.Tensor) -> np.ndarray:
+    """Rows of ``ids`` as ``member`` alone serves them for its group (the campaign's reading of each member)."""
+    groups: dict[int, list[str]] = {}
+    for p in cluster.procs:
+        groups.setdefault(p.index, []).append(p.address)
+    entries = ["|".join(groups[g]) for g in sorted(groups)]
+    entries[cluster.procs[member].index] = cluster.procs[member].address
+    with Client(entries, timeout=10, retry_timeout=5) as c:
+        return c.pull("t", ids).numpy()
+
+
+def test_a_target_primary_deposed_after_logging_an_activation_unacknowledged_follows_its_successor(tmp_path, etcd):
+    """The campaign's reshard scenario (once in CI): the target's primary logs a move's activation, its quorum does
+    not come (its backup is frozen), and it is deposed. The backup received the record, takes over and owns the
+    slots. The old primary then follows it from where its log ends, past the activation, so its state must hold the
+    activation: it made a step's change only once the record was acknowledged, and so never made this one; it
+    waited 15 s at every push of its successor's to the slots (for an arrival nothing would settle), and at every
+    read of them. Every change a move logs is now made as it is logged: the old primary applies its successor's
+    push to the slots and serves the same rows."""
+    with LocalCluster(2, data_dir=str(tmp_path / "data"), log_dir=str(tmp_path / "logs"), replicas=2,
+                      etcd=etcd.url, serve_args=["--ack", "quorum", "--quorum-timeout", "1"]) as cluster:
+        with Client(cluster.addresses) as c:
+            _tables(c)
+        cluster.add_shards(1)
+        calls = ShardCalls(cluster.addresses, retry_s=30)
+        _find_primaries(calls, 3)
+
+        def at(phase: str, move: Move) -> None:
+            if phase == "committed":
+                raise _DriverKilled(move.id)
+
+        driver = Resharder(calls, Journal(tmp_path / "journal.json", batch_slots=4096), at=at)
+        driver.ensure_lineage()
+        with pytest.raises(_DriverKilled):
+            driver.run([0, 1, 2])
+        move = Move.from_json(driver.journal.move)
+        members = [k for k, p in enumerate(cluster.procs) if p.index == move.target]
+        old = next(k for k in members if cluster.procs[k].address == calls.primary[move.target])
+        new = next(k for k in members if k != old)
+
+        def info(k: int) -> pb.ShardInfoResponse:
+            return calls._method(cluster.procs[k].address, "ShardInfo")(pb.ShardInfoRequest(), timeout=5)
+
+        freeze(cluster.procs[new].popen.pid)
+        try:
+            with pytest.raises(Exception, match="quorum"):
+                calls.migrate(move.target, "in_activate", move_id=move.id, retry_s=0)
+            logged = info(old).replica.lsn  # the activation's record is its last
+            freeze(cluster.procs[old].popen.pid)
+        finally:
+            cluster.procs[new].popen.send_signal(signal.SIGCONT)
+        try:
+            deadline = time.monotonic() + 30
+            while info(new).replica.lsn < logged or info(new).replica.role != "primary":
+                assert time.monotonic() < deadline, "the backup did not store the activation and take over"
+                time.sleep(0.1)
+        finally:
+            cluster.procs[old].popen.send_signal(signal.SIGCONT)
+        ids = torch.from_numpy(np.flatnonzero(np.isin(routing_slots(np.arange(ROWS)), move.slots)))
+        assert ids.numel() > 100
+        with Client(cluster.addresses, retry_timeout=60) as c:
+            c.push("t", ids, torch.ones(ids.numel(), 4), wait=True)  # acknowledged once the old primary stored it
+        deadline = time.monotonic() + 30
+        while (info(old).replica.role, info(old).replica.lsn) != ("backup", info(new).replica.lsn):
+            assert time.monotonic() < deadline, f"the old primary did not catch up: {info(old).replica}"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        rows = {k: _member_reads(cluster, k, ids) for k in (new, old)}
+        assert time.monotonic() - t0 < 10, "a member's read of the moved slots waited for an arrival"
+        assert (rows[new][:, 0] == -1).all()
+        np.testing.assert_array_equal(rows[old], rows[new])
+        calls.close()
+
+
+def test_a_whole_copy_replaces_the_moves_a_member_had_in_flight_with_their_marks():
+    """A deposed primary that gets a whole copy of its successor takes the copy's slot state for its own: moves it
+    had in flight that the copy does not hold go, and so do their marks. They used to stay (the copy's moves were
+    added to them): requests for a move's slots arriving here waited 15 s for an outcome that nothing here would
+    ever settle, instead of being told where the slots are. The shards here are in this process (the state a copy
+    replaces is not visible from outside until a request waits on it)."""
+    from shardps.core.errors import Moved, WrongShard
+    from shardps.core.optim import SGD as ServerSGD
+    from shardps.core.specs import Initializer as Init
+    from shardps.core.specs import TableSpec
+    from shardps.server.shard.facade import Shard, ShardConfig
+
+    successor, deposed = Shard(ShardConfig(1, 2)), Shard(ShardConfig(1, 2))
+    for s in (successor, deposed):
+        s.create_table(TableSpec("t", 4, ROWS, ServerSGD(lr=1.0), Init("zeros")))
+    slots = np.arange(0, 64, dtype=np.int64) * 2  # shard 0's
+    cur = deposed.slots.map
+    assert (cur.owners[slots] == 0).all()
+    move = Move("m", 0, 1, slots, (), cur.moved(slots, 1))
+    deposed.migrations.in_begin(move)
+    deposed.migrations.in_prepare("m")
+    ids = np.flatnonzero(np.isin(routing_slots(np.arange(ROWS)), slots))
+    assert deposed.slots.blocked(deposed.registry.find("t").spec, ids, write=False) == "wait"
+    meta, arrays, _ = successor.snapshot()
+    deposed.load_state(meta, arrays)
+    assert deposed.migrations.status("m") == "unknown" and not deposed.slots.arriving_any()
+    t0 = time.monotonic()
+    with pytest.raises((Moved, WrongShard), match="shard 0"):  # told at once where the slots are
+        deposed.pull("t", ids)
+    assert time.monotonic() - t0 < 5

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from shardps.core.errors import InvalidArgument, Unavailable
+from shardps.core.errors import InvalidArgument
 from shardps.core.specs import DenseSpec
 from shardps.server.durability import modes as durability
 from shardps.server.shard.move import Move, check_arrays, check_move
@@ -37,13 +37,15 @@ class Arrivals(MoveBase):
     def in_begin(self, move: Move) -> None:
         self.shard.check.writable(f"migration {move.id}")
         with self.lock:
-            if move.id in self.into:
+            if move.id not in self.into:
+                if move.id in self.finished:
+                    raise InvalidArgument(f"migration {move.id} is {self.finished[move.id]} on shard "
+                                          f"{self.shard.index}")
+                check_move(move, "target", self.slots.map, self.shard.index, [], [])
+                self._log({"op": "in_begin", "move": move.to_json()}, durable=False,
+                          then=lambda: self.into.__setitem__(move.id, _In(move)))
                 return
-            if move.id in self.finished:
-                raise InvalidArgument(f"migration {move.id} is {self.finished[move.id]} on shard {self.shard.index}")
-            check_move(move, "target", self.slots.map, self.shard.index, [], [])
-            self._log({"op": "in_begin", "move": move.to_json()}, durable=False)
-            self.into[move.id] = _In(move)
+        self._settled()
 
     def in_rows(self, move_id: str, table: str, ids: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
         """Rows of the move (all they hold), written here and logged."""
@@ -80,13 +82,16 @@ class Arrivals(MoveBase):
         ``out_handover``'s); requests for the slots wait here for the outcome."""
         with self.shard.checkpointer.lock, self.lock:  # never inside a cluster-wide cut
             i = self._get_in(move_id, "receiving", "prepared")
-            if i.state == "receiving" and not self.shard.gate.is_open:
-                raise Unavailable(f"shard {self.shard.index}: a checkpoint or export is being cut; retry")
             if i.state == "receiving":
-                self._log({"op": "prepared", "id": move_id, "applied": applied or {}})
-                self.shard.updates.elsewhere.merge(applied or {})
-                self._arriving(i.move, True)
-                i.state = "prepared"
+                self._check_gate("the prepare")
+
+                def prepare() -> None:
+                    self.shard.updates.elsewhere.merge(applied or {})
+                    self._arriving(i.move, True)
+                    i.state = "prepared"
+                self._log({"op": "prepared", "id": move_id, "applied": applied or {}}, then=prepare)
+                return
+        self._settled()
 
     def _arriving(self, move: Move, on: bool) -> None:
         slots = self.slots
@@ -101,11 +106,12 @@ class Arrivals(MoveBase):
     def in_activate(self, move_id: str) -> None:
         """The source committed: the slots are this shard's."""
         with self.lock:
-            if self.finished.get(move_id) == "active":
-                return
-            i = self._get_in(move_id, "prepared")
-            self._log({"op": "in", "id": move_id})
-            self.apply_in(i.move)
+            done = self.finished.get(move_id) == "active"
+            if not done:
+                i = self._get_in(move_id, "prepared")
+                self._log({"op": "in", "id": move_id}, then=lambda: self.apply_in(i.move))
+        if done:
+            return self._settled()
         log.info("shard %d: migration %s active: %d slots from shard %d (slot map epoch %d)", self.shard.index,
                  move_id, i.move.slots.size, i.move.source, i.move.epoch)
 
@@ -118,24 +124,27 @@ class Arrivals(MoveBase):
     def in_abort(self, move_id: str) -> None:
         """Drop what the move brought (the source did not commit)."""
         with self.lock:
-            if self.finished.get(move_id) == "aborted":
-                return
-            if self._never_begun(self.into, move_id):
-                return
-            i = self._get_in(move_id, "receiving", "prepared")
-            self._log({"op": "in_abort", "id": move_id})
-            self.apply_in_abort(i.move, replaying=False)
+            done = self.finished.get(move_id) == "aborted"
+            if not done:
+                if self._never_begun(self.into, move_id):
+                    return
+                i = self._get_in(move_id, "receiving", "prepared")
+                self._check_gate("the abort")
+                self._log({"op": "in_abort", "id": move_id}, then=lambda: self.apply_in_abort(i.move))
+        if done:
+            return self._settled()
         log.warning("shard %d: migration %s given up: its rows dropped here", self.shard.index, move_id)
 
-    def apply_in_abort(self, move: Move, replaying: bool = True) -> None:
-        """The move's rows dropped here, except rows this shard owns (a split slot's other part is its own)."""
+    def apply_in_abort(self, move: Move) -> None:
+        """The move's rows dropped here, except rows this shard owns (a split slot's other part is its own): its
+        logged abort made, live or replayed (as a replay makes it: no waits)."""
         for t in self.shard.registry.tables():
             def drop(stamp: int, t: Table = t) -> None:
                 ids = moves.ids_in(t, move.selection(t))
                 if ids.size and not isinstance(t.spec, DenseSpec):
                     ids = ids[~self.slots.owned(t.spec, ids)]
                 moves.drop(t, ids, stamp)
-            self.shard.updates.write(t, drop, replaying=replaying)
+            self.shard.updates.write(t, drop, replaying=True)
         self._arriving(move, False)
         self.into.pop(move.id, None)
         self._finish(move.id, "aborted")

@@ -122,39 +122,43 @@ class Handovers(MoveBase):
     def out_commit(self, move_id: str) -> None:
         """Give the slots to the target (the durable commit point); their rows are dropped here.
 
-        Once the commit record is in the log the move only goes forward: if waiting for it to be durable (an
-        fsync, a replica group's quorum) fails, the move stays "committing" (writes to its slots still held), is
-        never given up, and a repeated ``out_commit`` (the driver's retry, ``--resume``) logs the record again and
-        finishes it (replay applies the first of the two records and skips the second)."""
+        Once the commit record is in the log the move only goes forward. The commit is made here as it is logged
+        (``_log``): if waiting for the record to be durable (an fsync, a replica group's quorum) fails, the step
+        fails, the slots are given already, and a repeated ``out_commit`` (the driver's retry, ``--resume``) answers
+        once the log is acknowledged; ``status`` says "committed" only then. If logging it failed (the member was
+        deposed first), the move stays "committing" (writes to its slots still held) and is never given up: a repeat
+        logs it again (replay applies the first of two records and skips the second)."""
         with self.lock:
-            if self.finished.get(move_id) == "committed":
-                return
-            o = self._get_out(move_id, "frozen", "committing")
-            if o.timer is not None:
-                o.timer.cancel()
-            o.state = "committing"
-            self._log({"op": "out", "move": o.move.to_json()})
-            self.apply_out(o.move)
-            del self.out[move_id]
-            self._finish(move_id, "committed")
+            done = self.finished.get(move_id) == "committed"
+            if not done:
+                self._check_gate("the commit")
+                o = self._get_out(move_id, "frozen", "committing")
+                if o.timer is not None:
+                    o.timer.cancel()
+                o.state = "committing"
+
+                def commit() -> None:
+                    self.apply_out(o.move)
+                    del self.out[move_id]
+                    self._finish(move_id, "committed")
+                self._log({"op": "out", "move": o.move.to_json()}, then=commit)
+        if done:
+            return self._settled()
         log.info("shard %d: migration %s committed: %d slots are shard %d's (slot map epoch %d)", self.shard.index,
                  move_id, o.move.slots.size, o.move.target, o.move.epoch)
 
-    def apply_out(self, move: Move, replaying: bool = False) -> None:
-        """The committed handover (live, or replayed): the new map, the slots' rows dropped."""
+    def apply_out(self, move: Move) -> None:
+        """The committed handover (its logged commit made, live or replayed): the new map, the slots' rows dropped
+        (a new version each table, as a replay makes them: no waits)."""
         slots = self.slots
         with slots.cv:
             slots.guarded = True
             slots.set_map(move.new_map)
-        self._drop(move, replaying)
-        self._unfreeze(move)
-
-    def _drop(self, move: Move, replaying: bool) -> None:
-        """Drop the move's rows from every table (a new version each: replay makes the same ones)."""
         for t in self.shard.registry.tables():
             def drop(stamp: int, t: Table = t) -> None:
                 moves.drop(t, moves.ids_in(t, move.selection(t)), stamp)
-            self.shard.updates.write(t, drop, replaying=replaying)
+            self.shard.updates.write(t, drop, replaying=True)
+        self._unfreeze(move)
 
     def out_abort(self, move_id: str, why: str = "the driver gave it up") -> None:
         """Give a handover up before it committed: the slots stay here and their held writes go on."""

@@ -56,6 +56,11 @@ class Migrations(Handovers, Arrivals):
     # ---- what others ask ------------------------------------------------------------------
 
     def status(self, move_id: str) -> str:
+        """How ``move_id`` stands here, as the acknowledged log has it: a step whose wait failed made its change
+        already (``_log``), so the answer waits until every record logged so far is acknowledged (a source's
+        "committed" before its commit reached a quorum would let the target activate, and the backup that takes
+        over from a dying source primary would own the slots too)."""
+        self._settled()
         with self.lock:
             if move_id in self.out:
                 return self.out[move_id].state
@@ -89,19 +94,20 @@ class Migrations(Handovers, Arrivals):
         self.shard.check.writable("installing a slot map")
         with self.lock:
             cur = self.slots.map
-            if new == cur or (new.epoch == cur.epoch and new.key() == cur.key() and new.addresses == cur.addresses):
+            done = new == cur or (new.epoch == cur.epoch and new.key() == cur.key() and new.addresses == cur.addresses)
+            if not done:
+                dense = [t.spec for t in self.shard.registry.tables() if isinstance(t.spec, DenseSpec)]
+                self.slots.check_install(new, dense)
+                self._log({"op": "install", "map": new.to_json()}, then=lambda: self.slots.set_map(new))
                 return
-            dense = [t.spec for t in self.shard.registry.tables() if isinstance(t.spec, DenseSpec)]
-            self.slots.check_install(new, dense)
-            self._log({"op": "install", "map": new.to_json()})
-            self.slots.set_map(new)
+        self._settled()
 
     def announce(self, epoch: int) -> None:
         """A move to ``epoch`` is about to commit elsewhere: requests naming it are accepted from now on."""
         with self.lock:
             if epoch > self.slots.accept_epoch:
-                self._log({"op": "announce", "epoch": int(epoch)}, durable=False)
-                self.slots.announce(epoch)
+                self._log({"op": "announce", "epoch": int(epoch)}, durable=False,
+                          then=lambda: self.slots.announce(epoch))
 
     # ---- replay and checkpoints -------------------------------------------------------------------
 
@@ -115,7 +121,7 @@ class Migrations(Handovers, Arrivals):
         elif op == "out":
             move = Move.from_json(change["move"])
             if self.finished.get(move.id) != "committed":  # a commit logged twice (its first wait failed) applies once
-                self.apply_out(move, replaying=True)
+                self.apply_out(move)
             self.out.pop(move.id, None)
             self._finish(move.id, "committed")
         elif op == "in_begin":
@@ -150,17 +156,33 @@ class Migrations(Handovers, Arrivals):
                     "finished": dict(self.finished)}
 
     def load_meta(self, meta: Optional[dict[str, Any]]) -> None:
-        if not meta:
-            return
+        """A snapshot's slot state as this shard's: its map and its moves, in place of every move this shard had in
+        flight (a whole copy from a new primary replaces a deposed one's state, the arrivals and handovers it had
+        begun included: their marks would hold requests for those slots with nothing left to settle them)."""
         with self.lock:
+            self._forget_in_flight()
+            if not meta:
+                return
             self.slots.set_map(SlotMap.from_json(meta["map"]))
             self.slots.announce(int(meta.get("accept_epoch", 0)))
-            self.into = {}
             for entry in meta.get("into", []):
                 move = Move.from_json(entry["move"])
                 self.into[move.id] = _In(move, entry["state"])
                 if entry["state"] == "prepared":
                     self._arriving(move, True)
             self.finished = {str(k): str(v) for k, v in meta.get("finished", {}).items()}
+
+    def _forget_in_flight(self) -> None:
+        for o in self.out.values():
+            if o.timer is not None:
+                o.timer.cancel()
+        self.out, self.into = {}, {}
+        slots = self.slots
+        with slots.cv:
+            slots.frozen[:] = False
+            slots.arriving[:] = False
+            slots.frozen_dense.clear()
+            slots.arriving_dense.clear()
+            slots.cv.notify_all()
 
 

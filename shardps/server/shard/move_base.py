@@ -4,9 +4,9 @@ finished moves, and the helpers that log a change and find a table."""
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
-from shardps.core.errors import InvalidArgument, NotFound
+from shardps.core.errors import InvalidArgument, NotFound, Unavailable
 from shardps.server.durability import modes as durability
 from shardps.server.shard.slots import SlotOwnership
 from shardps.server.storage.table import Table
@@ -30,9 +30,32 @@ class MoveBase:
             raise NotFound(f"unknown table or dense tensor {name!r} on shard {self.shard.index}")
         return t
 
-    def _log(self, change: dict[str, Any], durable: bool = True) -> None:
+    def _log(self, change: dict[str, Any], durable: bool = True, then: Callable[[], object] = lambda: None) -> None:
+        """Log ``change``, make it (``then``), and wait for its record to be acknowledged (fsynced with ``durable``;
+        under ``--ack quorum``, in a majority's logs).
+
+        The change is made before the wait, so this shard's state holds every change its log holds, acknowledged or
+        not. A step whose wait fails (a quorum that did not come, a member deposed meanwhile) is answered with the
+        error, and its change stays made: the record is in the log, and replicas that received it make it too. A
+        member that steps down follows its new primary from where its log ends; were the change missing from its
+        state, nothing would make it (the campaign's reshard scenario: a deposed primary that had logged a move's
+        activation, its quorum lost, never made it, and then waited at every push of its new primary's to the
+        move's slots). ``then`` must not wait or fail: a write in it is made as a replay makes it. A repeat of the
+        step finds the change made, and answers once the log is acknowledged (``_settled``)."""
         d = self.shard.durability
-        d.wait(d.append(durability.record_slots(change)) if d.wants_schema else 0, durable=durable)
+        ticket = d.append(durability.record_slots(change)) if d.wants_schema else 0
+        then()
+        d.wait(ticket, durable=durable)
+
+    def _settled(self) -> None:
+        """A repeated step whose change is made already: answered as the first would have been, once every record
+        logged so far is acknowledged."""
+        self.shard.durability.wait_all()
+
+    def _check_gate(self, what: str) -> None:
+        """Refuse (retry) a step that writes rows while a cluster-wide checkpoint or export is being cut."""
+        if not self.shard.gate.is_open:
+            raise Unavailable(f"shard {self.shard.index}: a checkpoint or export is being cut; retry {what}")
 
     def _get(self, moves: dict[str, Any], side: str, move_id: str, states: tuple[str, ...]) -> Any:
         """The move ``move_id`` in flight here as ``side`` ("source": in ``moves`` = ``out``, "target": ``into``),

@@ -20,6 +20,7 @@ from shardps.server.durability.replication import ReplicatedLog
 from shardps.server.shard.checkpointing import Checkpointer
 from shardps.server.shard.registry import TableRegistry
 from shardps.server.shard.updates import UpdatePath
+from shardps.server.storage import checks
 from shardps.server.storage.disk import DiskTierError, RecordCodec
 from shardps.server.storage.table import Table
 
@@ -143,7 +144,7 @@ def replay(shard: Replayable, change: durability.Change) -> None:
         shard.drop(change.name)
     elif isinstance(change, durability.Assign):
         found = _table(shard, change.name, "assigns to")
-        found.check_ids(change.ids)
+        _check_ids(found, change.ids)
         updates.assign(found, change.ids, change.values, replaying=True)
     elif isinstance(change, durability.Evict):
         updates.evict(_table(shard, change.name, "evicts from"), change.ids, change.cause)
@@ -160,12 +161,26 @@ def replay(shard: Replayable, change: durability.Change) -> None:
             assert d.ids is not None
             t, ids = _table(shard, d.name, "for"), d.ids
             if ids.size:
-                t.check_ids(ids)
+                _check_ids(t, ids)
             t.check_grads(ids, d.grads)
         if d.client_id:  # remembered, not counted: the snapshot may already hold it
             updates.seen.begin(d.client_id, d.seq)
         updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row,
                       replayed_ticks=change.ticks, claim=(d.client_id, d.seq))
+
+
+def _check_ids(t: Table, ids: np.ndarray) -> None:
+    """A logged change's ids: 1-D and in range. Not whether this shard owns them now: its primary (or this shard,
+    live) checked that when the change was made, and the records before it in the log bring the slot map it was
+    made under. A live request's check waits while its ids are in slots arriving here (``shard.slots.Owns``);
+    nothing settles an arrival during a replay (the resolver runs on a primary, after it), so that wait only
+    stalled a backup: a deposed primary, whose whole copy kept marks of arrivals it had begun, waited 15 s at every
+    push of its new primary's to those slots and never caught up (the campaign's reshard-under-faults)."""
+    checks.ids(t.spec.name, "rows" if t.is_dense else "ids", t.num_embeddings, _any_owner, ids)
+
+
+def _any_owner(ids: np.ndarray) -> np.ndarray:
+    return np.ones(ids.shape, dtype=bool)
 
 
 def _table(shard: Replayable, name: str, what: str) -> Table:
