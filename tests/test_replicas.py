@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
 import threading
 import time
 
@@ -208,6 +209,39 @@ def test_a_primary_frozen_past_its_lease_writes_nothing_with_its_old_epoch(tmp_p
         t.progress()
         t.finish()
         _exact(g.addresses, t.counts)
+    finally:
+        g.kill_all()
+
+
+def test_a_backup_that_cannot_apply_its_primarys_records_never_leads_with_a_state_missing_them(tmp_path, etcd):
+    """Two members, --ack quorum; the backup started with --max-table-rows 100, so it cannot make the rows its
+    primary's pushes create (a member set up unlike its group). It stores and acknowledges each record (its log
+    holds them, so the pushes are acknowledged), but cannot apply them. It used to skip them silently and go on: its
+    state lacked acknowledged pushes, and once the primary was killed it was elected and served the rows without
+    them. Now it says which record it could not apply, asks for a whole copy (which it cannot install either), and
+    when the primary is gone it leaves the group (exit 4) instead of leading. Started again as its group is, it
+    replays its log: every acknowledged push is there."""
+    g = Group(tmp_path, etcd, replicas=2)
+    try:
+        p = g.primary()
+        b = 1 - p
+        g.extra = ["--max-table-rows", "100"]
+        g.restart(b)
+        g.extra = []
+        _counter(g.addresses)
+        with Client([g.addresses], timeout=10, retry_timeout=30) as c:
+            c.push("cnt", torch.arange(ROWS), torch.ones(ROWS, 2), wait=True)  # acknowledged: in both logs
+        g.procs[p].kill()
+        try:
+            assert g.procs[b].proc.wait(30) == 4  # no primary to copy from: it leaves instead of leading
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the backup did not leave: {g.info(b)}") from None
+        said = g.procs[b].log()
+        assert "cannot apply record" in said and "--max-table-rows" in said and "asks its primary for a whole " \
+            "copy" in said and "leaving the replica group (exit 4)" in said, said[-3000:]
+        g.restart(b)  # as its group is started: it replays its log (and leads: the other member is gone)
+        assert g.primary() == b
+        _exact(g.procs[b].address, np.ones(ROWS, np.int64))
     finally:
         g.kill_all()
 

@@ -684,20 +684,22 @@ class ReplicaAck(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., lsn: _Optional[int] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("cluster", "shard_map", "member", "lsn", "last_epoch", "epoch")
+    __slots__ = ("cluster", "shard_map", "member", "lsn", "last_epoch", "epoch", "copy")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     SHARD_MAP_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     LSN_FIELD_NUMBER: _ClassVar[int]
     LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COPY_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     shard_map: ShardMap
     member: str
     lsn: int
     last_epoch: int
     epoch: int
-    def __init__(self, cluster: _Optional[str] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., member: _Optional[str] = ..., lsn: _Optional[int] = ..., last_epoch: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    copy: bool
+    def __init__(self, cluster: _Optional[str] = ..., shard_map: _Optional[_Union[ShardMap, _Mapping]] = ..., member: _Optional[str] = ..., lsn: _Optional[int] = ..., last_epoch: _Optional[int] = ..., epoch: _Optional[int] = ..., copy: _Optional[bool] = ...) -> None: ...
 
 class ReplicaRecord(_message.Message):
     __slots__ = ("lsn", "epoch", "kind", "payload")

@@ -20,6 +20,7 @@ class Hello:
     lsn: int
     last_epoch: int
     epoch: int
+    copy: bool = False  # its state lacks records of its log: a whole copy, please
 
 
 @dataclass

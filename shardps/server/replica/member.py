@@ -22,7 +22,9 @@
 - **Backups** follow the primary (``connect``, the gRPC client of ``shardps.server.rpc.replication``): the records
   go into their own log, are acknowledged, then applied through the replay path; a backup whose log is not a prefix
   of the primary's (a deposed primary's unacknowledged records), or that fell behind what the primary keeps, gets a
-  whole copy (a checkpoint of the primary) first, installed as its newest checkpoint.
+  whole copy (a checkpoint of the primary) first, installed as its newest checkpoint. So does one that could not
+  apply a record (``apply_shipped``): until then it stands in no election, and with no primary to copy from it
+  leaves the group (``STATE_BEHIND_EXIT``) to start again from its own log.
 - **The primary** serves each backup's stream (``serve``): records from its log's kept tail, or the copy.
 """
 
@@ -48,6 +50,7 @@ from shardps.server.shard.recovery import replay
 log = logging.getLogger(__name__)
 
 LOG_FAILED_EXIT = 3  # the exit code of a member whose write-ahead log failed
+STATE_BEHIND_EXIT = 4  # of a member, with no primary to copy from, whose state lacks records of its log
 
 
 def disk_trouble(log: ReplicatedLog, patience_s: float) -> str:
@@ -133,7 +136,8 @@ class ReplicaMember:
         self._threads: list[threading.Thread] = []
         self._applying = threading.local()  # set while this thread applies the primary's records
         self._vacant_since: Optional[int] = None  # etcd's revision when the primary's key was first seen gone
-        self.exit: Any = None  # how a member whose log failed leaves (the server's; default: os._exit)
+        self.exit: Any = None  # how a member leaves the group (``leave``; default: os._exit)
+        self.unapplied = ""  # why this member's state lacks records its log holds (``apply_shipped``); "" if none
         self.log.originates = False
         self.log.fence = self.fence
         self.log.applying = lambda: bool(getattr(self._applying, "on", False))
@@ -247,6 +251,8 @@ class ReplicaMember:
         the group under ``--ack quorum``."""
         if self._disk_trouble() or self.log.originating() or not self._drained():
             return  # a member whose log cannot store records (or is still storing its own) does not lead
+        if self.unapplied:  # nor one whose state lacks records of its log: it starts again, from its log
+            return leave(self, f"its state lacks records of its log ({self.unapplied})", STATE_BEHIND_EXIT)
         self._publish()
         # every acknowledged record is in the logs of a quorum (n // 2 + 1 of the n members): reports from n minus
         # that plus one members meet every quorum, so the newest among them holds every acknowledged record; under
@@ -335,7 +341,7 @@ class ReplicaMember:
         if self.log.originating():  # its own records, from when it was primary, go into its log (and its count) first
             return
         hello = Hello(self.config.cluster, self.shard.index, self.shard.num_shards, self.config.member,
-                      self.log.lsn, self.log.last_epoch(), target.epoch)
+                      self.log.lsn, self.log.last_epoch(), target.epoch, copy=bool(self.unapplied))
         stream = self.connect(target.address, hello)
         with self.lock:
             if self.primary is None or self.primary.epoch != target.epoch or self.role != "backup":
@@ -355,6 +361,7 @@ class ReplicaMember:
                     self._applying.on = True
                     try:
                         install(self.shard, self.log, self.config.member, copy, frame.copied, frame.history)
+                        self.unapplied = ""
                     finally:
                         self._applying.on = False
                     copy.close()
@@ -385,12 +392,7 @@ class ReplicaMember:
                 self.log.wait_stored(ticket, durable=rec.kind in durability.SCHEMA_KINDS)
             stream.ack(records[-1].lsn)
         finally:
-            self._applying.on = True
-            try:
-                for rec in stored:
-                    replay(self.shard, durability.read_record(rec.kind, rec.payload))
-            finally:
-                self._applying.on = False
+            apply_shipped(self, stored)
 
     # ---- what ShardInfo tells -----------------------------------------------------------------
 
@@ -402,6 +404,27 @@ class ReplicaMember:
                     "primary": primary, "group": self.log.group, "ack": self.log.ack,
                     "backups": self.log.acked() if self.role == "primary" else {},
                     "etcd_age_s": self.coord.answered_s()}
+
+
+def apply_shipped(member: ReplicaMember, stored: list[Shipped]) -> None:
+    """Apply the records ``member`` stored from its primary, through the replay path. A record that cannot be
+    applied (an error of this member's: its memory budget, a state that went wrong) leaves its state behind its log,
+    and the records after it would apply to the wrong state: none of them is applied. The member says so
+    (``unapplied``): its next stream asks for a whole copy, and it stands in no election until it has one."""
+    if member.unapplied:
+        return
+    member._applying.on = True
+    try:
+        for rec in stored:
+            try:
+                replay(member.shard, durability.read_record(rec.kind, rec.payload))
+            except Exception as e:  # noqa: BLE001 - any record: the state is behind the log from here
+                member.unapplied = f"record {rec.lsn} of its primary's: {e}"
+                log.error("shard %d member %s: cannot apply %s; it asks its primary for a whole copy, and stands in "
+                          "no election until it has one", member.shard.index, member.config.member, member.unapplied)
+                raise Unavailable(f"record {rec.lsn} not applied: {e}") from e
+    finally:
+        member._applying.on = False
 
 
 def watch_disk(member: ReplicaMember) -> None:
@@ -419,12 +442,19 @@ def watch_disk(member: ReplicaMember) -> None:
         except EtcdUnavailable:
             pass  # its lease runs out instead: it renews nothing it cannot stand behind
     if member.log.disk_error() is not None and not member.stopping:
-        log.critical("shard %d member %s: %s: leaving the replica group (exit %d); what failed to persist was "
-                     "never acknowledged; replace the disk and start the member again: it rejoins with a copy",
-                     member.shard.index, member.config.member, why, LOG_FAILED_EXIT)
-        member._stop.set()
-        try:
-            member.coord.stop(revoke=True)
-        except Exception:  # noqa: BLE001 - leaving anyway
-            pass
-        (member.exit or os._exit)(LOG_FAILED_EXIT)
+        leave(member, f"{why}; what failed to persist was never acknowledged; replace the disk and start the member "
+              "again: it rejoins with a copy", LOG_FAILED_EXIT)
+
+
+def leave(member: ReplicaMember, why: str, code: int) -> None:
+    """Leave the replica group: give the member's keys back and exit the process with ``code``."""
+    if member.stopping:
+        return
+    log.critical("shard %d member %s: leaving the replica group (exit %d): %s", member.shard.index,
+                 member.config.member, code, why)
+    member._stop.set()
+    try:
+        member.coord.stop(revoke=True)
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    (member.exit or os._exit)(code)

@@ -32,11 +32,13 @@ def serve(member: ReplicaMember, hello: Hello, acks: Iterator[int], alive: Calla
     at = hello.lsn
     try:
         member.log.check_follower(hello.lsn, hello.last_epoch)
-        if member.log.read(at, 1, timeout=0) is None:
-            raise Diverged(f"record {at + 1} is no longer kept")
         # Its log holds this one's up to hello.lsn: that counts towards a quorum now, not only once a new record is
         # shipped and acknowledged (a new primary's answer to a resend of what it holds waits for such a quorum).
         member.log.ack_from(hello.member, hello.lsn)
+        if hello.copy:
+            raise Diverged(f"its state lacks records of its log (to record {hello.lsn})")
+        if member.log.read(at, 1, timeout=0) is None:
+            raise Diverged(f"record {at + 1} is no longer kept")
         yield Frame(epoch, history=list(member.log.history))
     except Diverged as e:
         log.info("shard %d: member %s gets a whole copy: %s", member.shard.index, hello.member, e)

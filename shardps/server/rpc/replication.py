@@ -31,7 +31,8 @@ def hello_of(msg: pb.ReplicaAck) -> Hello:
     h = msg.hello
     if not h.member or not h.cluster:
         raise InvalidArgument("a replica's hello names its cluster and member")
-    return Hello(h.cluster, h.shard_map.shard_index, h.shard_map.num_shards, h.member, h.lsn, h.last_epoch, h.epoch)
+    return Hello(h.cluster, h.shard_map.shard_index, h.shard_map.num_shards, h.member, h.lsn, h.last_epoch, h.epoch,
+                 h.copy)
 
 
 def frame_to_pb(f: Frame) -> pb.ReplicaFrame:
@@ -82,7 +83,7 @@ class GrpcStream:
         self._queue: queue.Queue[Optional[pb.ReplicaAck]] = queue.Queue()
         self._queue.put(pb.ReplicaAck(hello=pb.ReplicaHello(
             cluster=hello.cluster, shard_map=pb.ShardMap(shard_index=hello.shard_index, num_shards=hello.num_shards),
-            member=hello.member, lsn=hello.lsn, last_epoch=hello.last_epoch, epoch=hello.epoch)))
+            member=hello.member, lsn=hello.lsn, last_epoch=hello.last_epoch, epoch=hello.epoch, copy=hello.copy)))
         self._call: Any = method(self._requests(), metadata=outbound.metadata())
         self._timeout = timeout
 
