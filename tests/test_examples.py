@@ -41,6 +41,10 @@ def test_dlrm_async_two_workers_converges(tmp_path):
     best, ours, local = r["best_auc"], r["shardps"]["auc"], r["local"]["auc"]
     assert ours > 0.72 and ours > best - 0.1, r  # learned most of the planted signal
     assert abs(ours - local) < 0.03, r  # and as much as local torch.optim training did
+    # the shards' CPU counted over the training loops (read by the workers), within the whole run's (which has the
+    # tables' creation and rank 0's evaluation besides)
+    shards = r["shardps"]
+    assert 0 < shards["shards_cpu_s_per_1k"] <= shards["shards_cpu_s_per_1k_whole_run"], shards
 
 
 def test_lstm_language_model_learns():

@@ -191,10 +191,16 @@ def table_name(f: int) -> str:
 
 class StepClock:
     """Wall time of a training loop and where its CPU went: the main thread's CPU in forward + backward (the
-    trainer's own work: Python and torch ops, not waits, nor the client's gRPC threads) and the process's CPU
-    in forward + backward and over the whole loop (every thread: intra-op threads, the client's I/O)."""
+    trainer's own work: Python and torch ops, not waits, nor the client's gRPC threads), the process's CPU
+    in forward + backward and over the whole loop (every thread: intra-op threads, the client's I/O), and the
+    shards' CPU over the same loop (``SHARDPS_SHARD_PIDS``: the processes of a cluster this run started), so a
+    sample's cost counts the training loop on both sides, as local training's does: not the tables' creation, nor
+    rank 0's evaluation after it."""
 
     def __init__(self) -> None:
+        self.shard_pids = [int(p) for p in os.environ.get("SHARDPS_SHARD_PIDS", "").split(",") if p]
+        self.shards0 = (time.monotonic(), total_cpu_seconds(self.shard_pids))
+        self.shards1 = self.shards0
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
         self.fb_thread = self.fb_process = 0.0
         self.elapsed = self.cpu = 0.0
@@ -208,11 +214,23 @@ class StepClock:
 
     def stop(self) -> float:
         self.elapsed, self.cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
+        self.shards1 = (time.monotonic(), total_cpu_seconds(self.shard_pids))
         return self.elapsed
 
     def report(self, steps: int, samples: int) -> dict:
         return {"fwd_bwd_thread_ms": self.fb_thread / steps * 1e3, "fwd_bwd_process_ms": self.fb_process / steps * 1e3,
-                "trainer_cpu_s_per_1k": self.cpu / samples * 1e3}
+                "trainer_cpu_s_per_1k": self.cpu / samples * 1e3, "shards_cpu_at": [self.shards0, self.shards1]}
+
+
+def shards_cpu_of_loops(ranks: list[dict], whole_run: float) -> float:
+    """The shards' CPU seconds from the first rank's loop start to the last one's end (readings of the same
+    counters, on the machine's monotonic clock); ``whole_run`` (the workers' whole run) where no rank read them."""
+    readings = [r["shards_cpu_at"] for r in ranks if r.get("shards_cpu_at")]
+    if not readings or not any(end[1] for _, end in readings):
+        return whole_run
+    start = min((start for start, _ in readings), key=lambda x: x[0])
+    end = max((end for _, end in readings), key=lambda x: x[0])
+    return end[1] - start[1]
 
 
 def create_tables(args: argparse.Namespace, client: Client, world: int) -> Optional[SyncPolicy]:
@@ -436,7 +454,8 @@ def main() -> int:
         os.environ["SHARDPS_RESULTS_DIR"] = results_dir
         with cluster(args) as addresses:
             shards_cpu = total_cpu_seconds(addresses.pids)
-            code = run_workers(args, addresses, __spec__.name, {"MASTER_PORT": str(free_port())})
+            env = {"MASTER_PORT": str(free_port()), "SHARDPS_SHARD_PIDS": ",".join(map(str, addresses.pids))}
+            code = run_workers(args, addresses, __spec__.name, env)
             shards_cpu = total_cpu_seconds(addresses.pids) - shards_cpu  # (0 for a cluster this run did not start)
         if code != 0:
             return code
@@ -451,7 +470,8 @@ def main() -> int:
         "shardps": {"auc": ranks[0]["auc"], "samples_per_s": sum(r["samples_per_s"] for r in ranks),
                     **{k: statistics.mean(r[k] for r in ranks) for k in ("fwd_bwd_thread_ms", "fwd_bwd_process_ms")},
                     "trainer_cpu_s_per_1k": sum(r["trainer_cpu_s_per_1k"] * r["samples"] for r in ranks) / samples,
-                    "shards_cpu_s_per_1k": shards_cpu / samples * 1e3},
+                    "shards_cpu_s_per_1k": shards_cpu_of_loops(ranks, shards_cpu) / samples * 1e3,
+                    "shards_cpu_s_per_1k_whole_run": shards_cpu / samples * 1e3},
     }
     if not args.no_local:
         results["local"] = train_local(args, threads=args.local_threads)
