@@ -671,3 +671,33 @@ def test_a_unix_socket_that_cannot_be_reached_means_tcp(tmp_path, monkeypatch, c
         assert "not reachable; using TCP" in caplog.text
     finally:
         shard.terminate()
+
+
+def test_a_client_never_closed_is_closed_once_collected_and_its_pushes_are_applied(tmp_path):
+    """A Client dropped without close() (a notebook's, a loop's): nothing of it kept it alive but its own threads
+    (the heartbeats' closure held it), so its lanes, threads and sockets stayed until the process ended, and its
+    pushes were never flushed. Now no thread holds it: once collected, a finalizer closes it as close() would, in a
+    thread of its own: its pushes are applied and every thread it started ends."""
+    import gc
+    import weakref
+
+    shard = start_shard(0, 1, tmp_path)
+    try:
+        with Client([shard.address]) as c:
+            c.create_table("t", dim=4, num_embeddings=1000, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        before = {t.ident for t in threading.enumerate()}
+        c = Client([shard.address], rank=0, world_size=1, read_your_writes=False)  # a heartbeat thread too
+        c.push("t", torch.arange(100), torch.ones(100, 4))  # asynchronous: left unflushed
+        assert any(t.name == "shardps-heartbeat" for t in threading.enumerate())
+        collected = weakref.ref(c)
+        del c
+        gc.collect()
+        assert collected() is None, "a client without references was not collected"
+        deadline = time.monotonic() + 30
+        while started := [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]:
+            assert time.monotonic() < deadline, f"threads the client started are still running: {started}"
+            time.sleep(0.05)
+        with Client([shard.address]) as c:
+            assert (c.pull("t", torch.arange(100)) == -1).all()
+    finally:
+        shard.kill()

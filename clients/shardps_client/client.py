@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
@@ -132,12 +134,13 @@ class Client(ClusterMethods, DenseMethods):
         pool = ThreadPoolExecutor(max_workers=max(4, 4 * n), thread_name_prefix="shardps-client")
         self._closed = True  # until made: a client refused here (a rank, a shard map, a token) leaves nothing running
         worker: Optional[WorkerClock] = None
+        made: list[Session] = []  # (the heartbeats' shards come from the session: no thread holds this client)
         try:
             pushes = PushPipeline(transport, n, max_message_bytes, max_inflight_pushes)
-            worker = WorkerClock(transport, lambda: self._session.active_shards(), rank, world_size, ssp_bound,
-                                 pool.submit)
+            worker = WorkerClock(transport, lambda: made[0].active_shards(), rank, world_size, ssp_bound, pool.submit)
             self._session = Session(addresses, timeout, retry_timeout, code, max_message_bytes, read_your_writes,
                                     client_id, transport, Catalog(transport), pushes, worker, pool)
+            made.append(self._session)
             pushes.replan, pushes.run_async = self._session.replan, pool.submit
             self._caches = CachedTables(self._session)
             self._pulls = Pulls(self._session, self._caches)
@@ -151,6 +154,8 @@ class Client(ClusterMethods, DenseMethods):
                     getattr(lane, "open", lambda: None)()
             set_torch_threads(torch_threads, addresses, infos)
             worker.start(heartbeat_s)
+            self._unclosed = weakref.finalize(self, _collected, self._session, self._caches)
+            self._unclosed.atexit = False  # (at exit, as before: what a client never closed left unflushed is lost)
             self._closed = False
         except BaseException:
             if worker is not None:
@@ -335,23 +340,39 @@ class Client(ClusterMethods, DenseMethods):
 
     def close(self) -> None:
         """Flush pending pushes (errors are logged) and close the channels."""
-        if self._closed:
-            return
-        try:
-            self.flush()
-        except ShardpsError as e:
-            log.error("pending push failed at close: %s", e)
-        finally:
-            self.worker.stop()
+        if not self._closed:
             self._closed = True
-            self._session.pool.shutdown(wait=True)
-            self.transport.close()
+            self._unclosed.detach()
+            _close(self._session, self._caches)
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close(session: Session, caches: CachedTables) -> None:
+    """What ``Client.close`` does: the caches' sums pushed, every push waited for (errors logged), the heartbeats
+    stopped, the channels closed."""
+    try:
+        caches.drain_all()
+        session.pushes.flush()
+    except ShardpsError as e:
+        log.error("pending push failed at close: %s", e)
+    finally:
+        session.worker.stop()
+        session.pool.shutdown(wait=True)
+        session.transport.close()
+
+
+def _collected(session: Session, caches: CachedTables) -> None:
+    """A client collected without ``close()``: closed as ``close()`` would, in a thread of its own (a finalizer runs
+    wherever the collector does, and the flush waits on the network), so its threads and connections do not outlive
+    it."""
+    log.warning("a shardps Client was collected without close(): its pushes are flushed and its connections closed "
+                "now (use `with Client(...)` or close())")
+    threading.Thread(target=_close, args=(session, caches), name="shardps-client-close", daemon=True).start()
 
 
 __all__ = ["Client", "DensePull", "MiB", "PushHold", "Versions"]
