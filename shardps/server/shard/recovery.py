@@ -11,7 +11,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from shardps.core.errors import NotFound
+from shardps.core.errors import InvalidArgument, NotFound
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.durability import checkpoints, wal
 from shardps.server.durability import modes as durability
@@ -48,9 +48,6 @@ class Replayable(Protocol):
                        may_create: bool = True) -> tuple[bool, bool]: ...
 
     def drop(self, name: str) -> bool: ...
-
-    def validate_push_dense(self, name: str, row_start: int, grads: np.ndarray,
-                            sync: Any = None) -> tuple[Table, np.ndarray]: ...
 
 
 class Recovery:
@@ -155,14 +152,17 @@ def replay(shard: Replayable, change: durability.Change) -> None:
     else:
         d = change.push
         assert d.grads is not None
-        if change.dense:
-            t, ids = shard.validate_push_dense(d.name, d.row_start, d.grads)
+        t = _table(shard, d.name, "for")
+        if change.dense:  # a dense tensor's rows from row_start
+            if not t.is_dense or d.grads.ndim != 2:
+                raise InvalidArgument(f"log record: a dense push to {d.name!r} that is not one")
+            ids = np.arange(d.row_start, d.row_start + d.grads.shape[0], dtype=np.int64)
         else:  # rows of a table, or of a dense tensor (a synchronous step's update)
             assert d.ids is not None
-            t, ids = _table(shard, d.name, "for"), d.ids
-            if ids.size:
-                _check_ids(t, ids)
-            t.check_grads(ids, d.grads)
+            ids = d.ids
+        if ids.size:
+            _check_ids(t, ids)
+        t.check_grads(ids, d.grads)
         if d.client_id:  # remembered, not counted: the snapshot may already hold it
             updates.seen.begin(d.client_id, d.seq)
         updates.apply(t, ids, d.grads, replayed_staleness=change.staleness, replayed_per_row=change.per_row,
