@@ -282,6 +282,51 @@ def test_a_worker_started_again_in_its_rank_is_live_at_its_own_clock_and_the_old
         assert view() == (3, [1], [0])  # and its own leaving counts
 
 
+@pytest.mark.parametrize("incarnations", [True, False])
+def test_a_late_synchronous_push_of_a_worker_that_left_does_not_bring_its_rank_back(incarnations):
+    """A synchronous push counts its rank live, and carries no incarnation: a late one of a worker that had left
+    brought its rank back, and the others' steps and barriers waited for a worker that was gone. A client made again
+    in the rank takes it with its first heartbeat, before any push, so a push to a rank whose client left under an
+    incarnation is a late one now, and changes nothing. A rank whose heartbeats gave no incarnation (an older client,
+    here raw heartbeats) is brought back by it as before."""
+    import grpc
+
+    from shardps.core import codec
+    from shardps.server.rpc import ServerConfig, ShardServer
+    from shardps.server.shard.facade import ShardConfig
+    from shardps.v1 import shardps_pb2 as pb
+
+    with ShardServer(ShardConfig(0, 1, worker_timeout_s=600.0), ServerConfig()).start() as server, \
+            grpc.insecure_channel(server.address) as ch:
+        beat = ch.unary_unary("/shardps.v1.Shard/Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
+                              response_deserializer=pb.HeartbeatResponse.FromString)
+        push = ch.unary_unary("/shardps.v1.Shard/Push", request_serializer=pb.PushRequest.SerializeToString,
+                              response_deserializer=pb.PushResponse.FromString)
+
+        def gone() -> list[int]:  # as rank 1 sees the group
+            return list(beat(pb.HeartbeatRequest(rank=1, world_size=2), timeout=10).gone_ranks)
+
+        with Client([server.address]) as c:
+            c.create_table("s", dim=2, num_embeddings=10, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"),
+                           sync=SyncPolicy(workers=2, timeout_s=60, on_timeout="proceed"))
+        if incarnations:
+            with Client([server.address], rank=0, world_size=2, heartbeat_s=300):
+                pass
+        else:
+            beat(pb.HeartbeatRequest(rank=0, world_size=2), timeout=10)
+            beat(pb.HeartbeatRequest(rank=0, world_size=2, leaving=True), timeout=10)
+        assert gone() == [0]
+        # a late push of rank 0's (the first of two parts: recorded, and answered at once)
+        push(pb.PushRequest(table="s", ids=codec.encode(np.array([0], np.int64)),
+                            grads=codec.encode(np.ones((1, 2), np.float32)), client_id="late", seq=1,
+                            sync=pb.SyncPart(step=1, rank=0, part=0, parts=2)), timeout=10)
+        assert gone() == ([0] if incarnations else [])  # (the old code: [] both times)
+        if incarnations:
+            with Client([server.address], rank=0, world_size=2, heartbeat_s=300):
+                assert gone() == []  # a client made again in the rank takes it
+            assert gone() == [0]
+
+
 def test_a_second_client_in_a_live_workers_rank_changes_nothing_and_a_silent_ones_rank_passes_on():
     """Incarnations have no order: another client in a rank takes it only once the rank's client left or was silent
     for the shard's worker timeout. A second client of a live worker (an evaluation's, reading RANK as its trainer

@@ -90,8 +90,14 @@ class Membership:
             self.cond.notify_all()
 
     def touch(self, rank: int, world_size: int) -> None:
+        """A synchronous push of ``rank``'s: live now. Not a rank whose client left under its incarnation: a push
+        carries none, and a client made again in the rank takes it with its first heartbeat, before any push, so
+        this is a late push of the worker that left."""
         self.check_rank(rank, world_size)
         with self.cond:
+            w = self._workers.get(rank)
+            if w is not None and w.left and w.incarnation:
+                return
             w = self._seen(rank, world_size)
             w.left = False
             self.cond.notify_all()
