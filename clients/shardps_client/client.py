@@ -372,7 +372,13 @@ def _collected(session: Session, caches: CachedTables) -> None:
     it."""
     log.warning("a shardps Client was collected without close(): its pushes are flushed and its connections closed "
                 "now (use `with Client(...)` or close())")
-    threading.Thread(target=_close, args=(session, caches), name="shardps-client-close", daemon=True).start()
+
+    def close() -> None:
+        try:
+            _close(session, caches)
+        except Exception as e:  # noqa: BLE001 - nobody to raise to
+            log.error("closing a collected Client: %s: %s", type(e).__name__, e)
+    threading.Thread(target=close, name="shardps-client-close", daemon=True).start()
 
 
 __all__ = ["Client", "DensePull", "MiB", "PushHold", "Versions"]
