@@ -685,17 +685,18 @@ def test_a_client_never_closed_is_closed_once_collected_and_its_pushes_are_appli
     try:
         with Client([shard.address]) as c:
             c.create_table("t", dim=4, num_embeddings=1000, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
-        before = {t.ident for t in threading.enumerate()}
+        before = set(threading.enumerate())
         c = Client([shard.address], rank=0, world_size=1, read_your_writes=False)  # a heartbeat thread too
         c.push("t", torch.arange(100), torch.ones(100, 4))  # asynchronous: left unflushed
-        assert any(t.name == "shardps-heartbeat" for t in threading.enumerate())
+        mine = [t for t in threading.enumerate() if t not in before]  # (another test's client collected below
+        assert any(t.name == "shardps-heartbeat" for t in mine)  # may start threads of its own meanwhile)
         collected = weakref.ref(c)
         del c
         gc.collect()
         assert collected() is None, "a client without references was not collected"
         deadline = time.monotonic() + 30
-        while started := [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]:
-            assert time.monotonic() < deadline, f"threads the client started are still running: {started}"
+        while running := [t.name for t in mine if t.is_alive()]:
+            assert time.monotonic() < deadline, f"threads the client started are still running: {running}"
             time.sleep(0.05)
         with Client([shard.address]) as c:
             assert (c.pull("t", torch.arange(100)) == -1).all()
