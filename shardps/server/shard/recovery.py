@@ -173,9 +173,10 @@ def _check_ids(t: Table, ids: np.ndarray) -> None:
     """A logged change's ids: 1-D and in range. Not whether this shard owns them now: its primary (or this shard,
     live) checked that when the change was made, and the records before it in the log bring the slot map it was
     made under. A live request's check waits while its ids are in slots arriving here (``shard.slots.Owns``);
-    nothing settles an arrival during a replay (the resolver runs on a primary, after it), so that wait only
-    stalled a backup: a deposed primary, whose whole copy kept marks of arrivals it had begun, waited 15 s at every
-    push of its new primary's to those slots and never caught up (the campaign's reshard-under-faults)."""
+    nothing settles an arrival during a replay (the resolver runs on a primary, after it), so that wait could only
+    stall a backup whose state disagreed with its log: a deposed primary that had logged a move's activation but
+    never made it waited 15 s at every push of its new primary's to those slots, and never caught up (the
+    campaign's reshard-under-faults; ``MoveBase._log`` now makes every logged step)."""
     checks.ids(t.spec.name, "rows" if t.is_dense else "ids", t.num_embeddings, _any_owner, ids)
 
 
