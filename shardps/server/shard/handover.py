@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from shardps.core.errors import InvalidArgument, Unavailable
+from shardps.core.errors import InvalidArgument
 from shardps.server.shard.move import Move, check_move
 from shardps.server.shard.move_base import MoveBase
 from shardps.server.storage import moves
@@ -87,8 +87,7 @@ class Handovers(MoveBase):
             o = self._get_out(move_id, "copying", "frozen")
             if o.state == "frozen":
                 return self.shard.version, self.shard.updates.elsewhere.to_json()
-            if not self.shard.gate.is_open:
-                raise Unavailable(f"shard {self.shard.index}: a checkpoint or export is being cut; retry the handover")
+            self._check_gate("the handover")
             slots = self.slots
             with slots.cv:
                 slots.frozen[o.move.slots] = True
