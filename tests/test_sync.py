@@ -246,11 +246,11 @@ def test_a_worker_started_again_in_its_rank_is_live_at_its_own_clock_and_the_old
     from shardps.server.rpc import ServerConfig, ShardServer
     from shardps.server.shard.facade import ShardConfig
     from shardps.v1 import shardps_pb2 as pb
+    from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
     with ShardServer(ShardConfig(0, 1, worker_timeout_s=600.0), ServerConfig()).start() as server, \
             grpc.insecure_channel(server.address) as ch:
-        beat = ch.unary_unary("/shardps.v1.Shard/Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
-                              response_deserializer=pb.HeartbeatResponse.FromString)
+        beat = pb_grpc.ShardStub(ch).Heartbeat
 
         def view() -> tuple[int, list[int], list[int]]:  # as rank 1 sees the group (no incarnation: changes nothing)
             r = beat(pb.HeartbeatRequest(rank=1, world_size=2, clock=3), timeout=10)
@@ -295,13 +295,12 @@ def test_a_late_synchronous_push_of_a_worker_that_left_does_not_bring_its_rank_b
     from shardps.server.rpc import ServerConfig, ShardServer
     from shardps.server.shard.facade import ShardConfig
     from shardps.v1 import shardps_pb2 as pb
+    from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
     with ShardServer(ShardConfig(0, 1, worker_timeout_s=600.0), ServerConfig()).start() as server, \
             grpc.insecure_channel(server.address) as ch:
-        beat = ch.unary_unary("/shardps.v1.Shard/Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
-                              response_deserializer=pb.HeartbeatResponse.FromString)
-        push = ch.unary_unary("/shardps.v1.Shard/Push", request_serializer=pb.PushRequest.SerializeToString,
-                              response_deserializer=pb.PushResponse.FromString)
+        stub = pb_grpc.ShardStub(ch)
+        beat, push = stub.Heartbeat, stub.Push
 
         def gone() -> list[int]:  # as rank 1 sees the group
             return list(beat(pb.HeartbeatRequest(rank=1, world_size=2), timeout=10).gone_ranks)
@@ -337,12 +336,12 @@ def test_a_second_client_in_a_live_workers_rank_changes_nothing_and_a_silent_one
     from shardps.server.rpc import ServerConfig, ShardServer
     from shardps.server.shard.facade import ShardConfig
     from shardps.v1 import shardps_pb2 as pb
+    from shardps.v1 import shardps_pb2_grpc as pb_grpc
 
     timeout = 3.0  # (generous: the sends before the loop come within it of the trainer's, on a busy machine too)
     with ShardServer(ShardConfig(0, 1, worker_timeout_s=timeout), ServerConfig()).start() as server, \
             grpc.insecure_channel(server.address) as ch:
-        beat = ch.unary_unary("/shardps.v1.Shard/Heartbeat", request_serializer=pb.HeartbeatRequest.SerializeToString,
-                              response_deserializer=pb.HeartbeatResponse.FromString)
+        beat = pb_grpc.ShardStub(ch).Heartbeat
 
         def send(incarnation: int, clock: int, leaving: bool = False) -> tuple[int, list[int], list[int]]:
             r = beat(pb.HeartbeatRequest(rank=0, world_size=1, clock=clock, leaving=leaving, incarnation=incarnation),
