@@ -324,7 +324,7 @@ PARTS = [
     ("write back > append, index", "shardps.server.storage.segments:SegmentStore.put_data"),
     ("make room > remove from memory", "shardps.server.storage.rows:RowStore.remove"),
     ("read from disk", "shardps.server.storage.disk:TableStore.read_at"),
-    ("read from disk > preads", "shardps.server.storage.segments:Segment.gather"),
+    ("read from disk > preads", "kernels:pread_records"),  # (the compiled kernels' object, as the shard has it)
     ("bring in", "shardps.server.storage.tiered:HotSet._bring_in"),
 ]
 TOP_PARTS = [name for name, _ in PARTS if ">" not in name]
@@ -356,9 +356,13 @@ def _parts_probe(rows: int, memory_mb: float, batches: list[np.ndarray], path: s
                 spent[name] += time.thread_time() - t0
         return call
 
+    from shardps.core import kernels
+
     for name, where in PARTS:
         module, attr = where.split(":")
-        owner: Any = importlib.import_module(module)
+        owner: Any = kernels.jit() if module == "kernels" else importlib.import_module(module)
+        if owner is None:  # (no compiled kernels: the numpy references read the mappings instead)
+            continue
         *outer, last = attr.split(".")
         for o in outer:
             owner = getattr(owner, o)

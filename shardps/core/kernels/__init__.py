@@ -157,7 +157,7 @@ def warm_up(client: bool = True, k: Optional[Any] = None) -> None:
     k.all_finite(g)
     fd = os.open(os.devnull, os.O_RDONLY)  # (reads nothing: compiled all the same)
     try:
-        k.pread_records(fd, ids, 4, np.zeros(16, np.uint8))
+        k.pread_records(np.full(4, fd, np.int32), ids, 4, 0, 4, np.zeros(16, np.uint8))
     finally:
         os.close(fd)
     if not client:

@@ -21,14 +21,16 @@ _pread = types.ExternalFunction("pread", types.intp(types.intc, types.voidptr, t
 
 
 @_njit
-def pread_records(fd: int, offsets: np.ndarray, size: int, out: np.ndarray) -> int:
-    """``out[i * size:(i + 1) * size]`` = the ``size`` bytes of file ``fd`` at ``offsets[i]``, one pread each; how
-    many were read in full (fewer: the first that was not). numpy: ``Segment.gather``'s gather from the file's
-    mapping."""
-    for i in range(offsets.shape[0]):
-        if _pread(fd, out[i * size:].ctypes.data, size, offsets[i]) != size:  # type: ignore[call-overload]
+def pread_records(fds: np.ndarray, locs: np.ndarray, record: int, skip: int, size: int, out: np.ndarray) -> int:
+    """``out[i * size:(i + 1) * size]`` = the ``size`` bytes at ``skip`` into record ``locs[i] & 0xFFFFFFFF`` (of
+    ``record`` bytes) of the file ``fds[locs[i] >> 32]``, one pread each; how many were read in full (fewer: the
+    first that was not). numpy: ``Segment.gather``'s gather from the file's mapping."""
+    for i in range(locs.shape[0]):
+        fd = fds[locs[i] >> 32]
+        at = (locs[i] & 0xFFFFFFFF) * record + skip
+        if _pread(fd, out[i * size:].ctypes.data, size, at) != size:  # type: ignore[call-overload]
             return i
-    return offsets.shape[0]
+    return locs.shape[0]
 
 
 # ---- the disk tier's victims and records --------------------------------------------------------------------------

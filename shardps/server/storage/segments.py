@@ -86,17 +86,9 @@ class Segment:
         self.view = np.frombuffer(self.mm, record) if self.mm is not None else np.zeros(0, record)
 
     def gather(self, records: np.ndarray) -> np.ndarray:
-        """Copies of the records at ``records`` (indexes below ``count``): read by the compiled ``pread`` loop, else
-        gathered from the mapping (its pages stay mapped until dropped)."""
-        k = kernels.jit()
-        if k is None:
-            return self.view[records]
-        out = np.empty(records.shape[0], self.record)
-        size = self.record.itemsize
-        done = k.pread_records(self.fd, records * size, size, out.view(np.uint8))
-        if done != records.shape[0]:
-            raise OSError(5, f"record {int(records[done])} could not be read in full", str(self.path))
-        return out
+        """Copies of the records at ``records`` (indexes below ``count``), gathered from the mapping (its pages stay
+        mapped until dropped): the numpy reference of ``SegmentStore.read``'s compiled preads."""
+        return self.view[records]
 
     def drop_pages(self) -> None:
         if self.mm is not None:
@@ -165,6 +157,7 @@ class SegmentStore:
         self._touched: set[int] = set()  # segments read since their pages were last dropped
         self._gathered = 0  # records read since then
         self.compactions = 0  # compactions begun: locations read before one may be stale
+        self._fd_table, self._fd_key = np.zeros(0, np.int32), (-1, -1)  # ``_fds``, and when it was made
         directory.mkdir(parents=True, exist_ok=True)
 
     # ---- reads --------------------------------------------------------------------------------
@@ -187,12 +180,22 @@ class SegmentStore:
         return np.where(slots >= 0, self.loc[np.maximum(slots, 0)], -1)
 
     def read(self, locs: np.ndarray) -> np.ndarray:
-        """The records (``codec.dtype``) at ``locs`` (all present), in that order: gathered segment by segment in
-        file order; the mappings' pages are dropped whenever ``READ_CHUNK`` records were gathered since the last
-        drop (of every segment touched since: one call each, where a drop per segment and chunk cost 9.5% of a
-        tiered shard's time)."""
+        """The records (``codec.dtype``) at ``locs`` (all present), in that order: by the kernel ``pread_records``
+        (one call, each record's part after its id read straight into the answer), else gathered from the mappings
+        in file order, their pages dropped after every ``READ_CHUNK`` records (of every segment touched: one call
+        each, where a drop per segment and chunk cost 9.5% of a tiered shard's time)."""
         out = np.empty(locs.shape[0], self.codec.dtype)
         if not locs.shape[0]:
+            return out
+        k = kernels.jit()
+        if k is not None:  # read by pread: nothing mapped
+            size = self.codec.dtype.itemsize
+            done = k.pread_records(self._fds(), locs, self.record.itemsize, self.record.itemsize - size, size,
+                                   out.view(np.uint8))
+            if done != locs.shape[0]:
+                seg = self.segments.get(int(locs[done]) >> _SEG_SHIFT)
+                where = str(seg.path if seg is not None else self.dir)
+                raise OSError(5, f"record {int(locs[done]) & 0xFFFFFFFF} could not be read in full", where)
             return out
         raw = out.view(f"V{self.codec.dtype.itemsize}")
         order = np.argsort(locs, kind="stable")
@@ -202,9 +205,6 @@ class SegmentStore:
         for a, b in zip(np.r_[0, cuts].tolist(), np.r_[cuts, ordered.shape[0]].tolist()):
             seg = self.segments[int(segs[a])]
             lo = a
-            if kernels.jit() is not None:  # read by pread: nothing mapped
-                raw[order[a:b]] = seg.gather(ordered[a:b] & 0xFFFFFFFF)["rec"]
-                continue
             while lo < b:  # (fewer than READ_CHUNK gathered since the last drop: hi > lo)
                 hi = min(b, lo + READ_CHUNK - self._gathered)
                 raw[order[lo:hi]] = seg.gather(ordered[lo:hi] & 0xFFFFFFFF)["rec"]
@@ -214,6 +214,16 @@ class SegmentStore:
                     self.drop_pages()
                 lo = hi
         return out
+
+    def _fds(self) -> np.ndarray:
+        """Each segment's descriptor by its number (-1: none), made again when one came (always the newest) or went."""
+        key = (self.next_number, len(self.segments))
+        if self._fd_key != key:
+            fds = np.full(self.next_number, -1, np.int32)
+            for number, seg in self.segments.items():
+                fds[number] = seg.fd
+            self._fd_table, self._fd_key = fds, key
+        return self._fd_table
 
     def drop_pages(self) -> None:
         """Let the mappings of the segments read since the last drop go of their pages."""
