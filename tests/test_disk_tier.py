@@ -1,4 +1,4 @@
-"""Tables larger than memory: hot rows in RAM over RocksDB on local disk (``DiskTier``). Real shard servers over
+"""Tables larger than memory: hot rows in RAM over segment files on local disk (``DiskTier``). Real shard servers over
 loopback; the reference is the same table kept wholly in RAM (itself checked against torch.optim elsewhere)."""
 
 from __future__ import annotations
@@ -512,3 +512,26 @@ def test_tiered_stats_show_in_shardps_stats(tmp_path):
         assert "on disk" in out and "hit rate" in out and "written back" in out
     finally:
         server.stop(checkpoint=False)
+
+
+@pytest.mark.parametrize("num_embeddings,flat", [(400_000, True), (4_000_000, False)], ids=["flat map", "hash index"])
+def test_a_hot_sets_index_is_a_flat_map_when_cheap_and_its_rows_fill_memory_mb_at_most(num_embeddings, flat):
+    """A hot set's index is a flat id -> slot map when the map (4 bytes an id) takes at most an eighth of memory_mb,
+    else a hash index; either way its rows, flags and index, filled to the hot set's capacity, are charged at most
+    memory_mb, the index finds every row, and rows leaving keep it exact."""
+    from shardps.server.storage.tiered import hot_store
+
+    limit = 16 << 20
+    rows = hot_store("t", 16, {"acc": 0.0}, DiskTier(memory_mb=16), num_embeddings)
+    assert rows._direct == flat
+    rng = np.random.default_rng(3)
+    ids = rng.choice(num_embeddings, rows.max_rows, replace=False).astype(np.int64)
+    rows.append(ids, rng.standard_normal((ids.shape[0], 16)).astype(np.float32))
+    assert rows.charged <= limit and rows.budget.used <= limit
+    assert rows.max_rows * (rows.row_bytes + rows.index_row_bytes) > 0.9 * limit  # (and the room is used)
+    np.testing.assert_array_equal(rows.index.lookup(ids), np.arange(ids.shape[0]))
+    gone = ids[: ids.shape[0] // 3]
+    rows.remove(gone)
+    left = ids[ids.shape[0] // 3:]
+    assert (rows.index.lookup(gone) == -1).all()
+    np.testing.assert_array_equal(np.sort(rows.ids[rows.index.lookup(left)]), np.sort(left))

@@ -25,6 +25,8 @@ FIRST_PROBE_ROWS = 1024  # a growing table's first hash probe table is made for 
 # The slot's id (8) and its share of the probe table (up to 16). Charged per live row, as the row arrays are: a hash
 # probe table does not shrink when rows go, so a table that shrank holds up to 16 bytes a row of its peak uncharged.
 INDEX_BYTES_PER_ROW = 24
+# With a flat map (``DirectIndex``, charged whole when made) a row's share of the index is its slot's id.
+DIRECT_BYTES_PER_ROW = 8
 # A table of known size gets a flat id -> slot map (``DirectIndex``) when it costs at most this (and a quarter of the
 # rows a shard expects to hold, and 1/16 of the budget left): a lookup is then one read where the hash index's takes
 # two (its probe table, then the slot's id), each a cache miss on a large table. Measured on the DLRM example's 1M-id
@@ -51,11 +53,12 @@ class RowStore:
     small enough (``_direct_index_pays``). ``extra`` names further per-row arrays (name ->
     dtype) that move with their rows (a disk tier's flags), zero for a new row. ``sized``: the arrays are made
     for ``expected_rows`` at once (lazily allocated pages; never copied to grow), with a hash index (a store that
-    holds a bounded hot set of a larger table)."""
+    holds a bounded hot set of a larger table), unless ``direct`` (a flat map over ``num_embeddings``, which the
+    caller found cheap)."""
 
     def __init__(self, name: str, dim: int, state_init: dict[str, float], num_embeddings: Optional[int],
                  expected_rows: int, budget: MemoryBudget, max_rows: int,
-                 extra: Optional[dict[str, Any]] = None, sized: bool = False) -> None:
+                 extra: Optional[dict[str, Any]] = None, sized: bool = False, direct: bool = False) -> None:
         self.name = name
         self.dim = dim
         self.state_init = state_init
@@ -63,7 +66,10 @@ class RowStore:
         self.budget = budget
         self.max_rows = max_rows
         self.charged = 0  # bytes of the budget these arrays hold
-        self._direct = not sized and num_embeddings is not None and self._direct_index_pays(max(16, int(expected_rows)))
+        self._direct = num_embeddings is not None and (
+            direct if sized else self._direct_index_pays(max(16, int(expected_rows))))
+        # The index's bytes a row is charged: its slot's id, and with a hash index its share of the probe table.
+        self.index_row_bytes = DIRECT_BYTES_PER_ROW if self._direct else INDEX_BYTES_PER_ROW
         cap = max(16, int(expected_rows) if sized else min(int(expected_rows), INITIAL_ROWS))
         # A hot set fills its reserved rows: its probe table is made for them. Other tables grow from a small one.
         probe = cap if sized else min(cap, FIRST_PROBE_ROWS)
@@ -166,7 +172,7 @@ class RowStore:
         if self.n + k > self.max_rows:
             raise ResourceExhausted(f"{self.name}: {self.n + k:,} rows would be over the shard's limit of "
                                     f"{self.max_rows:,} rows per table (--max-table-rows)")
-        self.charge(k * (self.row_bytes + INDEX_BYTES_PER_ROW), f"adding {k:,} rows")
+        self.charge(k * (self.row_bytes + self.index_row_bytes), f"adding {k:,} rows")
         self.reserve(k)
         slots = np.arange(self.n, self.n + k, dtype=np.int64)
         self.rows[self.n : self.n + k] = values
@@ -249,7 +255,7 @@ class RowStore:
             for arr in self.per_row():
                 arr[pairs[:, 0]] = arr[pairs[:, 1]]
         self.n -= k
-        freed = min(self.charged, k * (self.row_bytes + INDEX_BYTES_PER_ROW))
+        freed = min(self.charged, k * (self.row_bytes + self.index_row_bytes))
         self.budget.release(freed)
         self.charged -= freed
 

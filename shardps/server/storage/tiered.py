@@ -36,7 +36,7 @@ from shardps.server.storage.budget import MemoryBudget
 from shardps.server.storage.disk import META_FIELDS, DiskTierError, DiskTiers, RecordCodec, TableStore
 from shardps.server.storage.index import HashIndex
 from shardps.server.storage.records import Column, as_words, scatter_columns
-from shardps.server.storage.rows import INDEX_BYTES_PER_ROW, META, RowStore
+from shardps.server.storage.rows import DIRECT_BYTES_PER_ROW, INDEX_BYTES_PER_ROW, META, RowStore
 
 MIB = 1 << 20
 MIN_HOT = 0.125  # the share of memory_mb's rows the hot set keeps however large the index of the rows on disk grows
@@ -46,17 +46,29 @@ MIN_HOT = 0.125  # the share of memory_mb's rows the hot set keeps however large
 PROTECT_REQUESTS = 8
 # The per-row arrays a hot set adds to its RowStore.
 TIER_ARRAYS = {"access": np.int64, "dirty": np.uint8, "on_disk": np.uint8}
+# A hot set's index is a flat id -> slot map (one read a lookup, where a hash index's takes two cache misses on a
+# large table) when the map, 4 bytes per id of the table, takes at most this share of memory_mb.
+FLAT_INDEX_SHARE = 1 / 8
 
 
-def hot_store(name: str, dim: int, state_init: dict[str, float], tier: DiskTier) -> RowStore:
+def hot_store(name: str, dim: int, state_init: dict[str, float], tier: DiskTier,
+              num_embeddings: Optional[int]) -> RowStore:
     """The RowStore of a table's hot rows: as many as ``tier.memory_mb`` holds with their flags and index (a
-    private budget of that size: the shard's budget is charged ``memory_mb`` once, when the table is made)."""
+    private budget of that size: the shard's budget is charged ``memory_mb`` once, when the table is made). The index
+    is a flat map over the table's ids when it takes at most ``FLAT_INDEX_SHARE`` of the memory, else a hash index."""
     budget = MemoryBudget(int(tier.memory_mb * MIB))
     probe = RowStore(name, dim, state_init, None, 16, MemoryBudget(1 << 62), 16, extra=TIER_ARRAYS)
-    per_row = probe.row_bytes + INDEX_BYTES_PER_ROW
-    cap = max(16, budget.limit // per_row)
-    cap = max(16, (budget.limit - 4 * HashIndex.table_size(cap)) // per_row)  # the probe table is made at once
-    return RowStore(name, dim, state_init, None, cap, budget, cap, extra=TIER_ARRAYS, sized=True)
+    flat = num_embeddings is not None and num_embeddings < 2**31 and (
+        4 * num_embeddings <= budget.limit * FLAT_INDEX_SHARE)
+    if flat:
+        assert num_embeddings is not None
+        cap = max(16, (budget.limit - 4 * num_embeddings) // (probe.row_bytes + DIRECT_BYTES_PER_ROW))
+    else:
+        per_row = probe.row_bytes + INDEX_BYTES_PER_ROW
+        cap = max(16, budget.limit // per_row)
+        cap = max(16, (budget.limit - 4 * HashIndex.table_size(cap)) // per_row)  # the probe table is made at once
+    return RowStore(name, dim, state_init, num_embeddings if flat else None, cap, budget, cap, extra=TIER_ARRAYS,
+                    sized=True, direct=flat)
 
 
 def hot_columns(rows: RowStore, codec: RecordCodec, values: bool = True) -> list[Column]:
@@ -117,7 +129,7 @@ class HotSet:
         self.tiers = tiers
         self.reserved = int(tier.memory_mb * MIB)
         self.full_capacity = rows.max_rows  # hot rows memory_mb holds with nothing on disk
-        self.row_cost = rows.row_bytes + INDEX_BYTES_PER_ROW
+        self.row_cost = rows.row_bytes + rows.index_row_bytes
         self._released = self.full_capacity  # slots from which the pages were last handed back
         self.clock = 0  # requests served: a row's ``access`` is the last one that used it
         self.recent = RecentRequests()
@@ -150,7 +162,7 @@ class HotSet:
         if tiers is None:
             raise InvalidArgument(f"table {spec.name!r} has a disk tier, but this shard has no --disk-dir "
                                   "(nor --data-dir, under which it would be made)")
-        rows = hot_store(spec.name, dim, state_init, spec.disk)
+        rows = hot_store(spec.name, dim, state_init, spec.disk, spec.num_embeddings)
         reserved = int(spec.disk.memory_mb * MIB)
         budget.charge(reserved, f"{spec.name}: the disk tier's memory_mb")
         try:
