@@ -287,6 +287,7 @@ def test_tiered_table_pushes(tmp_path, policy: str, index: str) -> None:
     from shardps.core.policies import DiskTier
     from shardps.server.storage.budget import MemoryBudget
     from shardps.server.storage.disk import DiskTiers
+    from shardps.server.storage.index import DirectIndex
 
     runs = iter(range(10))
 
@@ -298,6 +299,7 @@ def test_tiered_table_pushes(tmp_path, policy: str, index: str) -> None:
         tiers = DiskTiers(tmp_path / str(next(runs)), 0, 1, 0)
         t = Table(spec, lambda ids: np.ones(ids.shape, bool), budget=MemoryBudget(1 << 40), tiers=tiers)
         assert t.hot is not None and t.hot.rows._direct == (index == "flat")
+        assert isinstance(t.hot.store.segments.index, DirectIndex) == (index == "flat")
         for step in range(25):
             ids = np.unique((rng.zipf(1.1, 2000) - 1) % 40_000).astype(np.int64)
             with t.lock:

@@ -12,7 +12,8 @@ written (truncated to its records, its CRC-32C taken) and hard links every segme
 of the rows; it writes the index (ids, then locations) beside them. Segments whose records are mostly dead are
 compacted: their live records written again at the end, the file removed (a checkpoint's link keeps its copy).
 
-Memory: the index holds 24-32 bytes per row on disk (id, location, and the probe table's share); the mappings are
+Memory: the index holds 24-32 bytes per row on disk (id, location, and the probe table's share; or 16, and a flat
+map of 4 bytes per id of the table: ``flat_index``); the mappings are
 address space only, their pages dropped after every ``READ_CHUNK`` records read (or ``COPY_CHUNK`` checksummed or
 compacted): at most 8 MiB resident (a read fault maps 64 KiB). The pread loop costs a tiered shard 15-25% less CPU
 a row than the mappings' page faults and drops did.
@@ -27,7 +28,7 @@ import mmap
 import os
 import pathlib
 import shutil
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import google_crc32c
 import numpy as np
@@ -36,7 +37,7 @@ from shardps.core import kernels
 from shardps.core.files import ChecksummedWriter
 from shardps.core.memory import grown, regrow, zeros
 from shardps.core.routing import slot_of_ids
-from shardps.server.storage.index import HashIndex
+from shardps.server.storage.index import DirectIndex, HashIndex
 from shardps.server.storage.records import RecordCodec
 
 SEGMENT_BYTES = 64 << 20
@@ -142,6 +143,15 @@ def check_crc(seg: Segment) -> None:
         raise SegmentError(f"{seg.path}: checksum mismatch (damaged)")
 
 
+def flat_index(store: SegmentStore, num_embeddings: int) -> None:
+    """``store`` finds ids through a flat map over ``num_embeddings`` ids (``DirectIndex``: one read a lookup) from
+    here on, its rows keeping their slots (and locations)."""
+    ids = store.index.ids.copy()
+    flat = DirectIndex(num_embeddings, max(16, ids.shape[0]))
+    flat.insert(ids, np.arange(ids.shape[0], dtype=np.int64))
+    store.index = flat
+
+
 class SegmentStore:
     """The rows of one table in ``directory`` (see the module docstring). ``codec``: the table's record layout."""
 
@@ -151,7 +161,7 @@ class SegmentStore:
         self.record = np.dtype([("id", "<i8"), ("rec", f"V{codec.dtype.itemsize}")])
         self.per_segment = max(16, segment_bytes // self.record.itemsize)
         self.segments: dict[int, Segment] = {}
-        self.index = HashIndex(1024, probe_rows=1024)
+        self.index: Union[HashIndex, DirectIndex] = HashIndex(1024, probe_rows=1024)
         self.loc = zeros(1024, np.int64)  # location of the row of each index slot: segment << 32 | record
         self.next_number = 1
         self._touched: set[int] = set()  # segments read since their pages were last dropped
@@ -167,7 +177,7 @@ class SegmentStore:
 
     @property
     def index_bytes(self) -> int:
-        """Memory of the index: its ids and probe table, and a location per row."""
+        """Memory of the index: its ids and probe table (or flat map), and a location per row."""
         return self.index.nbytes + 8 * len(self.index)
 
     @property

@@ -1,9 +1,10 @@
 """A table's hot set in RAM over its rows on disk (``DiskTier``): which rows are in memory, bringing cold rows in
 (one batched read per request), and writing rows back before they leave memory.
 
-``memory_mb`` holds the hot rows and the index of the rows on disk (``segments``: 24-32 bytes a row): as the table
-grows on disk, its hot set shrinks by the index's size (the pages of the slots it gave up handed back to the OS),
-down to ``MIN_HOT`` of its rows; past that, new rows are refused, naming ``memory_mb``.
+``memory_mb`` holds the hot rows and the index of the rows on disk (``segments``: 24-32 bytes a row, or 16 and a flat
+map of 4 bytes an id: ``FLAT_INDEX_SHARE``): as the table grows on disk, its hot set shrinks by the index's size (the
+pages of the slots it gave up handed back to the OS), down to ``MIN_HOT`` of its rows; past that, new rows are
+refused, naming ``memory_mb``.
 
 The hot rows live in the table's ``RowStore`` like any table's, with three more per-row arrays: ``access`` (the
 request that last used the row: recency for the policy), ``dirty`` (changed since it was last written to disk) and
@@ -37,6 +38,7 @@ from shardps.server.storage.disk import META_FIELDS, DiskTierError, DiskTiers, R
 from shardps.server.storage.index import HashIndex
 from shardps.server.storage.records import Column, as_words, scatter_columns
 from shardps.server.storage.rows import DIRECT_BYTES_PER_ROW, INDEX_BYTES_PER_ROW, META, RowStore
+from shardps.server.storage.segments import flat_index
 
 MIB = 1 << 20
 MIN_HOT = 0.125  # the share of memory_mb's rows the hot set keeps however large the index of the rows on disk grows
@@ -46,9 +48,17 @@ MIN_HOT = 0.125  # the share of memory_mb's rows the hot set keeps however large
 PROTECT_REQUESTS = 8
 # The per-row arrays a hot set adds to its RowStore.
 TIER_ARRAYS = {"access": np.int64, "dirty": np.uint8, "on_disk": np.uint8}
-# A hot set's index is a flat id -> slot map (one read a lookup, where a hash index's takes two cache misses on a
-# large table) when the map, 4 bytes per id of the table, takes at most this share of memory_mb.
+# A hot set's index, and that of its rows on disk, are flat id -> slot maps (one read a lookup, where a hash index's
+# takes two cache misses on a large table) when a map, 4 bytes per id of the table, takes at most this share of
+# memory_mb (both then at most twice it).
 FLAT_INDEX_SHARE = 1 / 8
+
+
+def flat_index_pays(tier: DiskTier, num_embeddings: Optional[int]) -> bool:
+    """Whether a flat map over the table's ids (4 bytes an id) takes at most ``FLAT_INDEX_SHARE`` of memory_mb: the
+    hot set's index and the index of the rows on disk are then each one."""
+    return num_embeddings is not None and num_embeddings < 2**31 and (
+        4 * num_embeddings <= tier.memory_mb * MIB * FLAT_INDEX_SHARE)
 
 
 def hot_store(name: str, dim: int, state_init: dict[str, float], tier: DiskTier,
@@ -58,8 +68,7 @@ def hot_store(name: str, dim: int, state_init: dict[str, float], tier: DiskTier,
     is a flat map over the table's ids when it takes at most ``FLAT_INDEX_SHARE`` of the memory, else a hash index."""
     budget = MemoryBudget(int(tier.memory_mb * MIB))
     probe = RowStore(name, dim, state_init, None, 16, MemoryBudget(1 << 62), 16, extra=TIER_ARRAYS)
-    flat = num_embeddings is not None and num_embeddings < 2**31 and (
-        4 * num_embeddings <= budget.limit * FLAT_INDEX_SHARE)
+    flat = flat_index_pays(tier, num_embeddings)
     if flat:
         assert num_embeddings is not None
         cap = max(16, (budget.limit - 4 * num_embeddings) // (probe.row_bytes + DIRECT_BYTES_PER_ROW))
@@ -167,6 +176,9 @@ class HotSet:
         budget.charge(reserved, f"{spec.name}: the disk tier's memory_mb")
         try:
             store = tiers.create(key, RecordCodec(dim, list(state_init)))
+            if flat_index_pays(spec.disk, spec.num_embeddings):
+                assert spec.num_embeddings is not None
+                flat_index(store.segments, spec.num_embeddings)
         except DiskTierError as e:  # a --disk-dir that is not this shard's: the request is refused, naming it
             budget.release(reserved)
             raise InvalidArgument(f"table {spec.name!r}: {e}") from e
