@@ -361,6 +361,56 @@ def test_a_second_client_in_a_live_workers_rank_changes_nothing_and_a_silent_one
         assert send(33, 1, leaving=True) == (0, [], [0])  # the new one's own leaving counts (no live rank: 0)
 
 
+def test_a_later_torchrun_generation_takes_a_rank_at_once_and_an_earlier_ones_heartbeats_change_nothing():
+    """torchrun stops a whole group before it starts it again (``TORCHELASTIC_RESTART_COUNT`` one higher): a client of
+    a later generation takes its rank at once, at its own clock, where one of the same generation waits for the
+    rank's client to leave or time out (60 s here, never reached). The earlier generation's late heartbeats and
+    leaving change nothing; a second client of the new generation's live worker changes nothing either."""
+    import grpc
+
+    from shardps.server.rpc import ServerConfig, ShardServer
+    from shardps.server.shard.facade import ShardConfig
+    from shardps.v1 import shardps_pb2 as pb
+    from shardps.v1 import shardps_pb2_grpc as pb_grpc
+
+    with ShardServer(ShardConfig(0, 1, worker_timeout_s=60), ServerConfig()).start() as server, \
+            grpc.insecure_channel(server.address) as ch:
+        beat = pb_grpc.ShardStub(ch).Heartbeat
+
+        def send(incarnation: int, generation: int, clock: int,
+                 leaving: bool = False) -> tuple[int, list[int], list[int]]:
+            r = beat(pb.HeartbeatRequest(rank=0, world_size=1, clock=clock, leaving=leaving, incarnation=incarnation,
+                                         generation=generation), timeout=10)
+            return r.min_clock, list(r.live_ranks), list(r.gone_ranks)
+
+        assert send(11, 0, 120) == (120, [0], [])  # the trainer
+        assert send(22, 0, 0) == (120, [0], [])  # another client of the same generation: it waits
+        assert send(33, 1, 0) == (0, [0], [])  # the group started again: the rank is the new client's at once
+        assert send(11, 0, 122) == (0, [0], [])  # the old trainer's late heartbeat changes nothing
+        assert send(11, 0, 122, leaving=True) == (0, [0], [])  # nor its leaving
+        assert send(44, 1, 9) == (0, [0], [])  # a second client of the new worker changes nothing
+        assert send(33, 1, 3) == (3, [0], [])
+        assert send(33, 1, 3, leaving=True) == (0, [], [0])  # the new one's own leaving counts
+
+
+def test_a_client_carries_torchruns_restart_count(monkeypatch):
+    """A client's heartbeats carry ``TORCHELASTIC_RESTART_COUNT`` (0 without it); a value that is no count is
+    refused, naming the variable."""
+    from shardps_client.worker import WorkerClock
+
+    def clock() -> WorkerClock:
+        return WorkerClock(None, list, 0, 1, None, lambda f: f())  # type: ignore[arg-type]
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert clock().generation == 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert clock().generation == 3
+    for bad in ("-1", "x"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", bad)
+        with pytest.raises(InvalidArgumentError, match="TORCHELASTIC_RESTART_COUNT"):
+            clock()
+
+
 def test_an_ssp_wait_has_a_deadline(monkeypatch):
     """A worker held back by bounded staleness behind a live worker that never advances
     gives up after the SSP wait's deadline, with ShardTimeoutError, instead of waiting for ever."""

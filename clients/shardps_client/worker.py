@@ -61,6 +61,10 @@ class WorkerClock:
         # This client's own number in its rank (HeartbeatRequest.incarnation): a worker started again in the rank
         # (torchrun's restart) is live again at its own clock, and the old one's late leaving cannot remove it.
         self.incarnation = int.from_bytes(os.urandom(8), "little") >> 1 or 1
+        # Its group's restarts (torchrun's, HeartbeatRequest.generation): the rank passes to a later one at once.
+        self.generation = env_int("TORCHELASTIC_RESTART_COUNT") or 0
+        if not 0 <= self.generation < 2**32:
+            raise InvalidArgumentError(f"TORCHELASTIC_RESTART_COUNT={self.generation} is not a restart count")
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -87,7 +91,8 @@ class WorkerClock:
     def heartbeat(self, leaving: bool = False, wait_min_clock: Optional[int] = None, wait_s: float = 0.0) -> None:
         clock = self.clock
         req = pb.HeartbeatRequest(rank=self.rank or 0, world_size=self.world_size or 0, clock=clock,
-                                  leaving=leaving, wait_s=wait_s, incarnation=self.incarnation)
+                                  leaving=leaving, wait_s=wait_s, incarnation=self.incarnation,
+                                  generation=self.generation)
         if wait_min_clock is not None:
             req.wait_min_clock = wait_min_clock
         replies = self._transport.fan_out([(s, "Heartbeat", req) for s in self._shards()])

@@ -407,7 +407,7 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ..., late: _Optional[bool] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., moved: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank", "world_size", "clock", "leaving", "wait_min_clock", "wait_s", "incarnation")
+    __slots__ = ("rank", "world_size", "clock", "leaving", "wait_min_clock", "wait_s", "incarnation", "generation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +415,7 @@ class HeartbeatRequest(_message.Message):
     WAIT_MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     clock: int
@@ -422,7 +423,8 @@ class HeartbeatRequest(_message.Message):
     wait_min_clock: int
     wait_s: float
     incarnation: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., clock: _Optional[int] = ..., leaving: _Optional[bool] = ..., wait_min_clock: _Optional[int] = ..., wait_s: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., clock: _Optional[int] = ..., leaving: _Optional[bool] = ..., wait_min_clock: _Optional[int] = ..., wait_s: _Optional[float] = ..., incarnation: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("min_clock", "live_ranks", "gone_ranks")

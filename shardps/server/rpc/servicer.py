@@ -270,7 +270,8 @@ class ShardServicer(pb_grpc.ShardServicer):
             wait_s = min(wait_s, max(0.0, remaining - max(0.5, remaining / 4)))  # for a busy machine's answer)
         if wait is None or not wait_s > 0:
             min_clock, live, gone = self.shard.heartbeat(request.rank, request.world_size, request.clock,
-                                                         request.leaving, incarnation=request.incarnation)
+                                                         request.leaving, incarnation=request.incarnation,
+                                                         generation=request.generation)
             return pb.HeartbeatResponse(min_clock=min_clock, live_ranks=live, gone_ranks=gone)
         # A waiting heartbeat holds a handler thread: a few per connection (and per token, where it sets a
         # limit); beyond max_streams waiting in all, a heartbeat answers at once with what there is.
@@ -284,7 +285,7 @@ class ShardServicer(pb_grpc.ShardServicer):
         try:
             min_clock, live, gone = self.shard.heartbeat(
                 request.rank, request.world_size, request.clock, request.leaving, wait, wait_s,
-                lambda: context.is_active() and not self._stopping, request.incarnation,
+                lambda: context.is_active() and not self._stopping, request.incarnation, request.generation,
             )
         finally:
             with self._streams_lock:

@@ -402,11 +402,12 @@ class Shard(ShardCuts):
     def heartbeat(
         self, rank: int, world_size: int, clock: int, leaving: bool,
         wait_min_clock: Optional[int] = None, wait_s: float = 0.0, active: Callable[[], bool] = lambda: True,
-        incarnation: int = 0,
+        incarnation: int = 0, generation: int = 0,
     ) -> tuple[int, list[int], list[int]]:
-        """Record a worker's liveness and clock (``incarnation``: its client's, ``Membership.heartbeat``);
-        optionally wait for the slowest one (while ``active()``)."""
-        return self.sync.heartbeat(rank, world_size, clock, leaving, wait_min_clock, wait_s, active, incarnation)
+        """Record a worker's liveness and clock (``incarnation``, ``generation``: its client's and its group's start,
+        ``Membership.heartbeat``); optionally wait for the slowest one (while ``active()``)."""
+        return self.sync.heartbeat(rank, world_size, clock, leaving, wait_min_clock, wait_s, active, incarnation,
+                                   generation)
 
     def assign(self, name: str, ids: np.ndarray, values: np.ndarray) -> int:
         """Set the rows of ``ids`` (unique) to ``values``, creating absent ones: a loaded state dict. Returns

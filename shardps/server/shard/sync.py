@@ -32,6 +32,7 @@ class _Worker:
     last_seen: float = 0.0
     left: bool = False
     incarnation: int = 0  # the client in this rank now (HeartbeatRequest.incarnation; 0: not told)
+    generation: int = 0  # its group's restarts (HeartbeatRequest.generation)
 
 
 class Membership:
@@ -70,21 +71,26 @@ class Membership:
             raise InvalidArgument(f"rank {rank:,} is not in [0, {'world_size ' if world_size else '--max-workers '}"
                                   f"{world_size or self.max_workers:,})")
 
-    def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool, incarnation: int = 0) -> None:
+    def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool, incarnation: int = 0,
+                  generation: int = 0) -> None:
         """Record a rank's heartbeat. Under its client's incarnation (or none given) its clock only rises and its
-        leaving is for good. Another incarnation (another client in the rank) takes the rank once the rank's client
-        has left or been silent for ``dead_after_s``: a worker started again (by torchrun, say) is then live again,
-        at its own clock. Until then (a second client of a live worker, an old worker's late heartbeat or leaving)
-        it changes nothing. A live rank whose client gave none takes the first incarnation it is given."""
+        leaving is for good. Another incarnation (another client in the rank) of a later ``generation`` (torchrun
+        started the group again: the rank's client is gone) takes the rank at once; of the same generation, once the
+        rank's client has left or been silent for ``dead_after_s``: a worker started again is then live again, at its
+        own clock. Until then (a second client of a live worker, an old worker's late heartbeat or leaving), and from
+        an earlier generation, it changes nothing. A live rank whose client gave none takes the first incarnation
+        it is given."""
         self.check_rank(rank, world_size)
         with self.cond:
             w = self._workers.get(rank)
             if w is not None and incarnation and w.incarnation != incarnation and (w.incarnation or w.left):
-                if leaving or not (w.left or time.monotonic() - w.last_seen > self.dead_after_s):
+                if generation < w.generation or generation == w.generation and (
+                        leaving or not (w.left or time.monotonic() - w.last_seen > self.dead_after_s)):
                     return
                 w.clock, w.left = clock, False
             w = self._seen(rank, world_size)
-            w.incarnation = incarnation or w.incarnation
+            if incarnation:
+                w.incarnation, w.generation = incarnation, generation
             w.clock = max(w.clock, clock)
             w.left = w.left or leaving
             self.cond.notify_all()
@@ -305,10 +311,11 @@ class SyncCoordinator:
 
     def heartbeat(self, rank: int, world_size: int, clock: int, leaving: bool,
                   wait_min_clock: Optional[int] = None, wait_s: float = 0.0,
-                  active: Callable[[], bool] = lambda: True, incarnation: int = 0) -> tuple[int, list[int], list[int]]:
+                  active: Callable[[], bool] = lambda: True, incarnation: int = 0,
+                  generation: int = 0) -> tuple[int, list[int], list[int]]:
         """Record a worker's liveness and clock (``Membership.heartbeat``); optionally wait (at most 60 s, while
         ``active()``) for the slowest one."""
-        self.membership.heartbeat(rank, world_size, clock, leaving, incarnation)
+        self.membership.heartbeat(rank, world_size, clock, leaving, incarnation, generation)
         if wait_min_clock is not None and wait_s > 0:  # NaN compares False: no wait
             self.membership.wait_min_clock(wait_min_clock, min(wait_s, 60.0), active)
         with self._cond:  # a rank that left may complete a waiting step
