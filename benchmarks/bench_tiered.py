@@ -318,7 +318,7 @@ def run_stores(args: argparse.Namespace, progress: Progress) -> list[dict[str, A
 PARTS = [
     ("locate on disk", "shardps.server.storage.disk:TableStore.locate"),
     ("make room", "shardps.server.storage.tiered:HotSet._make_room"),
-    ("make room > choose victims", "shardps.server.storage.tiered:choose_victims"),
+    ("make room > choose victims", "shardps.server.storage.tiered:Victims.choose"),
     ("make room > write back", "shardps.server.storage.tiered:HotSet.write_back"),
     ("write back > rows into records", "shardps.server.storage.disk:gather_columns"),
     ("write back > append, index", "shardps.server.storage.segments:SegmentStore.put_data"),

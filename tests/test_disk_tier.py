@@ -484,6 +484,9 @@ def test_bad_disk_tier_specs_and_shards_without_a_disk_are_refused_clearly(tmp_p
         DiskTier(memory_mb=0)
     with pytest.raises(Exception, match="policy"):
         DiskTier(policy="fifo")
+    assert DiskTier().policy == "clock"
+    with pytest.raises(Exception, match="eviction policy must be one of"):  # a disk tier's policy only
+        Eviction(max_rows=10, policy="clock")
     server = ShardServer(ShardConfig(0, 1)).start()  # no data dir, no disk dir
     try:
         with Client([server.address]) as c:

@@ -277,7 +277,7 @@ def test_unique_ids_and_where_each_went_by_a_radix_sort() -> None:
 
 
 @pytest.mark.parametrize("index", ["hash", "flat"])
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("policy", ["clock", "lru", "lfu"])
 def test_tiered_table_pushes(tmp_path, policy: str, index: str) -> None:
     """A table with a disk tier holding about a tenth (a quarter with a flat index) of its rows in memory, Adam pushes
     of Zipf ids: victims chosen by sampling, written back into records and read back (``sample_victims``,
@@ -356,6 +356,37 @@ def test_sampled_victims(lfu: bool) -> None:
                 assert rank[want].mean() < 0.16, rank[want].mean()
         else:
             assert want.shape[0] < count
+
+
+def test_clock_victims() -> None:
+    """A disk tier's clock hand (``bounded.clock_victims_numpy``, the compiled ``clock_victims``): the same victims
+    and the same hand and round after, call after call, over rows whose uses move between calls; distinct, none of
+    the protected requests', and in a round only rows not used since it began (a row used since is passed over);
+    each row looked at once at most per call (fewer victims than asked when too few qualify)."""
+    from shardps.server.storage.bounded import clock_victims_numpy
+
+    rng = np.random.default_rng(12)
+    n = 5000
+    last = rng.integers(0, 50, n).astype(np.int64)
+    states = [np.zeros(2, np.int64) for _ in range(len(COMPILED) + 1)]
+    for now in range(50, 90):
+        protected = now - 3
+        count = int(rng.choice([0, 1, 37, 400, 2500, 6000]))
+        before = states[-1].copy()
+        want = clock_victims_numpy(last, count, protected, now, states[-1])
+        for k, state in zip(COMPILED, states):
+            bits_equal(k.clock_victims(last, count, protected, now, state), want)
+            bits_equal(state, states[-1])
+        assert np.unique(want).shape == want.shape and want.shape[0] <= min(max(count, 0), n)
+        assert not (last[want] >= protected).any()
+        hand, lap = (int(before[0]), int(before[1])) if before[0] < n else (0, now)
+        in_round = want[want >= hand] if count else want
+        assert not (last[in_round] >= lap).any()  # this round's victims: none used since it began
+        if 0 < count and want.shape[0] < count:  # too few: the hand went once round, back where it started
+            assert (int(states[-1][0]), int(states[-1][1])) == (hand, now)
+        # the requests in between use some rows (the victims left and came back as other rows: new uses)
+        last[rng.integers(0, n, 600)] = now
+        last[want] = now
 
 
 def test_record_columns_into_and_out_of_records() -> None:

@@ -103,6 +103,7 @@ class Admission:
 
 
 EVICTION_POLICIES = ("lru", "lfu")
+DISK_TIER_POLICIES = ("clock", *EVICTION_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -154,21 +155,23 @@ class DiskTier:
 
     Args:
         memory_mb: RAM for the table's hot rows on each shard, MiB (values, optimizer state, metadata, index).
-        policy: which hot rows go back to disk first: "lru" (least recently pulled or pushed) or "lfu" (fewest
-            pushes; ties: least recently used).
-        sample: rows drawn per victim, as Redis does: each victim the best of them (0: the exact victims, a scan
-            of the hot rows per miss).
+        policy: which hot rows go back to disk first: "clock" (a hand going round the hot rows takes those not
+            pulled or pushed since it began its round: least recently used, nearly, at a few sequential reads a
+            victim), "lru" (least recently pulled or pushed, of ``sample`` rows drawn) or "lfu" (fewest pushes;
+            ties: least recently used).
+        sample: for "lru" and "lfu", rows drawn per victim, as Redis does: each victim the best of them (0: the
+            exact victims, a scan of the hot rows per miss).
     """
 
     memory_mb: float = 256.0
-    policy: str = "lru"
+    policy: str = "clock"
     sample: int = 8
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.memory_mb) and 1 <= self.memory_mb <= 1 << 30):
             raise InvalidArgument(f"disk tier memory_mb must be in [1, 2^30] MiB, got {self.memory_mb}")
-        if self.policy not in EVICTION_POLICIES:
-            raise InvalidArgument(f"disk tier policy must be one of {EVICTION_POLICIES}, got {self.policy!r}")
+        if self.policy not in DISK_TIER_POLICIES:
+            raise InvalidArgument(f"disk tier policy must be one of {DISK_TIER_POLICIES}, got {self.policy!r}")
         if not (self.sample == 0 or 2 <= self.sample <= 1024):
             raise InvalidArgument(f"disk tier sample must be 0 (exact) or in [2, 1024], got {self.sample}")
 

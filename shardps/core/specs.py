@@ -330,7 +330,7 @@ def admission_from_pb(msg: pb.AdmissionPolicy) -> Admission:
                      sketch_width=msg.sketch_width, sketch_depth=msg.sketch_depth, seed=msg.seed)
 
 
-_EVICT_PB = {"lru": pb.EvictionPolicy.LRU, "lfu": pb.EvictionPolicy.LFU}
+_EVICT_PB = {"lru": pb.EvictionPolicy.LRU, "lfu": pb.EvictionPolicy.LFU, "clock": pb.EvictionPolicy.CLOCK}
 
 
 def eviction_to_pb(e: Eviction) -> pb.EvictionPolicy:

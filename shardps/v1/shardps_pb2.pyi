@@ -156,8 +156,10 @@ class EvictionPolicy(_message.Message):
         __slots__ = ()
         LRU: _ClassVar[EvictionPolicy.Policy]
         LFU: _ClassVar[EvictionPolicy.Policy]
+        CLOCK: _ClassVar[EvictionPolicy.Policy]
     LRU: EvictionPolicy.Policy
     LFU: EvictionPolicy.Policy
+    CLOCK: EvictionPolicy.Policy
     MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TTL_STEPS_FIELD_NUMBER: _ClassVar[int]

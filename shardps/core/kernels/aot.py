@@ -74,6 +74,7 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "all_finite": [(_ROWS,)],
     "pread_records": [("int32[::1]", _IDS, "int64", "int64", "int64", "uint8[::1]")],
     "sample_victims": [("int64[:]", "int32[:]", "int64", "int64", "uint64", "uint64", "int64", "boolean")],
+    "clock_victims": [("int64[::1]", "int64", "int64", "int64", "int64[::1]")],
     "gather_words": [("uint32[:, ::1]", "int64", "int64", _IDS, "uint32[:, ::1]", "int64")],
     "scatter_words": [("uint32[:, ::1]", "int64", "int64", _IDS, "uint32[:, ::1]", "int64")],
 }
@@ -81,7 +82,7 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
 WRITES: dict[str, tuple[int, ...]] = {
     "hash_place": (0,), "hash_remove": (0, 1), "direct_remove": (0, 1), "apply_moves": (0,), "sgd_apply": (0, 1),
     "adagrad_apply": (0, 1), "adam_apply": (0, 1, 2), "gather_rows": (2,), "scatter_rows": (0,),
-    "pread_records": (5,), "gather_words": (4,), "scatter_words": (0,),
+    "pread_records": (5,), "clock_victims": (4,), "gather_words": (4,), "scatter_words": (0,),
 }
 # Of those, the ones that may sit at any alignment: a push's message, which ``gather_rows`` fills at any offset.
 UNALIGNED_WRITES: dict[str, tuple[int, ...]] = {"gather_rows": (2,)}

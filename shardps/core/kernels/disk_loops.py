@@ -88,6 +88,35 @@ def sample_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: in
     return out[:got]
 
 
+@_njit
+def clock_victims(last: np.ndarray, count: int, protected_from: int, now: int, state: np.ndarray) -> np.ndarray:
+    """``bounded.clock_victims_numpy``: up to ``count`` victims among the ``last.shape[0]`` rows by a hand going
+    round them from ``state[0]``: a row is taken when its ``last`` use is below ``protected_from`` and below
+    ``state[1]`` (the request at which the hand began its round; a new round begins at ``now``). Each row is
+    looked at once at most; ``state`` is left at the hand's place and round."""
+    n = last.shape[0]
+    out = np.empty(max(count, 0), np.int64)
+    if count <= 0:
+        return out
+    got = 0
+    hand, lap = state[0], state[1]
+    if hand >= n:
+        hand, lap = 0, now
+    start = hand
+    while got < count:
+        lv = last[hand]
+        if lv < protected_from and lv < lap:
+            out[got] = hand
+            got += 1
+        hand += 1
+        if hand >= n:
+            hand, lap = 0, now
+        if hand == start:
+            break
+    state[0], state[1] = hand, lap
+    return out[:got]
+
+
 # libc's memcpy, by name as ``pread``: a row's words in one call ran 3x faster than numba's loop over them (a word
 # at a time, not vectorised where source and destination might overlap).
 _memcpy = types.ExternalFunction("memcpy", types.voidptr(types.voidptr, types.voidptr, types.uintp))

@@ -13,7 +13,13 @@ import numpy as np
 from shardps.core.kernels.common import kernel as _njit
 from shardps.core.kernels.common import mix
 from shardps.core.kernels.constants import ZIG_ATTEMPTS, ZIGGURAT_R
-from shardps.core.kernels.disk_loops import gather_words, pread_records, sample_victims, scatter_words  # noqa: F401
+from shardps.core.kernels.disk_loops import (  # noqa: F401
+    clock_victims,
+    gather_words,
+    pread_records,
+    sample_victims,
+    scatter_words,
+)
 from shardps.core.kernels.id_loops import unique_inverse  # noqa: F401
 
 _S32 = np.uint64(32)

@@ -210,6 +210,42 @@ def sampled_victims(last: np.ndarray, touches: np.ndarray, count: int, sample: i
     return np.array(chosen, dtype=np.int64)
 
 
+def clock_victims(last: np.ndarray, count: int, protected_from: int, now: int, state: np.ndarray) -> np.ndarray:
+    """A disk tier's "clock" victims: up to ``count`` rows, in the order a hand going round the ``last.shape[0]``
+    rows from ``state[0]`` meets them, each used (``last``) before ``protected_from`` and before ``state[1]``, the
+    request at which the hand began its round (the second chance: a row used since is passed over); the hand begins
+    a new round at ``now`` as it passes the last row, and looks at each row once at most. ``state`` is left at the
+    hand's place and round. The compiled ``clock_victims``, else its reference (``clock_victims_numpy``)."""
+    k = kernels.jit()
+    if k is not None:
+        return k.clock_victims(last, count, protected_from, now, state)
+    return clock_victims_numpy(last, count, protected_from, now, state)
+
+
+def clock_victims_numpy(last: np.ndarray, count: int, protected_from: int, now: int, state: np.ndarray) -> np.ndarray:
+    """The reference of ``clock_victims``, victim for victim, in two vectorised passes: the rows from the hand to
+    the last one, then (a new round) from the first to where the hand started."""
+    n = last.shape[0]
+    if count <= 0:
+        return np.zeros(0, np.int64)
+    hand, lap = int(state[0]), int(state[1])
+    if hand >= n:
+        hand, lap = 0, now
+    start = hand
+    first = np.flatnonzero((last[start:] < protected_from) & (last[start:] < lap))[:count] + start
+    second = np.zeros(0, np.int64)
+    if first.shape[0] == count:
+        hand = int(first[-1]) + 1
+    else:
+        hand, lap = 0, now
+        second = np.flatnonzero((last[:start] < protected_from) & (last[:start] < lap))[:count - first.shape[0]]
+        hand = int(second[-1]) + 1 if second.shape[0] == count - first.shape[0] and second.shape[0] else start
+    if hand >= n:
+        hand, lap = 0, now
+    state[0], state[1] = hand, lap
+    return np.concatenate([first, second]).astype(np.int64)
+
+
 class RemovalLog:
     """The ids evicted from a table since an export's last cut, for the next delta's tombstones.
 

@@ -9,9 +9,9 @@ refused, naming ``memory_mb``.
 The hot rows live in the table's ``RowStore`` like any table's, with three more per-row arrays: ``access`` (the
 request that last used the row: recency for the policy), ``dirty`` (changed since it was last written to disk) and
 ``on_disk`` (the store has a copy, maybe older). The store holds every row that ever left memory; a row in memory
-is newer than its copy on disk. Room is made before anything is brought in: victims are chosen by the bounded
-table's machinery (``bounded.choose_victims``, LRU or LFU over sampled rows, none of the current request nor, while
-others are left, of the few before it: ``PROTECT_REQUESTS``), the dirty ones written back in one batch, then
+is newer than its copy on disk. Room is made before anything is brought in: victims are chosen by the policy
+(``Victims``: a clock hand going round the rows, or LRU or LFU over sampled rows; none of the current request nor,
+while others are left, of the few before it: ``PROTECT_REQUESTS``), the dirty ones written back in one batch, then
 removed. A failed write (a full disk) refuses the request before anything changed. The caller holds the table's
 lock.
 """
@@ -32,7 +32,7 @@ from shardps.core.files import ChecksummedWriter
 from shardps.core.ids import is_sorted_unique
 from shardps.core.policies import DiskTier, Eviction
 from shardps.core.specs import Initializer, TableSpec
-from shardps.server.storage.bounded import choose_victims
+from shardps.server.storage.bounded import choose_victims, clock_victims
 from shardps.server.storage.budget import MemoryBudget
 from shardps.server.storage.disk import META_FIELDS, DiskTierError, DiskTiers, RecordCodec, TableStore
 from shardps.server.storage.index import HashIndex
@@ -112,6 +112,28 @@ class RecentRequests:
         return clock - keep
 
 
+class Victims:
+    """Which hot rows leave memory, by the tier's policy: "clock", a hand going round the rows
+    (``bounded.clock_victims``; should it find too few, the exact least recently used are taken), or "lru" and "lfu"
+    over sampled rows (``bounded.choose_victims``)."""
+
+    def __init__(self, tier: DiskTier, capacity: int) -> None:
+        self.clock = tier.policy == "clock"
+        self.hand = np.zeros(2, np.int64)  # the clock hand's place, and the request its round began at
+        self.policy = Eviction(max_rows=capacity, policy="lru" if self.clock else tier.policy,
+                               sample=0 if self.clock else tier.sample)
+
+    def choose(self, rows: RowStore, count: int, protected_from: int, now: int) -> np.ndarray:
+        """Slots of ``count`` of the ``rows`` (none used since request ``protected_from`` while others are left), at
+        request ``now``."""
+        n, access = rows.n, rows.extra["access"]
+        if self.clock and count < n:
+            victims = clock_victims(access[:n], count, protected_from, now, self.hand)
+            if victims.shape[0] == count:
+                return victims
+        return choose_victims(self.policy, n, count, rows.ids, access[:n], rows.touches[:n], protected_from, salt=now)
+
+
 @dataclass
 class TierCounts:
     """A tiered table's traffic since the shard started."""
@@ -145,7 +167,7 @@ class HotSet:
         self.disk_rows = 0  # rows the store holds
         self.counts = TierCounts()
         self.broken = ""  # why the table refuses every request until the shard restarts ("" while it serves)
-        self._policy = Eviction(max_rows=self.full_capacity, policy=tier.policy, sample=tier.sample)
+        self.victims = Victims(tier, self.full_capacity)
         self.codec = store.codec
 
     @property
@@ -329,9 +351,7 @@ class HotSet:
         if count <= 0:
             return
         rows = self.rows
-        n = rows.n
-        victims = choose_victims(self._policy, n, count, rows.ids, rows.extra["access"][:n], rows.touches[:n],
-                                 protected_from, salt=self.clock)
+        victims = self.victims.choose(rows, count, protected_from, self.clock)
         self.write_back(victims)
         rows.remove(rows.ids[victims].copy(), check=False)
         capacity = self.capacity
