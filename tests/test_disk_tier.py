@@ -504,6 +504,28 @@ def test_bad_disk_tier_specs_and_shards_without_a_disk_are_refused_clearly(tmp_p
         DiskTiers(tmp_path / "x", 0, 1).check_root()
 
 
+def test_a_tables_disk_tier_policy_is_not_what_makes_it_another(tmp_path):
+    """Creating an existing disk-tier table with another victim policy or sample finds it (it keeps its own): a table
+    made with the default before "clock" ("lru") is found by today's ``DiskTier()``. Another ``memory_mb`` is
+    another table, refused, naming the difference."""
+    from shardps_client import TableExistsError
+
+    server = _server(0, 1, tmp_path)
+    try:
+        with Client([server.address]) as c:
+            assert c.create_table("t", dim=DIM, num_embeddings=1000, storage=DiskTier(memory_mb=8, policy="lru"))
+            assert not c.create_table("t", dim=DIM, num_embeddings=1000, storage=DiskTier(memory_mb=8))
+            assert not c.create_table("t", dim=DIM, num_embeddings=1000, storage=DiskTier(memory_mb=8, sample=4))
+            with pytest.raises(TableExistsError, match="memory_mb=16"):
+                c.create_table("t", dim=DIM, num_embeddings=1000, storage=DiskTier(memory_mb=16))
+            with pytest.raises(TableExistsError):
+                c.create_table("t", dim=DIM, num_embeddings=1000)  # in RAM: another table
+            spec = server.shard.registry.lookup("t").spec
+            assert spec.disk is not None and spec.disk.policy == "lru"
+    finally:
+        server.stop(checkpoint=False)
+
+
 def test_tiered_stats_show_in_shardps_stats(tmp_path):
     server = _server(0, 1, tmp_path)
     try:

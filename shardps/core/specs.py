@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import numpy as np
@@ -201,6 +201,19 @@ class TableSpec:
         if self.disk is not None and self.bounded:
             raise InvalidArgument(f"table {self.name!r}: a disk tier keeps every row (the cold ones on disk); "
                                   "admission and eviction drop rows instead: choose one")
+
+
+def same_table(existing: TableSpec, requested: TableSpec) -> bool:
+    """Whether a create of ``requested`` finds ``existing`` (not a different table): equal specs, or specs that
+    differ only in their disk tier's victim choice (``policy``, ``sample``: which hot rows leave memory first, never
+    what a row holds), which the existing table keeps. A table made with ``DiskTier()`` under the default before
+    "clock" ("lru") is then found by today's ``DiskTier()``."""
+    if existing == requested:
+        return True
+    if existing.disk is None or requested.disk is None:
+        return False
+    disk = replace(requested.disk, policy=existing.disk.policy, sample=existing.disk.sample)
+    return replace(requested, disk=disk) == existing
 
 
 @dataclass(frozen=True)

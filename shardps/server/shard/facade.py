@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from shardps.core.errors import AlreadyExists, InvalidArgument, NotFound, OutOfRange, PermissionDenied
-from shardps.core.specs import DenseSpec, TableSpec
+from shardps.core.specs import DenseSpec, TableSpec, same_table
 from shardps.server.durability import modes as durability
 from shardps.server.durability.gate import CheckpointGate
 from shardps.server.durability.replication import ACKS, ReplicatedLog
@@ -309,7 +309,7 @@ class Shard(ShardCuts):
         with self.registry.lock:
             existing = self.registry.lookup(spec.name)
             if existing is not None:
-                if existing.spec != spec:
+                if not same_table(existing.spec, spec):
                     raise AlreadyExists(
                         f"table {spec.name!r} exists with a different spec: {existing.spec} (requested {spec})"
                     )
