@@ -239,7 +239,7 @@ def clock_victims_numpy(last: np.ndarray, count: int, protected_from: int, now: 
     else:
         hand, lap = 0, now
         second = np.flatnonzero((last[:start] < protected_from) & (last[:start] < lap))[:count - first.shape[0]]
-        hand = int(second[-1]) + 1 if second.shape[0] == count - first.shape[0] and second.shape[0] else start
+        hand = int(second[-1]) + 1 if second.shape[0] == count - first.shape[0] else start
     if hand >= n:
         hand, lap = 0, now
     state[0], state[1] = hand, lap

@@ -118,16 +118,16 @@ class Victims:
     over sampled rows (``bounded.choose_victims``)."""
 
     def __init__(self, tier: DiskTier, capacity: int) -> None:
-        self.clock = tier.policy == "clock"
+        self.by_clock = tier.policy == "clock"
         self.hand = np.zeros(2, np.int64)  # the clock hand's place, and the request its round began at
-        self.policy = Eviction(max_rows=capacity, policy="lru" if self.clock else tier.policy,
-                               sample=0 if self.clock else tier.sample)
+        self.policy = Eviction(max_rows=capacity, policy="lru" if self.by_clock else tier.policy,
+                               sample=0 if self.by_clock else tier.sample)
 
     def choose(self, rows: RowStore, count: int, protected_from: int, now: int) -> np.ndarray:
         """Slots of ``count`` of the ``rows`` (none used since request ``protected_from`` while others are left), at
         request ``now``."""
         n, access = rows.n, rows.extra["access"]
-        if self.clock and count < n:
+        if self.by_clock and count < n:
             victims = clock_victims(access[:n], count, protected_from, now, self.hand)
             if victims.shape[0] == count:
                 return victims
