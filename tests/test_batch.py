@@ -206,3 +206,31 @@ def test_push_batch_validates_its_dense_pulls_before_applying(cluster2, client2)
             stub.PushBatch(pb.PushBatchRequest.FromString(body))
         assert e.value.code() == code and words in e.value.details()
     torch.testing.assert_close(c.pull("t", torch.from_numpy(ids)), torch.zeros(3, 2))  # no push was applied
+
+
+def test_push_batch_carries_row_pulls_read_after_its_pushes(cluster2, client2):
+    """A PushBatch's row pulls (``pulls``) are read once its pushes are applied; when any cannot be served, all are
+    left out and the pushes' outcomes stand."""
+    c = client2
+    c.create_table("t", dim=2, num_embeddings=100, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    stub = pb_grpc.ShardStub(grpc.insecure_channel(cluster2[0].address))
+    ids = np.arange(100)[shard_of_ids(np.arange(100), 2) == 0][:3]
+    other = np.arange(100)[shard_of_ids(np.arange(100), 2) == 1][:1]
+    smap = pb.ShardMap(shard_index=0, num_shards=2)
+    field = wire.message_field(pb.PullRequest.SHARD_MAP_FIELD_NUMBER, smap)
+    push = wire.encode_push("t", np.ones((3, 2), np.float32), pb.FLOAT32, ids=ids, shard_map=smap)
+    pulls = [wire.encode_pull("t", ids, pb.FLOAT32, field), wire.encode_pull("t", ids[:1], pb.FLOAT32, field)]
+    reply = stub.PushBatch(pb.PushBatchRequest.FromString(wire.encode_repeated([(1, [push]), (4, pulls)])))
+    assert len(reply.pushes) == 1 and len(reply.pulled) == 2
+    np.testing.assert_array_equal(np.frombuffer(reply.pulled[0].rows.data, np.float32).reshape(3, 2), -np.ones((3, 2)))
+    np.testing.assert_array_equal(np.frombuffer(reply.pulled[1].rows.data, np.float32), [-1.0, -1.0])
+    assert reply.pulled[0].version == reply.pushes[0].version  # read at the version the push made
+    # A pull of an unknown table, or of ids of the other shard: the pushes apply, the pulls are all left out.
+    for bad in (wire.encode_pull("nope", ids, pb.FLOAT32, field), wire.encode_pull("t", other, pb.FLOAT32, field)):
+        reply = stub.PushBatch(pb.PushBatchRequest.FromString(
+            wire.encode_repeated([(1, [push]), (4, [pulls[0], bad])])))
+        assert len(reply.pushes) == 1 and not reply.pulled
+    torch.testing.assert_close(c.pull("t", torch.from_numpy(ids)), torch.full((3, 2), -3.0))
+    # Pulls alone (no push) are served as well.
+    reply = stub.PushBatch(pb.PushBatchRequest.FromString(wire.encode_repeated([(4, pulls[:1])])))
+    assert not reply.pushes and len(reply.pulled) == 1

@@ -149,15 +149,15 @@ def check_push(buf: Any, dense: bool, canonical: bool = False) -> bool:
     return True
 
 
-_BATCH = {1: pb.PushRequest, 2: pb.PushDenseRequest, 3: pb.PullDenseRequest}
-_BATCH_NAMES = {1: "pushes", 2: "dense", 3: "pull_dense"}
+_BATCH = {1: pb.PushRequest, 2: pb.PushDenseRequest, 3: pb.PullDenseRequest, 4: pb.PullRequest}
+_BATCH_NAMES = {1: "pushes", 2: "dense", 3: "pull_dense", 4: "pulls"}
 _TAKES_FIELDS = "fields" in inspect.signature(wire.decode_repeated).parameters
 
 
 def check_push_batch(buf: bytes, canonical: bool = False) -> None:
     """decode_repeated on a PushBatchRequest: the entries it finds are protobuf's, in order."""
     try:
-        groups = wire.decode_repeated(buf, (1, 2, 3)) if _TAKES_FIELDS else wire.decode_repeated(buf)
+        groups = wire.decode_repeated(buf, (1, 2, 3, 4)) if _TAKES_FIELDS else wire.decode_repeated(buf)
     except InvalidArgument as e:
         assert not canonical, f"wire.decode_repeated refuses a canonical PushBatchRequest ({e}); input {_hex(buf)}"
         return

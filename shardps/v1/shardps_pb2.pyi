@@ -511,24 +511,28 @@ class PullBatchResponse(_message.Message):
     def __init__(self, pulls: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
 
 class PushBatchRequest(_message.Message):
-    __slots__ = ("pushes", "dense", "pull_dense")
+    __slots__ = ("pushes", "dense", "pull_dense", "pulls")
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     PULL_DENSE_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
     pushes: _containers.RepeatedCompositeFieldContainer[PushRequest]
     dense: _containers.RepeatedCompositeFieldContainer[PushDenseRequest]
     pull_dense: _containers.RepeatedCompositeFieldContainer[PullDenseRequest]
-    def __init__(self, pushes: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushDenseRequest, _Mapping]]] = ..., pull_dense: _Optional[_Iterable[_Union[PullDenseRequest, _Mapping]]] = ...) -> None: ...
+    pulls: _containers.RepeatedCompositeFieldContainer[PullRequest]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushRequest, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushDenseRequest, _Mapping]]] = ..., pull_dense: _Optional[_Iterable[_Union[PullDenseRequest, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[PullRequest, _Mapping]]] = ...) -> None: ...
 
 class PushBatchResponse(_message.Message):
-    __slots__ = ("pushes", "dense", "pulled_dense")
+    __slots__ = ("pushes", "dense", "pulled_dense", "pulled")
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     PULLED_DENSE_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FIELD_NUMBER: _ClassVar[int]
     pushes: _containers.RepeatedCompositeFieldContainer[PushResponse]
     dense: _containers.RepeatedCompositeFieldContainer[PushResponse]
     pulled_dense: _containers.RepeatedCompositeFieldContainer[PullResponse]
-    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., pulled_dense: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
+    pulled: _containers.RepeatedCompositeFieldContainer[PullResponse]
+    def __init__(self, pushes: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., dense: _Optional[_Iterable[_Union[PushResponse, _Mapping]]] = ..., pulled_dense: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ..., pulled: _Optional[_Iterable[_Union[PullResponse, _Mapping]]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("push", "push_dense", "push_batch", "pull", "pull_dense", "pull_batch")

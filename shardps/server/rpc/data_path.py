@@ -1,12 +1,13 @@
 """The data path's handlers: pulls, pushes and their batches, for unary calls and stream frames alike.
-A batch validates every entry before it applies any, so a refused batch changes nothing."""
+A batch validates every entry before it applies any, so a refused batch changes nothing (the row pulls a PushBatch
+carries are read after its pushes, and cannot refuse it)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from shardps.core import codec, pushread, wire
-from shardps.core.errors import Moved, ResourceExhausted, StaleUpdate, SyncStepFailed
+from shardps.core.errors import Moved, ResourceExhausted, ShardError, StaleUpdate, SyncStepFailed
 from shardps.core.wire import Buffer, parse
 from shardps.server.rpc import convert
 from shardps.server.shard.facade import Shard
@@ -106,11 +107,13 @@ class DataPath:
                                      convert.sync_part(d.sync), raw=raw)
 
     def push_batch(self, request: Buffer) -> bytes:
-        """Apply a PushBatch's pushes in order, then read its dense pulls: a serialized PushBatchResponse."""
-        pushes, dense_pushes, pull_dense = (pb.PushBatchRequest.PUSHES_FIELD_NUMBER,
-                                            pb.PushBatchRequest.DENSE_FIELD_NUMBER,
-                                            pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER)
-        groups = wire.decode_repeated(request, (pushes, dense_pushes, pull_dense))
+        """Apply a PushBatch's pushes in order, then read its dense pulls and its row pulls: a serialized
+        PushBatchResponse."""
+        pushes, dense_pushes, pull_dense, row_pulls = (pb.PushBatchRequest.PUSHES_FIELD_NUMBER,
+                                                       pb.PushBatchRequest.DENSE_FIELD_NUMBER,
+                                                       pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER,
+                                                       pb.PushBatchRequest.PULLS_FIELD_NUMBER)
+        groups = wire.decode_repeated(request, (pushes, dense_pushes, pull_dense, row_pulls))
         entries = []
         for field, dense in ((pushes, False), (dense_pushes, True)):  # validate everything before applying anything
             for view in groups.get(field, []):
@@ -137,6 +140,22 @@ class DataPath:
         except Moved:  # a chunk to read moved while the pushes waited: the pushes' outcomes stand (a batch refused
             # whole is sent again whole); the pulls are left out, and the client pulls them anew.
             pulled = []
-        # Repeated fields concatenate: the pulled values follow the outcomes as field 3.
-        return out.SerializeToString() + wire.encode_repeated(
-            [(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, pulled)])
+        rows = self._carried_pulls(groups.get(row_pulls, []))
+        # Repeated fields concatenate: the pulled values follow the outcomes as fields 3 and 4.
+        return out.SerializeToString() + wire.encode_repeated([(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, pulled),
+                                                               (pb.PushBatchResponse.PULLED_FIELD_NUMBER, rows)])
+
+    def _carried_pulls(self, views: list[memoryview]) -> list[wire.Buffer]:
+        """The row pulls a PushBatch carries, read after its pushes: all of them, or none when any cannot be served
+        (the pushes' outcomes stand; the client pulls them anew, and hears the error then)."""
+        out: list[wire.Buffer] = []
+        total, limit = 0, self.shard.limits.max_message_bytes
+        try:
+            for view in views:
+                out.append(self.pull(parse(pb.PullRequest, view)))
+                total += len(out[-1])
+                if total > limit:
+                    return []
+        except ShardError:
+            return []
+        return out
