@@ -20,6 +20,7 @@ from shardps_client import (
     RemoteEmbeddingBag,
     RemoteEmbeddingBagCollection,
     ShardedOptimizer,
+    TableNotFoundError,
     TrainPipeline,
 )
 from torch import nn
@@ -137,3 +138,94 @@ def test_a_pipeline_needs_to_know_the_rows():
             TrainPipeline(model, ShardedOptimizer(c, model), client=c)
         with pytest.raises(ValueError, match="client="):
             TrainPipeline(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_a_steps_pushes_travel_with_the_next_batchs_pulls():
+    """Pipelined, a step's pushes (rows and dense gradients, with the dense values asked back) and the pulls of the
+    batch after next go to each shard in one call: the rows read are those a pull right after the pushes reads
+    (batch k+1's rows hold the pushes of steps up to k-1, as without the carrying), and nothing is lost."""
+    weights = torch.arange(1, DIM + 1, dtype=torch.float32)
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("items", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+
+        class Bag(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.items = RemoteEmbeddingBag(c, "items", mode="sum")
+                self.scale = nn.Parameter(torch.ones(1))  # a dense value on the shards, pushed with each step
+
+            def forward(self, ids, offsets):
+                rows = self.items(ids, offsets)
+                seen.append(rows.detach().clone())
+                return (rows * weights).sum() + 0 * self.scale.sum()
+
+        seen: list[torch.Tensor] = []
+        carried: list[bool] = []
+        carry = c.pushes.carry
+
+        def watched(pulls):
+            calls = carry(pulls)
+            carried.append(calls is not None and set(calls) == {0, 1})
+            return calls
+
+        c.pushes.carry = watched  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(5)
+        data = [(torch.randint(0, ROWS, (BATCH * 2,), generator=g), torch.arange(0, BATCH * 2, 2))
+                for _ in range(STEPS)]
+        model = Bag()
+        pipeline = TrainPipeline(model, ShardedOptimizer(c, model), ids_fn=lambda b: {"items": b[0]})
+        for _ in pipeline.run(iter(data)):
+            pass
+        pipeline.flush()
+        assert not c.pushes.parked  # the last step's pushes went when the batches ran out
+        # Batches 0 and 1 are asked for before the first step; every later batch's pulls carried a step's pushes.
+        assert carried == [False, False] + [True] * (STEPS - 2), carried
+        for k, rows in enumerate(seen):  # batch k's rows hold the pushes of steps 0..k-2
+            pushed = [torch.zeros(0, dtype=torch.int64)] + [ids for ids, _ in data[: max(0, k - 1)]]
+            counts = torch.bincount(torch.cat(pushed), minlength=ROWS).float()
+            ids, offsets = data[k]
+            expect = torch.nn.functional.embedding_bag(ids, -counts[:, None] * weights[None, :], offsets, mode="sum")
+            assert torch.equal(rows, expect), k
+        counts = torch.bincount(torch.cat([ids for ids, _ in data]), minlength=ROWS).float()
+        assert torch.equal(c.pull("items", torch.arange(ROWS)), -counts[:, None] * weights[None, :])
+
+
+def test_a_loop_without_a_prefetcher_sends_each_steps_pushes_at_once():
+    with running_cluster(1) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("items", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        model = nn.Sequential(RemoteEmbeddingBag(c, "items", mode="sum"), nn.Linear(DIM, 1))
+        opt = ShardedOptimizer(c, model)
+        ids, offsets = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2])
+        for step in range(3):
+            opt.zero_grad()
+            model[1](model[0](ids, offsets)).sum().backward()
+            opt.step()
+            # the first step waits for a prefetch that does not come (its zero_grad sends it); later ones go at once
+            assert c.pushes.parked == (step == 0)
+        opt.zero_grad()
+        opt.flush()
+        assert torch.count_nonzero(c.pull("items", torch.tensor([1, 2, 3, 4]))) > 0
+
+
+def test_pulls_a_shard_could_not_serve_with_the_pushes_are_pulled_again():
+    """Carried pulls a shard leaves out (a table dropped meanwhile, here) are pulled again when taken: the error is
+    the pull's own, and the pushes they travelled with are applied."""
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c, \
+            Client([s.address for s in servers]) as admin:
+        c.create_table("items", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        c.create_table("gone", num_embeddings=ROWS, dim=DIM)
+        ids = torch.arange(ROWS)
+        c.pull("gone", ids)  # (the client knows the table)
+        model = nn.Sequential(RemoteEmbeddingBag(c, "items", mode="sum"))
+        opt = ShardedOptimizer(c, model)
+        opt.zero_grad()
+        model[0](torch.tensor([1, 2]), torch.tensor([0])).sum().backward()
+        opt.step()
+        assert c.pushes.parked
+        admin.drop_table("gone")
+        c.prefetch_many({"gone": ids})  # carries the parked pushes: the shards leave the pulls out
+        assert not c.pushes.parked
+        with pytest.raises(TableNotFoundError, match="gone"):
+            c.pull_many({"gone": ids})
+        opt.flush()
+        torch.testing.assert_close(c.pull("items", torch.tensor([1, 2])), -torch.ones(2, DIM))

@@ -130,3 +130,23 @@ def test_push_batches_keep_order_split_below_the_limit_and_carry_dense_pulls_las
     assert [keys for keys, _ in work] == [["a"] * 3, ["a", "a", "b"], ["b"] * 3, ["b"]]
     assert all(call[1] == "PushBatch" and len(call[2]) <= 450 + 16 for _, call in work)
     assert carries == {0: 3}
+
+
+def test_push_batches_carry_row_pulls_after_the_dense_pulls_in_each_shards_last_batch():
+    pushes = [(s, "Push", wire.frame(pb.PushBatchRequest.PUSHES_FIELD_NUMBER, bytes([s]) * 100)) for s in (0, 0, 1)]
+    dense = [[wire.frame(pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER, b"d" * 50)], [], []]
+    rows = [[wire.frame(pb.PushBatchRequest.PULLS_FIELD_NUMBER, b"r" * 40)],
+            [wire.frame(pb.PushBatchRequest.PULLS_FIELD_NUMBER, b"s" * 40)],
+            [wire.frame(pb.PushBatchRequest.PULLS_FIELD_NUMBER, b"t" * 40)]]
+    work, carries = planner.push_batches([("a", pushes)], 3, 1 << 20, dense, rows)
+    # shard 0: its pushes, then its dense pull, then its row pull; shard 1: its push and row pull (one PushBatch, not
+    # a plain Push); shard 2: the row pull alone
+    assert [(call[0], call[1], keys) for keys, call in work] == [(0, "PushBatch", ["a", "a"]),
+                                                                (1, "PushBatch", ["a"]), (2, "PushBatch", [])]
+    assert carries == {0: 0, 1: 1, 2: 2}
+    body = wire.decode_repeated(wire.unframe(work[0][1][2])[1])
+    assert [bytes(v) for v in body[pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER]] == [b"d" * 50]
+    assert [bytes(v) for v in body[pb.PushBatchRequest.PULLS_FIELD_NUMBER]] == [b"r" * 40]
+    body = wire.decode_repeated(wire.unframe(work[1][1][2])[1])
+    assert [bytes(v) for v in body[pb.PushBatchRequest.PUSHES_FIELD_NUMBER]] == [bytes([1]) * 100]
+    assert [bytes(v) for v in body[pb.PushBatchRequest.PULLS_FIELD_NUMBER]] == [b"s" * 40]

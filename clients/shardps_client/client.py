@@ -301,7 +301,7 @@ class Client(ClusterMethods, DenseMethods):
         self._caches.push_stacked(tables, ids, grads, versions if versions is not None else [None] * len(tables),
                                   wire_dtype)
 
-    def send_pushes(self, pull_dense: Sequence[str] = ()) -> Optional[DensePull]:
+    def send_pushes(self, pull_dense: Sequence[str] = (), park: bool = False) -> Optional[DensePull]:
         """Send the queued pushes (``defer_pushes``): one PushBatch per shard (or a few, below the size limit).
 
         ``pull_dense`` names dense tensors whose values should come back with the
@@ -311,7 +311,7 @@ class Client(ClusterMethods, DenseMethods):
         shard's part would not fit in one reply (then pull them as usual).
         """
         returning = self._dense.returning(pull_dense) if pull_dense else None  # may raise: nothing is taken yet
-        return self.pushes.send(returning)
+        return self.pushes.park(returning) if park else self.pushes.send(returning)
 
     def flush(self) -> None:
         """Push what the row caches summed (emptying them), wait until every push sent so far is applied, and

@@ -162,7 +162,9 @@ class ShardedOptimizer:
         self._loaded = step
 
     def step(self) -> None:
-        """Send this step's gradients (asynchronously, one batch per shard) and advance the clock."""
+        """Send this step's gradients (asynchronously, one batch per shard) and advance the clock. In a loop fed by a
+        ``Prefetcher`` the batch waits for the prefetch that follows, whose pulls travel with it
+        (``PushPipeline.park``): one call a shard a step."""
         for name, members in self.tensors.items():
             grads = [self.params[m].grad for m in members]
             if all(g is None for g in grads):
@@ -182,7 +184,10 @@ class ShardedOptimizer:
         # The new values come back with the pushes, for the next zero_grad(); under bounded
         # staleness (ssp_bound) that pull must wait for slow workers first, so it stays a pull.
         names = list(self.tensors) if self.client.ssp_bound is None else []
-        returning = self._pushes.send(pull_dense=names)
+        # Parked: a prefetch of the next batch (``Prefetcher``) carries them in the same call per shard; else they
+        # go at the next zero_grad() (whose values come back with them), pull, push or flush(). Not under bounded
+        # staleness, where the clock this step advances tells other workers its pushes are out.
+        returning = self._pushes.send(pull_dense=names, park=self.client.ssp_bound is None)
         self._steps += 1
         self._stepped = True
         if returning is not None:

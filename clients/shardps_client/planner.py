@@ -277,13 +277,15 @@ def dense_push_plan(spec: DenseSpec, grad: np.ndarray, slots: SlotMap, wire_code
 
 
 def push_batches(deferred: list[tuple[str, list[Call]]], num_shards: int, max_bytes: int,
-                 returning: Optional[list[list[bytes]]] = None) -> tuple[list[tuple[list[str], Call]], dict[int, int]]:
+                 returning: Optional[list[list[bytes]]] = None,
+                 carried: Optional[list[list[bytes]]] = None) -> tuple[list[tuple[list[str], Call]], dict[int, int]]:
     """Queued pushes as one PushBatch per shard (or a few, below the size limit).
 
     ``deferred``: (key, framed push calls) in the order they were made. ``returning``:
-    per shard, framed PullDense entries to carry in that shard's last batch. Returns
+    per shard, framed PullDense entries to carry in that shard's last batch; ``carried``:
+    per shard, framed row pulls (PushBatchRequest.pulls) to carry there after them. Returns
     the calls, each with the keys of its entries in order, and per shard the index of
-    the call that carries its dense pulls.
+    the call that carries its pulls.
     """
     per_shard: list[list[tuple[str, str, bytes]]] = [[] for _ in range(num_shards)]
     for key, calls in deferred:
@@ -292,7 +294,7 @@ def push_batches(deferred: list[tuple[str, list[Call]]], num_shards: int, max_by
     work: list[tuple[list[str], Call]] = []
     carries: dict[int, int] = {}
     for s, entries in enumerate(per_shard):
-        pulls = returning[s] if returning is not None else []
+        pulls = (returning[s] if returning is not None else []) + (carried[s] if carried is not None else [])
         if len(entries) == 1 and not pulls:
             key, method, req = entries[0]
             work.append(([key], (s, method, req)))

@@ -43,3 +43,5 @@ class Prefetcher:
             if len(queue) > self.depth:
                 yield queue.pop(0)
         yield from queue
+        if self.client.pushes.parked:  # the last step's pushes waited for a prefetch that will not come
+            self.client.pushes.send()

@@ -56,15 +56,19 @@ class DensePull:
         self.specs = specs
         self._again = again  # pulls the tensors anew (``pull_dense_many``) when a shard left its part out
         self.requests: list[list[bytes]] = [[] for _ in range(num_shards)]  # framed, per shard
+        self.sent = False  # its calls are out (``futures`` set)
+        self.send: Optional[Callable[[], Any]] = None  # sends it while parked
         self.pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(num_shards)]  # (name, rows) per request
         self.futures: dict[int, Future] = {}
         self._wrap = wrap  # versions by shard -> the client's Versions
 
     def done(self) -> bool:
         """True once every shard has answered (``result()`` will not wait)."""
-        return all(f.done() for f in self.futures.values())
+        return self.sent and all(f.done() for f in self.futures.values())
 
     def result(self) -> dict[str, tuple[torch.Tensor, Any]]:
+        if not self.sent and self.send is not None:  # parked with its pushes (``PushPipeline.park``): they go now
+            self.send()
         try:
             values = planner.assemble_dense(self.specs, self._blocks())
         except _LeftOut:  # a chunk moved to another shard while the step's pushes waited there: pulled anew
@@ -97,9 +101,9 @@ class PushHold:
         self._send = send
         self.held = True
 
-    def send(self, pull_dense: tuple[str, ...] | list[str] = ()) -> Optional[DensePull]:
+    def send(self, pull_dense: tuple[str, ...] | list[str] = (), park: bool = False) -> Optional[DensePull]:
         """Send the queued pushes (see ``Client.send_pushes``)."""
-        return self._send(pull_dense)
+        return self._send(pull_dense, park)
 
     def release(self) -> None:
         """Stop holding (queued pushes are sent by the next push, pull or flush)."""
@@ -122,6 +126,12 @@ class PushPipeline:
         self._order = threading.RLock()
         self._holds = 0
         self._deferred: list[tuple[str, list[planner.Call]]] = []
+        # A step's queued pushes parked for the next prefetch to carry (``park``), with the dense pulls that go with
+        # them: [DensePull or None], or None when nothing is parked.
+        self._parked: Optional[list[Optional[DensePull]]] = None
+        # Whether a prefetch carried the last step parked (or came since): steps park only then. A loop without a
+        # ``Prefetcher`` sends its steps' pushes at once after its first, as it would without parking.
+        self._carrier = True
         self._pending: dict[str, set[Future]] = {}
         self._errors: list[BaseException] = []
         self._inflight = threading.BoundedSemaphore(max_inflight)
@@ -150,7 +160,11 @@ class PushPipeline:
 
     @property
     def has_queued(self) -> bool:
-        return bool(self._deferred)
+        return bool(self._deferred) or self._parked is not None
+
+    @property
+    def parked(self) -> bool:
+        return self._parked is not None
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -186,18 +200,64 @@ class PushPipeline:
             self.send()
 
     def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
-        """Send the queued pushes, with ``returning``'s dense pulls carried by each shard's last batch."""
+        """Send the queued pushes, with ``returning``'s dense pulls carried by each shard's last batch (and those of
+        a step parked before, with its pushes)."""
         with self._order:
-            with self._lock:
-                deferred, self._deferred = self._deferred, []
-            if not deferred and returning is None:
-                return None
-            work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
-                                                 returning.requests if returning is not None else None)
-            futures = self._submit(work, wait=False)
-        if returning is not None:
-            returning.futures = {s: futures[i] for s, i in carries.items()}
+            deferred, parked = self._take()
+            if parked is not None:
+                self._carrier = False  # nothing carried it: the next step's pushes go at once
+            if parked is not None and returning is not None:  # the parked step's values with its pushes, first
+                self._send_batches(deferred, parked, None)
+                deferred = []
+            self._send_batches(deferred, returning if returning is not None else parked, None)
         return returning
+
+    def park(self, returning: Optional[DensePull]) -> Optional[DensePull]:
+        """Keep a step's queued pushes (and ``returning``'s dense pulls) for the next prefetch to carry in the same
+        message per shard (``carry``): a step then costs a shard one call, not two. Anything that needs them out
+        first sends them: ``returning.result()``, a pull that must see them, another push sent, ``flush``."""
+        with self._order:
+            if self._parked is not None:
+                self.send()  # (an earlier step's, that nothing carried)
+            if not self._carrier:
+                return self.send(returning)
+            with self._lock:
+                self._parked = [returning]
+        if returning is not None:
+            returning.send = self.send
+        return returning
+
+    def carry(self, carried: list[list[bytes]]) -> Optional[dict[int, Future]]:
+        """Send the parked pushes with ``carried`` row pulls (framed PushBatchRequest.pulls entries, per shard) in
+        each shard's last batch, read there once the pushes are applied: the futures of the calls that carry them,
+        by shard. None when nothing is parked (the caller pulls as it would)."""
+        with self._order:
+            self._carrier = True  # a prefetch came: the next step parks for the one after it
+            if self._parked is None:
+                return None
+            deferred, parked = self._take()
+            return self._send_batches(deferred, parked, carried)
+
+    def _take(self) -> tuple[list[tuple[str, list[planner.Call]]], Optional[DensePull]]:
+        """The queued pushes and a parked step's dense pulls, taken (caller holds ``_order``)."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            parked, self._parked = self._parked, None
+        return deferred, parked[0] if parked is not None else None
+
+    def _send_batches(self, deferred: list[tuple[str, list[planner.Call]]], returning: Optional[DensePull],
+                      carried: Optional[list[list[bytes]]]) -> dict[int, Future]:
+        """One PushBatch per shard (or a few) of ``deferred``, carrying ``returning``'s dense pulls and ``carried``
+        row pulls: the futures of the calls that carry pulls, by shard."""
+        if not deferred and returning is None and not carried:
+            return {}
+        work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
+                                             returning.requests if returning is not None else None, carried)
+        futures = self._submit(work, wait=False)
+        if returning is not None:
+            returning.futures = {s: futures[i] for s, i in carries.items() if returning.requests[s]}
+            returning.sent = True
+        return {s: futures[i] for s, i in carries.items()}
 
     def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool) -> list[Future]:
         """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries. The futures are
@@ -329,7 +389,7 @@ class PushPipeline:
 
     def wait(self, key: Optional[str] = None) -> None:
         """Send what is queued, then wait for the pushes in flight (of ``key``, or all); errors stay for ``flush``."""
-        if self._deferred:
+        if self._deferred or self._parked is not None:
             self.send()
         with self._lock:
             if key is None:
