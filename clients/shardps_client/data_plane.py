@@ -105,8 +105,10 @@ class DataLane(SocketTurns):
     def streaming(self) -> bool:
         return self.fallback.streaming if self.mode == "grpc" else True
 
-    def submit(self, method: str, request: bytes) -> Future:
-        """Queue a call (``request`` framed as its StreamRequest field); the future gets the stub's reply."""
+    def submit(self, method: str, request: bytes, answer_slot: bool = False) -> Future:
+        """Queue a call (``request`` framed as its StreamRequest field); the future gets the stub's reply.
+        ``answer_slot``: offer it an answer slot in the connection's region, as pulls are (a PushBatch carrying
+        pulls)."""
         if self.fallback.removed:  # the shard is out of the cluster
             return self.fallback.submit(method, request)
         with self._lock:
@@ -116,7 +118,7 @@ class DataLane(SocketTurns):
                 raise ShardpsError(f"the client's lane to {self.address} is closed", address=self.address)
             else:
                 self._ids += 1
-                item = Item(method, request, self._ids.to_bytes(8, "little"), self)
+                item = Item(method, request, self._ids.to_bytes(8, "little"), self, answer_slot)
                 self._queue.append(item)
                 self._start()
         if item is None:

@@ -59,11 +59,12 @@ class LaneFuture(Future):
 
 
 class Item:
-    __slots__ = ("future", "method", "request", "sent_at", "rid", "region", "slot")
+    __slots__ = ("future", "method", "request", "sent_at", "rid", "region", "slot", "answer_slot")
 
-    def __init__(self, method: str, request: bytes, rid: bytes, lane: SocketTurns) -> None:
+    def __init__(self, method: str, request: bytes, rid: bytes, lane: SocketTurns, answer_slot: bool = False) -> None:
         self.future: Future = LaneFuture(lane)
         self.method = method
+        self.answer_slot = answer_slot or method in ANSWER_SLOT_METHODS  # offered an answer slot in a region
         self.request = request  # framed as a StreamRequest
         self.rid = rid
         self.sent_at = 0.0
@@ -377,7 +378,7 @@ def _send_placed(sock: zmq.Socket, item: Item, shm: region.ClientRegion, flags: 
     slot, and a call built in a request slot of the region (``ClientRegion.reserve``) names it instead of carrying its
     frame. False when it takes no slot (it goes as before)."""
     placed = shm.placed(item.request)
-    ans = shm.offer() if item.method in ANSWER_SLOT_METHODS else None
+    ans = shm.offer() if item.answer_slot else None
     if ans is None and placed is None:
         item.region = None
         return False

@@ -26,6 +26,7 @@ from shardps_client import planner
 from shardps_client.cached_tables import CachedTables
 from shardps_client.errors import ShardpsError
 from shardps_client.inputs import IdsLike, checked_ids_in_order
+from shardps_client.pushes import answer_here
 from shardps_client.session import Session
 from shardps_client.versions import Versions
 
@@ -157,13 +158,14 @@ class Pulls:
                 self._prefetched[(table, hash(uniq.tobytes()), wire_code)] = (uniq, need, f, epoch)
                 while len(self._prefetched) > MAX_PREFETCHED:
                     self._prefetched.pop(next(iter(self._prefetched)))
-        carrying = self._carry(items, wire_code, futures)
-        if carrying is not None:
-            return carrying
+        carry = session.pushes.expect_carry() if all(u.shape[0] for _, u in items) else None
 
         def run() -> None:
             try:
-                for f, r in zip(futures, self._pull_unique_many(items, wire_code)):
+                got = self._carried(items, wire_code, carry) if carry is not None else None
+                if got is None:
+                    got = self._pull_unique_many(items, wire_code)
+                for f, r in zip(futures, got):
                     f.set_result(r)
             except BaseException as e:  # noqa: BLE001 - handed to whoever takes the prefetch
                 for f in futures:
@@ -172,54 +174,36 @@ class Pulls:
 
         return session.pool.submit(run)
 
-    def _carry(self, items: list[tuple[TableSpec, np.ndarray]], wire_code: int,
-               futures: list[Future]) -> Optional[Future]:
-        """Send a prefetch's row pulls in the calls that carry a step's parked pushes (``PushPipeline.carry``), one
-        per shard, each read there once the pushes are applied; ``futures`` get their rows as the calls answer. A
-        future done with them, or None when nothing is parked or the pulls would not fit (pulled as usual)."""
+    def _carried(self, items: list[tuple[TableSpec, np.ndarray]], wire_code: int,
+                 carry: threading.Event) -> Optional[list[tuple[np.ndarray, Versions]]]:
+        """A prefetch's rows pulled in the calls that carry a step's parked pushes (``PushPipeline.carry``), one per
+        shard, each read there once the pushes are applied; None when nothing is parked now (the pushes went without
+        it) or the pulls would not fit: pulled as usual."""
         session = self._session
-        if not session.pushes.parked or not all(u.shape[0] for _, u in items):
-            session.pushes.carry([])  # (nothing to carry now: the next step's pushes wait for the next prefetch)
+        try:
+            per_shard = planner.pull_plan(items, session.slots, wire_code, session.max_message_bytes)
+            field = pb.PushBatchRequest.PULLS_FIELD_NUMBER
+            fits = all(sum(e[3] for e in entries) <= session.max_message_bytes // 2 for entries in per_shard)
+            calls = session.pushes.carry([[wire.frame(field, e[2]) for e in entries] for entries in per_shard]
+                                         if fits else [])
+        finally:
+            carry.set()
+        if calls is None or not fits:
             return None
-        per_shard = planner.pull_plan(items, session.slots, wire_code, session.max_message_bytes)
-        if any(sum(e[3] for e in entries) > session.max_message_bytes // 2 for entries in per_shard):
-            return None
-        field = pb.PushBatchRequest.PULLS_FIELD_NUMBER
-        calls = session.pushes.carry([[wire.frame(field, e[2]) for e in entries] for entries in per_shard])
-        if calls is None:
-            return None
-        done: Future = Future()
-        left = [len(calls)]
-        lock = threading.Lock()
-
-        def answered(_: Future) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0]:
-                    return
-            try:
-                blocks = []
-                for s, entries in enumerate(per_shard):
-                    if not entries:
-                        continue
-                    replies = list(calls[s].result().pulled)
-                    if len(replies) != len(entries):  # left out: a slot moved, say (the pull names the error)
-                        raise ShardpsError(f"shard {s} answered {len(replies)} of the {len(entries)} pulls carried "
-                                           "with its pushes")
-                    for (k, part, _, _), r in zip(entries, replies):
-                        rows = codec.decode(r.rows, f"{items[k][0].name}: rows").reshape(part.shape[0], items[k][0].dim)
-                        blocks.append((s, k, part, rows, r.version))
-                for f, (rows, versions) in zip(futures, planner.assemble_rows(items, blocks)):
-                    f.set_result((rows, Versions(versions)))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever takes the prefetch (it pulls again)
-                for f in futures:
-                    if not f.done():
-                        f.set_exception(e if isinstance(e, ShardpsError) else ShardpsError(str(e)))
-            done.set_result(None)
-
-        for f in calls.values():
-            f.add_done_callback(answered)
-        return done
+        blocks = []
+        for s, entries in enumerate(per_shard):
+            if not entries:
+                continue
+            answer_here(calls[s])
+            replies = list(calls[s].result().pulled)
+            if len(replies) != len(entries):  # left out: a slot moved, a table gone (the pull says which)
+                raise ShardpsError(f"shard {s} answered {len(replies)} of the {len(entries)} pulls carried with its "
+                                   "pushes")
+            for (k, part, _, _), r in zip(entries, replies):
+                spec = items[k][0]
+                blocks.append((s, k, part, codec.decode(r.rows, f"{spec.name}: rows").reshape(part.shape[0], spec.dim),
+                               r.version))
+        return [(rows, Versions(v)) for rows, v in planner.assemble_rows(items, blocks)]
 
     def _take_prefetched(self, table: str, uniq: np.ndarray,
                          wire_code: int) -> Optional[tuple[np.ndarray, np.ndarray, Versions]]:

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 # Pushes (calls) that wait for the next pull (``trail``) before they are sent anyway: a loop that pushes many times
 # without pulling keeps at most this many in this process.
 MAX_TRAILING = 64
+# Longest a step's dense values wait for the prefetch that is to carry its pushes (its task in the client's pool)
+# before the pushes go without it.
+CARRY_WAIT_S = 1.0
 
 
 class _LeftOut(Exception):
@@ -58,6 +61,7 @@ class DensePull:
         self.requests: list[list[bytes]] = [[] for _ in range(num_shards)]  # framed, per shard
         self.sent = False  # its calls are out (``futures`` set)
         self.send: Optional[Callable[[], Any]] = None  # sends it while parked
+        self.carry: Optional[threading.Event] = None  # set once a prefetch that would carry it has sent its calls
         self.pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(num_shards)]  # (name, rows) per request
         self.futures: dict[int, Future] = {}
         self._wrap = wrap  # versions by shard -> the client's Versions
@@ -67,8 +71,10 @@ class DensePull:
         return self.sent and all(f.done() for f in self.futures.values())
 
     def result(self) -> dict[str, tuple[torch.Tensor, Any]]:
-        if not self.sent and self.send is not None:  # parked with its pushes (``PushPipeline.park``): they go now
-            self.send()
+        if not self.sent and self.send is not None:  # parked with its pushes (``PushPipeline.park``)
+            carry = self.carry  # a prefetch on its way to carry them: they go with it (its pool task sends them)
+            if carry is None or not carry.wait(CARRY_WAIT_S) or not self.sent:
+                self.send()
         try:
             values = planner.assemble_dense(self.specs, self._blocks())
         except _LeftOut:  # a chunk moved to another shard while the step's pushes waited there: pulled anew
@@ -78,7 +84,7 @@ class DensePull:
 
     def _blocks(self) -> Iterator[tuple]:
         for s, f in self.futures.items():
-            _answer_here(f)
+            answer_here(f)
             replies = list(f.result().pulled_dense)
             if not replies and self.pieces[s] and self._again is not None:
                 raise _LeftOut  # the shard's part moved (live resharding) before the pushes it came with were done
@@ -227,6 +233,19 @@ class PushPipeline:
             returning.send = self.send
         return returning
 
+    def expect_carry(self) -> Optional[threading.Event]:
+        """A prefetch is about to carry the parked pushes (``carry``, from the client's pool): an event it sets once
+        its calls are out, which the parked step's dense values wait for rather than sending the pushes alone. None
+        when nothing is parked (a step then parks for the next prefetch)."""
+        with self._lock:
+            self._carrier = True
+            if self._parked is None:
+                return None
+            event = threading.Event()
+            if self._parked[0] is not None:
+                self._parked[0].carry = event
+            return event
+
     def carry(self, carried: list[list[bytes]]) -> Optional[dict[int, Future]]:
         """Send the parked pushes with ``carried`` row pulls (framed PushBatchRequest.pulls entries, per shard) in
         each shard's last batch, read there once the pushes are applied: the futures of the calls that carry them,
@@ -253,21 +272,23 @@ class PushPipeline:
             return {}
         work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
                                              returning.requests if returning is not None else None, carried)
-        futures = self._submit(work, wait=False)
+        futures = self._submit(work, wait=False, carrying=set(carries.values()) if carried else set())
         if returning is not None:
             returning.futures = {s: futures[i] for s, i in carries.items() if returning.requests[s]}
             returning.sent = True
         return {s: futures[i] for s, i in carries.items()}
 
-    def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool) -> list[Future]:
+    def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool,
+                carrying: Optional[set[int]] = None) -> list[Future]:
         """Send each call on its shard's lane; ``keys`` are the tables (in entry order) it carries. The futures are
         the pushes' outcomes (after any re-sending where slots moved); ``wait``: the caller waits for them
         (``_await``), their errors are its own, not ``flush()``'s."""
         futures = []
-        for keys, call in work:
+        for k, (keys, call) in enumerate(work):
             f: Future = Future()
             f.waited = wait  # type: ignore[attr-defined]  # errors of waited pushes go to the caller, not flush()
             f.keys = keys  # type: ignore[attr-defined]
+            f.answer_slot = carrying is not None and k in carrying  # type: ignore[attr-defined]  # (carries pulls)
             with self._lock:
                 for key in set(keys):
                     self._pending.setdefault(key, set()).add(f)
@@ -280,7 +301,7 @@ class PushPipeline:
     def _await(futures: list[Future]) -> None:
         """Wait for pushes sent with ``wait`` (raising the first one's error)."""
         for f in futures:
-            _answer_here(f)
+            answer_here(f)
             f.result()
 
     def _send(self, outer: Future, call: planner.Call, attempt: int, since: Optional[float] = None) -> None:
@@ -288,7 +309,7 @@ class PushPipeline:
         when the shard first answered it UNAVAILABLE (a resend)."""
         self._inflight.acquire()
         try:
-            inner = self._transport.submit(*call)
+            inner = self._transport.submit(*call, answer_slot=getattr(outer, "answer_slot", False))
         except BaseException as e:  # noqa: BLE001 - the push's outcome
             self._inflight.release()
             outer.set_exception(e)
@@ -397,7 +418,7 @@ class PushPipeline:
             else:
                 waiting = list(self._pending.get(key, ()))
         for f in waiting:
-            _answer_here(f)
+            answer_here(f)
             try:
                 f.result()
             except BaseException:  # noqa: BLE001 - recorded by _done, raised by flush()
@@ -422,7 +443,7 @@ def moved_entries(reply: Any) -> list[int]:
     return [k for k, r in enumerate(list(reply.pushes) + list(reply.dense)) if r.moved]
 
 
-def _answer_here(outer: Future) -> None:
+def answer_here(outer: Future) -> None:
     """Before waiting for a push's outcome: wait for its lane's call, whose answer a data-plane lane lets the
     waiting thread receive itself (``SocketTurns.lead``) rather than wake it."""
     inner = getattr(outer, "inner", None)

@@ -443,12 +443,13 @@ def parse(cls: Any, buf: Buffer, what: str = "") -> Any:
         raise InvalidArgument(f"malformed {what or cls.DESCRIPTOR.name}: cannot be parsed") from None
 
 
-def encode_repeated(groups: Sequence[tuple[int, Sequence[Buffer]]], frame: int = 0) -> Buffer:
-    """A message of repeated length-delimited fields: [(field, [serialized message, ...]), ...].
+def encode_repeated(groups: Sequence[tuple[int, Sequence[Buffer]]], frame: int = 0, head: bytes = b"") -> Buffer:
+    """A message of repeated length-delimited fields: [(field, [serialized message, ...]), ...], after ``head``
+    (fields already encoded).
 
     With ``frame``, the message is field ``frame`` of an enclosing message.
     """
-    parts: list = []
+    parts: list = [head] if head else []
     for field, items in groups:
         for item in items:
             parts += _len_field(field, [item])

@@ -160,8 +160,9 @@ class Lane:
                                            response_deserializer=wire.unframe)
         self.address = address
 
-    def submit(self, method: str, request: bytes) -> Future:
-        """Queue a call: ``request`` is its request framed as its StreamRequest field (``protocol.stream_field``).
+    def submit(self, method: str, request: bytes, answer_slot: bool = False) -> Future:
+        """Queue a call: ``request`` is its request framed as its StreamRequest field (``protocol.stream_field``);
+        ``answer_slot`` means nothing here (no shared-memory region).
 
         The future gets the reply the unary call's stub would return, or its error.
         """

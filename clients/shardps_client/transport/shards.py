@@ -285,9 +285,10 @@ class Transport:
 
         return results([functools.partial(result, call, f) for call, f in zip(calls, futures)])
 
-    def submit(self, shard: int, method: str, framed: bytes) -> Future:
-        """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field)."""
-        return self.lanes[shard].submit(method, framed)
+    def submit(self, shard: int, method: str, framed: bytes, answer_slot: bool = False) -> Future:
+        """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field; ``answer_slot``: its
+        answer may come in the lane's shared-memory region, as a pull's does)."""
+        return self.lanes[shard].submit(method, framed, answer_slot)
 
     def request_slot(self, shard: int, nbytes: int) -> Optional[memoryview]:
         """A buffer of ``nbytes`` in a request slot of the shared-memory region of the shard's lane to build a call to
@@ -371,7 +372,7 @@ class _Removed:
         return ShardRemovedError(f"{method}: shard {self.shard} was removed from the cluster (it has no address)",
                                  address="")
 
-    def submit(self, method: str, request: bytes) -> Future:
+    def submit(self, method: str, request: bytes, answer_slot: bool = False) -> Future:
         f: Future = Future()
         f.set_exception(self.error(method))
         return f

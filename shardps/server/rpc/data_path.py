@@ -24,7 +24,7 @@ class DataPath:
         self.frames: dict[str, Callable[[memoryview, int], wire.Buffer]] = {
             "Push": lambda view, field: wire.frame(field, self.push(view, dense=False).SerializeToString()),
             "PushDense": lambda view, field: wire.frame(field, self.push(view, dense=True).SerializeToString()),
-            "PushBatch": lambda view, field: wire.frame(field, self.push_batch(view)),
+            "PushBatch": lambda view, field: self.push_batch(view, frame=field),
             "Pull": lambda view, field: self.pull(parse(pb.PullRequest, view), frame=field),
             "PullDense": lambda view, field: self.pull_dense(parse(pb.PullDenseRequest, view), frame=field),
             "PullBatch": lambda view, field: self.pull_batch(parse(pb.PullBatchRequest, view), frame=field),
@@ -106,9 +106,9 @@ class DataPath:
         return self.shard.apply_push(t, ids, d.grads, d.pulled_version, d.client_id, d.seq,
                                      convert.sync_part(d.sync), raw=raw)
 
-    def push_batch(self, request: Buffer) -> bytes:
+    def push_batch(self, request: Buffer, frame: int = 0) -> wire.Buffer:
         """Apply a PushBatch's pushes in order, then read its dense pulls and its row pulls: a serialized
-        PushBatchResponse."""
+        PushBatchResponse (``frame``: as that field of an enclosing message, built in place on the data plane)."""
         pushes, dense_pushes, pull_dense, row_pulls = (pb.PushBatchRequest.PUSHES_FIELD_NUMBER,
                                                        pb.PushBatchRequest.DENSE_FIELD_NUMBER,
                                                        pb.PushBatchRequest.PULL_DENSE_FIELD_NUMBER,
@@ -142,8 +142,8 @@ class DataPath:
             pulled = []
         rows = self._carried_pulls(groups.get(row_pulls, []))
         # Repeated fields concatenate: the pulled values follow the outcomes as fields 3 and 4.
-        return out.SerializeToString() + wire.encode_repeated([(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, pulled),
-                                                               (pb.PushBatchResponse.PULLED_FIELD_NUMBER, rows)])
+        return wire.encode_repeated([(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, pulled),
+                                     (pb.PushBatchResponse.PULLED_FIELD_NUMBER, rows)], frame, head=out.SerializeToString())
 
     def _carried_pulls(self, views: list[memoryview]) -> list[wire.Buffer]:
         """The row pulls a PushBatch carries, read after its pushes: all of them, or none when any cannot be served

@@ -120,7 +120,7 @@ class ShardServicer(pb_grpc.ShardServicer):
 
     @_rpc
     def PushBatch(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        return self.data.push_batch(request)
+        return cast(bytes, self.data.push_batch(request))  # (bytes on a gRPC thread: only the data plane's are not)
 
     def Stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """Serve pulls and pushes in the order they arrive on the stream, answering each in order.
