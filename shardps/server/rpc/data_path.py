@@ -143,7 +143,8 @@ class DataPath:
         rows = self._carried_pulls(groups.get(row_pulls, []))
         # Repeated fields concatenate: the pulled values follow the outcomes as fields 3 and 4.
         return wire.encode_repeated([(pb.PushBatchResponse.PULLED_DENSE_FIELD_NUMBER, pulled),
-                                     (pb.PushBatchResponse.PULLED_FIELD_NUMBER, rows)], frame, head=out.SerializeToString())
+                                     (pb.PushBatchResponse.PULLED_FIELD_NUMBER, rows)],
+                                    frame, head=out.SerializeToString())
 
     def _carried_pulls(self, views: list[memoryview]) -> list[wire.Buffer]:
         """The row pulls a PushBatch carries, read after its pushes: all of them, or none when any cannot be served
