@@ -118,7 +118,7 @@ class FlightLane:
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
-    def submit(self, method: str, request: bytes) -> Future:
+    def submit(self, method: str, request: bytes, answer_slot: bool = False) -> Future:
         future: Future = Future()
         with self._lock:  # the answers come back in the order written
             self._pending.append(future)

@@ -106,9 +106,7 @@ class DataLane(SocketTurns):
         return self.fallback.streaming if self.mode == "grpc" else True
 
     def submit(self, method: str, request: bytes, answer_slot: bool = False) -> Future:
-        """Queue a call (``request`` framed as its StreamRequest field); the future gets the stub's reply.
-        ``answer_slot``: offer it an answer slot in the connection's region, as pulls are (a PushBatch carrying
-        pulls)."""
+        """Queue a call (framed as its StreamRequest field; ``answer_slot``: offered one in the region, as pulls)."""
         if self.fallback.removed:  # the shard is out of the cluster
             return self.fallback.submit(method, request)
         with self._lock:

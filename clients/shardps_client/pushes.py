@@ -118,7 +118,90 @@ class PushHold:
             self._pipeline._release()
 
 
-class PushPipeline:
+class _StepParking:
+    """``PushPipeline``'s parking of a step's queued pushes for the prefetch that follows it, whose row pulls travel in
+    the same PushBatch per shard (``park``, ``expect_carry``, ``carry``): a pipelined step costs a shard one call."""
+
+    _order: threading.RLock
+    _lock: threading.Lock
+    _transport: Transport
+    _max_message_bytes: int
+    _deferred: list[tuple[str, list[planner.Call]]]
+    # A step's parked: [its DensePull or None], or None when nothing is parked.
+    _parked: Optional[list[Optional[DensePull]]]
+    # Whether a prefetch carried the last step parked (or came since): steps park only then. A loop without a
+    # ``Prefetcher`` sends its steps' pushes at once after its first, as it would without parking.
+    _carrier: bool
+
+    def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
+        raise NotImplementedError  # (PushPipeline's)
+
+    def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool,
+                carrying: Optional[set[int]] = None) -> list[Future]:
+        raise NotImplementedError  # (PushPipeline's)
+
+    def park(self, returning: Optional[DensePull]) -> Optional[DensePull]:
+        """Keep a step's queued pushes (and ``returning``'s dense pulls) for the next prefetch to carry in the same
+        message per shard (``carry``): a step then costs a shard one call, not two. Anything that needs them out
+        first sends them: ``returning.result()``, a pull that must see them, another push sent, ``flush``."""
+        with self._order:
+            if self._parked is not None:
+                self.send()  # (an earlier step's, that nothing carried)
+            if not self._carrier:
+                return self.send(returning)
+            with self._lock:
+                self._parked = [returning]
+        if returning is not None:
+            returning.send = self.send
+        return returning
+
+    def expect_carry(self) -> Optional[threading.Event]:
+        """A prefetch is about to carry the parked pushes (``carry``, from the client's pool): an event it sets once
+        its calls are out, which the parked step's dense values wait for rather than sending the pushes alone. None
+        when nothing is parked (a step then parks for the next prefetch)."""
+        with self._lock:
+            self._carrier = True
+            if self._parked is None:
+                return None
+            event = threading.Event()
+            if self._parked[0] is not None:
+                self._parked[0].carry = event
+            return event
+
+    def carry(self, carried: list[list[bytes]]) -> Optional[dict[int, Future]]:
+        """Send the parked pushes with ``carried`` row pulls (framed PushBatchRequest.pulls entries, per shard) in
+        each shard's last batch, read there once the pushes are applied: the futures of the calls that carry them,
+        by shard. None when nothing is parked (the caller pulls as it would)."""
+        with self._order:
+            self._carrier = True  # a prefetch came: the next step parks for the one after it
+            if self._parked is None:
+                return None
+            deferred, parked = self._take()
+            return self._send_batches(deferred, parked, carried)
+
+    def _take(self) -> tuple[list[tuple[str, list[planner.Call]]], Optional[DensePull]]:
+        """The queued pushes and a parked step's dense pulls, taken (caller holds ``_order``)."""
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+            parked, self._parked = self._parked, None
+        return deferred, parked[0] if parked is not None else None
+
+    def _send_batches(self, deferred: list[tuple[str, list[planner.Call]]], returning: Optional[DensePull],
+                      carried: Optional[list[list[bytes]]]) -> dict[int, Future]:
+        """One PushBatch per shard (or a few) of ``deferred``, carrying ``returning``'s dense pulls and ``carried``
+        row pulls: the futures of the calls that carry pulls, by shard."""
+        if not deferred and returning is None and not carried:
+            return {}
+        work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
+                                             returning.requests if returning is not None else None, carried)
+        futures = self._submit(work, wait=False, carrying=set(carries.values()) if carried else set())
+        if returning is not None:
+            returning.futures = {s: futures[i] for s, i in carries.items() if returning.requests[s]}
+            returning.sent = True
+        return {s: futures[i] for s, i in carries.items()}
+
+
+class PushPipeline(_StepParking):
     """Queued and in-flight pushes of one client (see the module docstring)."""
 
     MAX_REROUTES = 16  # a push planned again this many times (slots moving under it each time) fails
@@ -132,11 +215,7 @@ class PushPipeline:
         self._order = threading.RLock()
         self._holds = 0
         self._deferred: list[tuple[str, list[planner.Call]]] = []
-        # A step's queued pushes parked for the next prefetch to carry (``park``), with the dense pulls that go with
-        # them: [DensePull or None], or None when nothing is parked.
         self._parked: Optional[list[Optional[DensePull]]] = None
-        # Whether a prefetch carried the last step parked (or came since): steps park only then. A loop without a
-        # ``Prefetcher`` sends its steps' pushes at once after its first, as it would without parking.
         self._carrier = True
         self._pending: dict[str, set[Future]] = {}
         self._errors: list[BaseException] = []
@@ -217,66 +296,6 @@ class PushPipeline:
                 deferred = []
             self._send_batches(deferred, returning if returning is not None else parked, None)
         return returning
-
-    def park(self, returning: Optional[DensePull]) -> Optional[DensePull]:
-        """Keep a step's queued pushes (and ``returning``'s dense pulls) for the next prefetch to carry in the same
-        message per shard (``carry``): a step then costs a shard one call, not two. Anything that needs them out
-        first sends them: ``returning.result()``, a pull that must see them, another push sent, ``flush``."""
-        with self._order:
-            if self._parked is not None:
-                self.send()  # (an earlier step's, that nothing carried)
-            if not self._carrier:
-                return self.send(returning)
-            with self._lock:
-                self._parked = [returning]
-        if returning is not None:
-            returning.send = self.send
-        return returning
-
-    def expect_carry(self) -> Optional[threading.Event]:
-        """A prefetch is about to carry the parked pushes (``carry``, from the client's pool): an event it sets once
-        its calls are out, which the parked step's dense values wait for rather than sending the pushes alone. None
-        when nothing is parked (a step then parks for the next prefetch)."""
-        with self._lock:
-            self._carrier = True
-            if self._parked is None:
-                return None
-            event = threading.Event()
-            if self._parked[0] is not None:
-                self._parked[0].carry = event
-            return event
-
-    def carry(self, carried: list[list[bytes]]) -> Optional[dict[int, Future]]:
-        """Send the parked pushes with ``carried`` row pulls (framed PushBatchRequest.pulls entries, per shard) in
-        each shard's last batch, read there once the pushes are applied: the futures of the calls that carry them,
-        by shard. None when nothing is parked (the caller pulls as it would)."""
-        with self._order:
-            self._carrier = True  # a prefetch came: the next step parks for the one after it
-            if self._parked is None:
-                return None
-            deferred, parked = self._take()
-            return self._send_batches(deferred, parked, carried)
-
-    def _take(self) -> tuple[list[tuple[str, list[planner.Call]]], Optional[DensePull]]:
-        """The queued pushes and a parked step's dense pulls, taken (caller holds ``_order``)."""
-        with self._lock:
-            deferred, self._deferred = self._deferred, []
-            parked, self._parked = self._parked, None
-        return deferred, parked[0] if parked is not None else None
-
-    def _send_batches(self, deferred: list[tuple[str, list[planner.Call]]], returning: Optional[DensePull],
-                      carried: Optional[list[list[bytes]]]) -> dict[int, Future]:
-        """One PushBatch per shard (or a few) of ``deferred``, carrying ``returning``'s dense pulls and ``carried``
-        row pulls: the futures of the calls that carry pulls, by shard."""
-        if not deferred and returning is None and not carried:
-            return {}
-        work, carries = planner.push_batches(deferred, len(self._transport.addresses), self._max_message_bytes,
-                                             returning.requests if returning is not None else None, carried)
-        futures = self._submit(work, wait=False, carrying=set(carries.values()) if carried else set())
-        if returning is not None:
-            returning.futures = {s: futures[i] for s, i in carries.items() if returning.requests[s]}
-            returning.sent = True
-        return {s: futures[i] for s, i in carries.items()}
 
     def _submit(self, work: list[tuple[list[str], planner.Call]], wait: bool,
                 carrying: Optional[set[int]] = None) -> list[Future]:

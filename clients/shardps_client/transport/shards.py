@@ -286,8 +286,7 @@ class Transport:
         return results([functools.partial(result, call, f) for call, f in zip(calls, futures)])
 
     def submit(self, shard: int, method: str, framed: bytes, answer_slot: bool = False) -> Future:
-        """Queue a call on the shard's lane (``framed``: its request as its StreamRequest field; ``answer_slot``: its
-        answer may come in the lane's shared-memory region, as a pull's does)."""
+        """Queue a call on the shard's lane (``framed``: as its StreamRequest field; ``answer_slot``: see lanes)."""
         return self.lanes[shard].submit(method, framed, answer_slot)
 
     def request_slot(self, shard: int, nbytes: int) -> Optional[memoryview]:
