@@ -223,7 +223,7 @@ def test_pulls_a_shard_could_not_serve_with_the_pushes_are_pulled_again():
         opt.step()
         assert c.pushes.parked
         admin.drop_table("gone")
-        c.prefetch_many({"gone": ids})  # carries the parked pushes: the shards leave the pulls out
+        c.prefetch_many({"gone": ids}).result()  # carries the parked pushes: the shards leave the pulls out
         assert not c.pushes.parked
         with pytest.raises(TableNotFoundError, match="gone"):
             c.pull_many({"gone": ids})
