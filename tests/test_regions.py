@@ -134,6 +134,27 @@ def test_an_answer_slot_stays_the_callers_while_a_view_of_it_lives():
     assert region.open_offer(b"1 0 " + b"0" * 32 + b" 65536 2") is None  # pid 1's stdin: not a shardps memfd
 
 
+def test_the_slot_freed_last_is_taken_first():
+    """One call at a time keeps using one answer slot and one request slot (their pages made, likely in cache), not
+    the next slot round."""
+    shard = region.ShardRegion(slot_bytes=1 << 16, slots=4)
+    client = region.open_offer(shard.offer())
+    assert client is not None
+    for _ in range(3):
+        ans = client.offer()
+        assert ans == 0
+        client.release(ans)  # (answered through the socket)
+    first, second = client.offer(), client.offer()
+    view = client.answer(second, region.ANSWER.pack(second, 5))
+    client.release(first)
+    del view  # the second slot is freed after the first: taken first
+    assert (client.offer(), client.offer()) == (second, first)
+    for _ in range(3):
+        req = client.reserve(region.MIN_SLOT_BYTES)
+        assert req is not None and client.placed(req) == (0, region.MIN_SLOT_BYTES)
+        del req
+
+
 def test_a_request_slot_is_its_requests_until_the_last_view_goes_and_the_shard_reads_a_copy():
     shard = region.ShardRegion(slot_bytes=1 << 16, slots=2)
     client = region.open_offer(shard.offer())

@@ -139,8 +139,11 @@ class ClientRegion:
         self._pin = np.frombuffer(mm, np.uint8)  # (holds the mapping: it is never closed under a view)
         self._base = self._pin.ctypes.data
         self.slot_bytes, self.slots = slot_bytes, slots
-        self._requests: collections.deque[int] = collections.deque(range(slots))  # free slots (appends and pops
-        self._answers: collections.deque[int] = collections.deque(range(slots))  # are atomic: any thread may free)
+        # Free slots, the one freed last first (its pages made and likely in cache: one call at a time keeps using
+        # one slot, where taking them in turn made a new connection's first calls fault in 4 slots' pages on both
+        # sides). A deque's appends and pops are atomic: any thread may free.
+        self._requests: collections.deque[int] = collections.deque(range(slots))
+        self._answers: collections.deque[int] = collections.deque(range(slots))
 
     def reserve(self, nbytes: int) -> Optional[memoryview]:
         """A writable view of ``nbytes`` of a free request slot to build a request in (None: it is too small or too
@@ -172,7 +175,7 @@ class ClientRegion:
 
     def release(self, ans: int) -> None:
         """Free an answer slot whose call was answered through the socket."""
-        self._answers.append(ans)
+        self._answers.appendleft(ans)
 
     def answer(self, ans: int, described: Any) -> memoryview:
         """The answer the shard wrote into slot ``ans`` (``described``: its ``ANSWER``), read in place: the slot is
@@ -200,7 +203,7 @@ class _Lease:
         self.__array_interface__ = {"version": 3, "shape": (nbytes,), "typestr": "|u1", "data": (address, readonly)}
 
     def __del__(self) -> None:
-        self.free.append(self.slot)
+        self.free.appendleft(self.slot)
 
 
 def open_offer(offer: bytes) -> Optional[ClientRegion]:
