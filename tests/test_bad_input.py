@@ -159,6 +159,11 @@ def test_conflicting_table_spec(setup):
         c.create_table("t", dim=4, num_embeddings=100, optimizer=SGD(lr=0.5))
     with pytest.raises(TableExistsError, match="dense tensor 'd' exists with a different spec"):
         c.register_dense("d", torch.ones(3, 3))
+    # A table and a dense tensor never share a name: each is told which the name is (it was INTERNAL for a table).
+    with pytest.raises(TableExistsError, match="'d' is a dense tensor on shard .: an embedding table cannot take"):
+        c.create_table("d", dim=3, num_embeddings=3)
+    with pytest.raises(TableExistsError, match="'t' is an embedding table on shard .: a dense tensor cannot take"):
+        c.register_dense("t", torch.ones(3, 3))
     with pytest.raises(InvalidArgumentError, match="invalid table name"):
         c.create_table("bad name!", dim=4)
     with pytest.raises(InvalidArgumentError, match="dim must be in"):

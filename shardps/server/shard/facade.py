@@ -307,9 +307,9 @@ class Shard(ShardCuts):
         """Create a table; False if an equal one exists; AlreadyExists if it differs.
         ``may_create=False`` (a trainer's token): only the check, PermissionDenied if it does not exist."""
         with self.registry.lock:
-            existing = self.registry.lookup(spec.name)
+            existing = self.registry.existing(spec.name, dense=False)
             if existing is not None:
-                if not same_table(existing.spec, spec):
+                if not same_table(existing.spec, spec):  # type: ignore[arg-type]  # (a table's: existing checked it)
                     raise AlreadyExists(
                         f"table {spec.name!r} exists with a different spec: {existing.spec} (requested {spec})"
                     )
@@ -434,7 +434,7 @@ class Shard(ShardCuts):
         if not 0 <= row_start <= spec.rows:
             raise OutOfRange(f"{spec.name}: row_start {row_start} outside [0, {spec.rows}]")
         with self.registry.lock:
-            existing = self.registry.lookup(spec.name)
+            existing = self.registry.existing(spec.name, dense=True)
             created = existing is None
             if existing is not None:
                 if existing.spec != spec:

@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any, Optional, Union
 
-from shardps.core.errors import InvalidArgument, NotFound, clip
+from shardps.core.errors import AlreadyExists, InvalidArgument, NotFound, clip
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.server.shard.limits import Limits
 from shardps.server.storage.budget import AHEAD_IDLE_S, MemoryBudget
@@ -46,6 +46,16 @@ class TableRegistry:
         """The table ``name``, or None (no name check: ``new`` checks the names it adds)."""
         with self.lock:
             return self._tables.get(name)
+
+    def existing(self, name: str, dense: bool) -> Optional[Table]:
+        """What a create of a table (or with ``dense`` a dense tensor) named ``name`` finds, or None; AlreadyExists
+        when the name is the other kind's (a table and a dense tensor never share a name)."""
+        t = self.lookup(name)
+        if t is not None and t.is_dense != dense:
+            kinds = ("an embedding table", "a dense tensor")
+            raise AlreadyExists(f"{name!r} is {kinds[t.is_dense]} on shard {self.shard_index}: {kinds[dense]} "
+                                "cannot take its name")
+        return t
 
     def get(self, name: str, dense: bool) -> Table:
         """The table (or dense tensor) ``name``; NotFound if there is none of that kind."""
