@@ -29,7 +29,10 @@ def test_index_contract(impl):
         np.testing.assert_array_equal(got, want)
         new = np.unique(ids[got < 0])
         slots = np.arange(next_slot, next_slot + len(new))
-        index.insert(new, slots)
+        if len(reference) % 2:  # (a table's new rows come through append, which gives the next slots itself)
+            index.insert(new, slots)
+        else:
+            np.testing.assert_array_equal(index.append(new.astype(np.int32)), slots)
         reference.update(zip(new.tolist(), slots.tolist()))
         next_slot += len(new)
         assert len(index) == len(reference)

@@ -42,6 +42,14 @@ class MemoryBudget:
                 )
             self.used += nbytes
 
+    def take(self, nbytes: int) -> bool:
+        """``charge`` without its message: reserve ``nbytes`` if the budget has them, else False (nothing reserved)."""
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.used = max(0, self.used - nbytes)

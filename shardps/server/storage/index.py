@@ -47,12 +47,30 @@ class _SlotIds:
         """Id of each slot (a view; slot i holds ids[i])."""
         return self._ids[: self._count]
 
-    def _append_ids(self, ids: np.ndarray, values: np.ndarray) -> None:
+    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """Insert absent, unique ``ids`` as slots ``values`` (the next ones in order)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        values = np.asarray(values, dtype=np.int64)
         k = ids.shape[0]
         # k values from count to count + k - 1, strictly increasing: exactly count, count + 1, ...
         if values.shape != ids.shape or (
                 k and not (values[0] == self._count and values[-1] == self._count + k - 1 and is_sorted_unique(values))):
             raise ValueError(f"slots are assigned in insertion order: expected {self._count}.., got {values[:3]}..")
+        self._add(ids, values)
+
+    def append(self, ids: np.ndarray) -> np.ndarray:
+        """Insert absent, unique int64 ``ids`` as the next slots (``insert`` without its check of the slots, which
+        it makes): their slots. A table's new rows come this way (the check cost a few microseconds a call)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        values = np.arange(self._count, self._count + ids.shape[0], dtype=np.int64)
+        self._add(ids, values)
+        return values
+
+    def _add(self, ids: np.ndarray, values: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _append_ids(self, ids: np.ndarray) -> None:
+        k = ids.shape[0]
         if self._count + k > self._ids.shape[0]:
             regrow(self, "_ids", max(self._count + k, self._ids.shape[0] * 3 // 2))
         self._ids[self._count : self._count + k] = ids
@@ -114,11 +132,8 @@ class HashIndex(_SlotIds):
             pos = (pos[go_on] + 1) & mask
         return out
 
-    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        """Insert absent, unique ``ids`` as slots ``values`` (the next ones in order)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        values = np.asarray(values, dtype=np.int64)
-        self._append_ids(ids, values)
+    def _add(self, ids: np.ndarray, values: np.ndarray) -> None:
+        self._append_ids(ids)
         if self._count > (self._table.shape[0] >> 1):
             self._table = full(self.table_size(self._count), -1, np.int32)
             self._mask = np.uint64(self._table.shape[0] - 1)
@@ -239,8 +254,6 @@ class DirectIndex(_SlotIds):
                 moves.append((last, victim))
         return np.array(moves, dtype=np.int64).reshape(-1, 2)
 
-    def insert(self, ids: np.ndarray, values: np.ndarray) -> None:
-        ids = np.asarray(ids, dtype=np.int64)
-        values = np.asarray(values, dtype=np.int64)
-        self._append_ids(ids, values)
+    def _add(self, ids: np.ndarray, values: np.ndarray) -> None:
+        self._append_ids(ids)
         self._map[ids] = values

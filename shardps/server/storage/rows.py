@@ -172,9 +172,12 @@ class RowStore:
         if self.n + k > self.max_rows:
             raise ResourceExhausted(f"{self.name}: {self.n + k:,} rows would be over the shard's limit of "
                                     f"{self.max_rows:,} rows per table (--max-table-rows)")
-        self.charge(k * (self.row_bytes + self.index_row_bytes), f"adding {k:,} rows")
+        nbytes = k * (self.row_bytes + self.index_row_bytes)
+        if self.budget.take(nbytes):  # (the refusal's message is made only when refused)
+            self.charged += nbytes
+        else:
+            self.charge(nbytes, f"adding {k:,} rows")
         self.reserve(k)
-        slots = np.arange(self.n, self.n + k, dtype=np.int64)
         self.rows[self.n : self.n + k] = values
         used = min(self.n + k, self._high)  # slots below the high-water mark held removed rows: clear them
         if used > self.n:
@@ -184,7 +187,7 @@ class RowStore:
             init = self.state_init[name]
             if init != 0.0:
                 arr[self.n : self.n + k] = init
-        self.index.insert(new_ids, slots)
+        slots = self.index.append(new_ids)
         self.n += k
         self._high = max(self._high, self.n)
         self._grew_at = time.monotonic()
