@@ -200,3 +200,78 @@ def test_dead_shard_is_named():
         with pytest.raises(ShardUnavailableError, match=f"shard at {dead}"):
             c.pull("t", torch.arange(10))
         c.close()
+
+
+def test_creates_of_one_name_at_once_leave_one_spec_on_every_shard(cluster2):
+    """Two clients create one name with different specs at the same moment: the lowest shard decides, and a create it
+    refuses goes no further (each shard used to keep whichever create reached it first: dim 4 on one, 8 on the
+    other, in 17 of 40 tries)."""
+    import threading
+
+    addresses = [s.address for s in cluster2]
+    with Client(addresses, timeout=10, retry_timeout=1) as a, Client(addresses, timeout=10, retry_timeout=1) as b:
+        outcomes: dict[str, int] = {}
+        for i in range(30):
+            name = f"race{i}"
+            go = threading.Barrier(2)
+
+            def create(c: Client, dim: int, name: str = name, go: threading.Barrier = go) -> None:
+                go.wait()
+                try:
+                    c.create_table(name, dim=dim, num_embeddings=10)
+                    outcomes[f"{name} {dim}"] = dim
+                except TableExistsError:
+                    pass
+
+            threads = [threading.Thread(target=create, args=(c, dim)) for c, dim in ((a, 4), (b, 8))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            dims = {info.spec.dim for info in a.describe_table(name)}
+            assert len(dims) == 1, (name, dims)
+            winners = [d for key, d in outcomes.items() if key.startswith(f"{name} ")]
+            assert winners == [dims.pop()], (name, winners)  # exactly one create succeeded: the spec kept
+
+
+def test_a_table_made_again_with_another_spec_is_an_error_not_wrong_rows(cluster2):
+    """A client's cached spec of a table another client dropped and made again with another dim: its pull raises
+    TableChangedError (numpy used to broadcast the one column into four, silently), and its next pull reads the new
+    spec. The same for a dense tensor."""
+    from shardps_client import TableChangedError
+
+    addresses = [s.address for s in cluster2]
+    with Client(addresses, timeout=10, retry_timeout=1) as a, Client(addresses, timeout=10, retry_timeout=1) as b:
+        a.create_table("x", dim=4, num_embeddings=10)
+        a.register_dense("w", torch.ones(3, 2))
+        assert a.pull("x", torch.arange(3)).shape == (3, 4) and a.pull_dense("w")[0].shape == (3, 2)
+        b.drop_table("x")
+        b.create_table("x", dim=1, num_embeddings=10)
+        b.drop_table("w")
+        b.register_dense("w", torch.tensor([[1.0], [2.0], [3.0]]))
+        with pytest.raises(TableChangedError, match="'x' changed under this client: shard .* 1 column where its spec "
+                                                    "here has 4") as info:
+            a.pull("x", torch.arange(3))
+        assert info.value.table == "x"
+        with pytest.raises(TableChangedError, match="'w' changed under this client"):
+            a.pull_dense("w")
+        torch.testing.assert_close(a.pull("x", torch.arange(3)), b.pull("x", torch.arange(3)))  # the new spec
+        torch.testing.assert_close(a.pull_dense("w")[0], torch.tensor([[1.0], [2.0], [3.0]]))
+
+
+def test_a_dense_tensor_that_cannot_be_sent_is_refused_before_any_shard_has_it(cluster2):
+    """A row wider than a message, or more chunks than a shard takes: refused by the client, naming why, before a
+    call (the first left the tensor on one shard only; the second sent 70,000 calls each refused)."""
+    addresses = [s.address for s in cluster2]
+    with Client(addresses, timeout=10, retry_timeout=1) as c:
+        with pytest.raises(InvalidArgumentError, match="a row of 2,000,000 values .* does not fit in a message of "
+                                                       "max_message_bytes="):
+            c.register_dense("wide", torch.ones(1, 2_000_000))
+        with pytest.raises(InvalidArgumentError, match="chunk_rows 1 makes more than 65,536 chunks of its 70,000 "
+                                                       r"rows \(chunk_bytes=1\)"):
+            c.register_dense("many", torch.ones(70_000, 1), chunk_bytes=1)
+        with pytest.raises(InvalidArgumentError, match="every dimension must be >= 1"):
+            c.register_dense("empty", torch.ones(0, 3))
+        for name in ("wide", "many", "empty"):
+            with pytest.raises(TableNotFoundError):
+                c.describe_table(name)

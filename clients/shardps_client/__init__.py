@@ -27,6 +27,7 @@ from shardps_client.errors import (
     SlotMovedError,
     StaleUpdateError,
     SyncStepError,
+    TableChangedError,
     TableExistsError,
     TableNotFoundError,
 )
@@ -44,5 +45,5 @@ __all__ = [
     "ShardpsError", "InvalidArgumentError", "TableNotFoundError", "TableExistsError", "IdOutOfRangeError",
     "ShardMapError", "StaleUpdateError", "RequestTooLargeError", "ShardUnavailableError", "ShardTimeoutError",
     "TLS", "AuthenticationError", "PermissionDeniedError", "ReadOnlyError", "ExportGapError", "NotPrimaryError",
-    "SlotMovedError",
+    "SlotMovedError", "TableChangedError",
 ]

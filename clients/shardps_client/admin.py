@@ -18,6 +18,15 @@ from shardps_client.transport import Transport
 log = logging.getLogger(__name__)
 
 
+def first_decides(transport: Transport, calls: list[tuple[int, str, Any]]) -> list[Any]:
+    """Calls that create a table or dense tensor on every shard: the lowest shard's first, the others' once it has
+    answered. Of creates of one name with different specs made at once by different clients, that shard keeps one and
+    refuses the others, which go no further: no two shards can keep different specs of one name."""
+    first = min(s for s, _, _ in calls)
+    head, tail = [c for c in calls if c[0] == first], [c for c in calls if c[0] != first]
+    return transport.fan_out(head) + (transport.fan_out(tail) if tail else [])
+
+
 class Catalog:
     """Specs of the tables and dense tensors this client uses: asked of shard 0 once, then cached."""
 

@@ -26,6 +26,7 @@ from shardps.core.slots import SlotMap
 from shardps.core.specs import Admission, Eviction, Initializer, Staleness, SyncPolicy, TableSpec, table_spec_to_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import admin, planner
+from shardps_client.admin import first_decides
 from shardps_client.errors import ExportGapError, InvalidArgumentError
 from shardps_client.inputs import check_grads, grads_to_numpy, ids_to_numpy
 from shardps_client.session import Session
@@ -70,7 +71,7 @@ class ClusterOps:
             raise InvalidArgumentError(str(e)) from None
         msg = table_spec_to_pb(spec)
         slots = self._session.slots
-        results = self._session.transport.fan_out([
+        results = first_decides(self._session.transport, [
             (s, "CreateTable", pb.CreateTableRequest(spec=msg, shard_map=planner.shard_map(s, slots)))
             for s in slots.active()
         ])

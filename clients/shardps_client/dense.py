@@ -7,6 +7,7 @@ shards (``planner.dense_pieces``); pulls and pushes touch each shard's chunks.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -19,6 +20,7 @@ from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, Staleness, SyncPolicy, dense_spec_to_pb
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
+from shardps_client.admin import first_decides
 from shardps_client.errors import InvalidArgumentError
 from shardps_client.inputs import MiB, check_grads, grads_to_numpy
 from shardps_client.pushes import DensePull
@@ -47,16 +49,20 @@ class DenseTensors:
         if not np.isfinite(arr).all():
             raise InvalidArgumentError(f"{name}: initial value contains NaN or Inf")
         shape = tuple(arr.shape)
-        rows2d = arr.reshape(shape[0], -1) if arr.ndim >= 2 else arr.reshape(1, -1)
-        cols = rows2d.shape[1]
-        chunk_rows = 0 if rows2d.nbytes <= chunk_bytes else max(1, chunk_bytes // (cols * 4))
+        cols = max(1, math.prod(shape[1:]) if arr.ndim >= 2 else math.prod(shape))
+        chunk_rows = 0 if arr.size * 4 <= chunk_bytes else max(1, chunk_bytes // (cols * 4))
         try:
             spec = DenseSpec(
                 name=name, shape=shape, optimizer=optimizer or SGD(), staleness=staleness or Staleness(),
                 chunk_rows=chunk_rows, allow_nonfinite=allow_nonfinite, sync=sync,
             )
         except _ServerInvalidArgument as e:
-            raise InvalidArgumentError(str(e)) from None
+            raise InvalidArgumentError(f"{e} (chunk_bytes={chunk_bytes:,})" if chunk_rows else str(e)) from None
+        if session.max_message_bytes // (spec.cols * 4 + 8) == 0:  # (refused before any shard has a part of it)
+            raise InvalidArgumentError(f"dense tensor {name!r}: a row of {spec.cols:,} values ({spec.cols * 4:,} "
+                                       f"bytes) does not fit in a message of max_message_bytes="
+                                       f"{session.max_message_bytes:,}")
+        rows2d = arr.reshape(spec.rows, spec.cols)
         msg = dense_spec_to_pb(spec)
 
         def register(slots: SlotMap) -> list[Any]:
@@ -69,7 +75,7 @@ class DenseTensors:
             for s in sorted(set(slots.active()) - {c[0] for c in calls}):
                 calls.append((s, "RegisterDense", pb.RegisterDenseRequest(spec=msg,
                                                                          shard_map=planner.shard_map(s, slots))))
-            return session.transport.fan_out(calls)
+            return first_decides(session.transport, calls)
 
         results = session.routed(register)
         session.catalog.remember(spec)
@@ -115,7 +121,8 @@ class DenseTensors:
         session = self._session
         specs = {name: session.catalog.dense(name) for name in names}
         slots = session.slots
-        out = DensePull(specs, slots.num_shards, Versions, again=lambda names: self.pull_many(names, None))
+        out = DensePull(specs, slots.num_shards, Versions, again=lambda names: self.pull_many(names, None),
+                        forget=self._session.catalog.forget)
         sizes = [0] * slots.num_shards
         for s, name, a, b, req, nbytes in planner.dense_pull_requests(specs, slots, session.wire_dtype,
                                                                        session.max_message_bytes):

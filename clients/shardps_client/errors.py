@@ -43,6 +43,16 @@ class TableExistsError(ShardpsError):
     """A table or dense tensor exists with a different spec."""
 
 
+class TableChangedError(ShardpsError):
+    """A table's (or dense tensor's) rows came back in another shape than this client's spec of it: it was dropped
+    and made again with another spec. The client forgets its spec (the next call reads the new one); a model made for
+    the old one cannot use the new one. ``table``: its name."""
+
+    def __init__(self, message: str, table: str, address: Optional[str] = None) -> None:
+        super().__init__(message, address)
+        self.table = table
+
+
 class IdOutOfRangeError(ShardpsError, IndexError):
     """Ids outside [0, num_embeddings) of a fixed table, or negative."""
 

@@ -21,6 +21,7 @@ from shardps.core import kernels, protocol, pushread, wire
 from shardps.core.slots import SlotMap
 from shardps.core.specs import DenseSpec, TableSpec
 from shardps.v1 import shardps_pb2 as pb
+from shardps_client.errors import TableChangedError
 
 WIRE: dict[str, int] = {"float32": pb.FLOAT32, "float16": pb.FLOAT16, "bfloat16": pb.BFLOAT16}
 WIRE_BYTES: dict[int, int] = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
@@ -153,6 +154,15 @@ def pulled_blocks(calls: list[Call], metas: list[list[tuple[Any, Any]]], replies
             yield s, key, part, rows, version
 
 
+def changed(name: str, shard: int, shape: tuple[int, ...], cols: int, count: int) -> TableChangedError:
+    """The error of rows that came back in another shape than this client's spec: the table was made again."""
+    whole = len(shape) == 2 and shape[0] == count
+    got = f"{shape[1]} column{'s' * (shape[1] != 1)}" if whole else f"shape {list(shape)}"
+    return TableChangedError(f"{name!r} changed under this client: shard {shard} answered rows of {got} where its spec "
+                             f"here has {cols} (dropped and made again with another spec?). The spec is forgotten: the "
+                             "next call reads the new one, which a model made for the old one cannot use", name)
+
+
 def assemble_rows(items: list[tuple[TableSpec, np.ndarray]],
                   blocks: Iterable[tuple[int, int, np.ndarray, np.ndarray, int]]) -> list[tuple[np.ndarray, dict[int, int]]]:
     """Rows of each item's unique ids, in their order, and the lowest version read per shard."""
@@ -161,8 +171,9 @@ def assemble_rows(items: list[tuple[TableSpec, np.ndarray]],
     jit = kernels.jit()
     for s, k, part, rows, version in blocks:
         out = outs[k]
-        if jit is not None and rows.dtype == np.float32 and rows.shape == (part.shape[0], out.shape[1]) \
-                and rows.flags.c_contiguous:
+        if rows.shape != (part.shape[0], out.shape[1]):  # (numpy would broadcast one column into all)
+            raise changed(items[k][0].name, s, rows.shape, out.shape[1], part.shape[0])
+        if jit is not None and rows.dtype == np.float32 and rows.flags.c_contiguous:
             jit.scatter_rows(out, part, rows)  # (the same as below, in one pass without numpy's set-up)
         else:
             out[part] = rows
@@ -177,6 +188,8 @@ def assemble_dense(specs: dict[str, DenseSpec],
     outs = {name: np.empty((spec.rows, spec.cols), dtype=np.float32) for name, spec in specs.items()}
     versions: dict[str, dict[int, int]] = {name: {} for name in specs}
     for s, name, a, b, rows, version in blocks:
+        if rows.shape != (b - a, specs[name].cols):
+            raise changed(name, s, rows.shape, specs[name].cols, b - a)
         outs[name][a:b] = rows
         v = versions[name]
         v[s] = min(version, v.get(s, version))

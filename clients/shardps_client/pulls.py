@@ -200,9 +200,8 @@ class Pulls:
                 raise ShardpsError(f"shard {s} answered {len(replies)} of the {len(entries)} pulls carried with its "
                                    "pushes")
             for (k, part, _, _), r in zip(entries, replies):
-                spec = items[k][0]
-                blocks.append((s, k, part, codec.decode(r.rows, f"{spec.name}: rows").reshape(part.shape[0], spec.dim),
-                               r.version))
+                rows = codec.decode(r.rows, f"{items[k][0].name}: rows")
+                blocks.append((s, k, part, rows, r.version))  # (assemble_rows checks the shape against the spec)
         return [(rows, Versions(v)) for rows, v in planner.assemble_rows(items, blocks)]
 
     def _take_prefetched(self, table: str, uniq: np.ndarray,

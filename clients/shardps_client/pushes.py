@@ -29,7 +29,13 @@ from shardps.core import codec
 from shardps.core.specs import DenseSpec
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
-from shardps_client.errors import ShardpsError, ShardRemovedError, SlotMovedError, answered_unavailable
+from shardps_client.errors import (
+    ShardpsError,
+    ShardRemovedError,
+    SlotMovedError,
+    TableChangedError,
+    answered_unavailable,
+)
 from shardps_client.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -55,8 +61,10 @@ class DensePull:
     """
 
     def __init__(self, specs: dict[str, DenseSpec], num_shards: int, wrap: Callable[[dict[int, int]], Any],
-                 again: Optional[Callable[[list[str]], dict[str, tuple[torch.Tensor, Any]]]] = None) -> None:
+                 again: Optional[Callable[[list[str]], dict[str, tuple[torch.Tensor, Any]]]] = None,
+                 forget: Callable[[str], None] = lambda name: None) -> None:
         self.specs = specs
+        self._forget = forget  # the client forgets a spec its values came back at odds with (TableChangedError)
         self._again = again  # pulls the tensors anew (``pull_dense_many``) when a shard left its part out
         self.requests: list[list[bytes]] = [[] for _ in range(num_shards)]  # framed, per shard
         self.sent = False  # its calls are out (``futures`` set)
@@ -80,6 +88,9 @@ class DensePull:
         except _LeftOut:  # a chunk moved to another shard while the step's pushes waited there: pulled anew
             assert self._again is not None
             return self._again(list(self.specs))
+        except TableChangedError as e:
+            self._forget(e.table)
+            raise
         return {name: (value, self._wrap(versions)) for name, (value, versions) in values.items()}
 
     def _blocks(self) -> Iterator[tuple]:
@@ -92,7 +103,7 @@ class DensePull:
                 raise ShardpsError(f"shard {s} answered {len(replies)} of {len(self.pieces[s])} dense pulls sent "
                                    "with its pushes (a server without PushBatch.pull_dense?)")
             for (name, a, b), r in zip(self.pieces[s], replies):
-                yield s, name, a, b, codec.decode(r.rows, f"{name}: rows").reshape(b - a, self.specs[name].cols), r.version
+                yield s, name, a, b, codec.decode(r.rows, f"{name}: rows"), r.version  # (checked by assemble_dense)
 
 
 class PushHold:

@@ -27,7 +27,7 @@ from shardps.core.wire import PushEncoder
 from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
 from shardps_client.admin import Catalog, maps_of
-from shardps_client.errors import ShardMapError, ShardpsError, ShardRemovedError, SlotMovedError
+from shardps_client.errors import ShardMapError, ShardpsError, ShardRemovedError, SlotMovedError, TableChangedError
 from shardps_client.inputs import wire_code
 from shardps_client.pushes import PushPipeline
 from shardps_client.transport import Transport
@@ -132,6 +132,9 @@ class Session:
             slots = self.slots
             try:
                 return call(slots)
+            except TableChangedError as e:  # (a pull's rows in another shape: the spec here is stale)
+                self.catalog.forget(e.table)
+                raise
             except (SlotMovedError, ShardRemovedError):
                 if time.monotonic() + delay > deadline:
                     raise

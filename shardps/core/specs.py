@@ -22,6 +22,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.:/\-]+$")
 MAX_NAME_LENGTH = 1024  # the format's ceiling; a shard's own limit (--max-name-length, default 128) is lower
 MAX_DIM = 1 << 16
 MAX_DENSE_NDIM = 8
+MAX_DENSE_CHUNKS = 1 << 16  # a dense tensor's chunks (each its own shard's, by hash: chunk_rows)
 
 
 def check_name(name: str, what: str = "table") -> None:
@@ -247,6 +248,9 @@ class DenseSpec:
             raise InvalidArgument(f"dense tensor {self.name!r}: every dimension must be >= 1, got {self.shape}")
         if self.chunk_rows < 0:
             raise InvalidArgument(f"dense tensor {self.name!r}: chunk_rows must be >= 0")
+        if self.chunk_rows and -(-self.rows // self.chunk_rows) > MAX_DENSE_CHUNKS:  # (checked before any call)
+            raise InvalidArgument(f"dense tensor {self.name!r}: chunk_rows {self.chunk_rows} makes more than "
+                                  f"{MAX_DENSE_CHUNKS:,} chunks of its {self.rows:,} rows")
 
     @property
     def rows(self) -> int:

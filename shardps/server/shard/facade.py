@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 DURABILITY_LEVELS = durability.MODES
 
 WAL_RECOVERY = ("fail", "truncate")
-MAX_DENSE_CHUNKS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -428,9 +427,6 @@ class Shard(ShardCuts):
         """Create or verify a dense tensor; initialise rows from ``values`` if not done before.
         ``may_create=False`` (a trainer's token): PermissionDenied if it does not exist."""
         self.limits.check(f"{spec.name}: dense tensor elements", spec.rows * spec.cols, "max_dense_elements")
-        if spec.chunk_rows and -(-spec.rows // spec.chunk_rows) > MAX_DENSE_CHUNKS:
-            raise InvalidArgument(f"{spec.name}: chunk_rows {spec.chunk_rows} makes more than {MAX_DENSE_CHUNKS:,} "
-                                  f"chunks of {spec.rows:,} rows")
         if not 0 <= row_start <= spec.rows:
             raise OutOfRange(f"{spec.name}: row_start {row_start} outside [0, {spec.rows}]")
         with self.registry.lock:
