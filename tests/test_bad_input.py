@@ -275,3 +275,71 @@ def test_a_dense_tensor_that_cannot_be_sent_is_refused_before_any_shard_has_it(c
         for name in ("wide", "many", "empty"):
             with pytest.raises(TableNotFoundError):
                 c.describe_table(name)
+
+
+def test_gradients_a_narrow_wire_or_a_sum_would_make_inf_are_refused_before_any_shard_applies_a_part(setup):
+    """Finite float32 gradients that would reach the shards as inf (past float16's or bfloat16's range on the wire,
+    or a repeated id's gradients summing past float32's): refused by the client naming why, nothing sent. (One of
+    the shards used to refuse its part as NaN/Inf after the other had applied its own.) The fixture checks that
+    nothing changed."""
+    c, _, _ = setup
+    ids = torch.arange(10)
+    g = torch.zeros(10, 4)
+    g[3, 0] = 65520.0  # the smallest float32 that float16 carries as inf (65519 rounds down to 65504)
+    with pytest.raises(InvalidArgumentError, match="past float16's range: wire_dtype='float16' would send it as inf"):
+        c.push("t", ids, g, wire_dtype="float16", wait=True)
+    g[3, 0] = 3.3962e38
+    with pytest.raises(InvalidArgumentError, match="past bfloat16's range"):
+        c.push("t", ids, g, wire_dtype="bfloat16", wait=True)
+    with pytest.raises(InvalidArgumentError, match="the gradients of a repeated id sum past float32's range"):
+        c.push("t", torch.tensor([5, 5]), torch.full((2, 4), 3e38), wait=True)
+    with pytest.raises(InvalidArgumentError, match="d: a gradient of 70000 is past float16's range"):
+        c.push_dense("d", torch.full((3, 2), 7e4), wire_dtype="float16", wait=True)
+    with pytest.raises(InvalidArgumentError, match="past float16's range"):
+        c.push_stacked(["t"], [ids], g, wire_dtype="float16")
+
+
+def test_the_largest_gradients_a_narrow_wire_carries_finite_are_sent(cluster2):
+    with Client([s.address for s in cluster2], timeout=10) as c:
+        c.create_table("n", dim=2, num_embeddings=4, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        c.push("n", torch.tensor([0]), torch.tensor([[65519.0, -65519.0]]), wire_dtype="float16", wait=True)
+        c.push("n", torch.tensor([1]), torch.tensor([[3.396e38, 0.0]]), wire_dtype="bfloat16", wait=True)
+        got = c.pull("n", torch.tensor([0, 1]))
+        assert got[0].tolist() == [-65504.0, 65504.0] and torch.isfinite(got).all()
+
+
+def test_hyperparameters_past_float32_are_refused(setup):
+    """An lr, or an initializer's mean, std or a, that float32 holds as inf made every row it touched inf (1e300 was
+    accepted as finite in float64): refused when the optimizer or initializer is made, and by the shard."""
+    from shardps.core.optim import Adam
+
+    _, stubs, _ = setup
+    for make in (lambda: SGD(lr=1e300), lambda: Adam(eps=3.5e38), lambda: Initializer(std=float("inf")),
+                 lambda: Initializer("uniform", a=float("inf")), lambda: Initializer(mean=1e300),
+                 lambda: Initializer(std=1e38)):
+        with pytest.raises(ValueError, match="finite in float32"):
+            make()
+    assert Initializer(std=1e37).rows(np.arange(4), 8).max() < np.inf and SGD(lr=3e38).lr == 3e38
+    spec = pb.TableSpec(name="big", dim=4, optimizer=pb.OptimizerSpec(sgd=pb.SGDSpec(lr=1e300)))
+    _expect(lambda: stubs[0].CreateTable(pb.CreateTableRequest(spec=spec)), grpc.StatusCode.INVALID_ARGUMENT,
+            "SGD lr must be finite in float32")
+
+
+def test_client_options_that_would_misbehave_later_are_refused_at_once(cluster2, tmp_path):
+    """A string of addresses (read one character an address: 25 s of UNAVAILABLE), a timeout that is not a positive
+    number of seconds (inf: every call failed at once with DEADLINE_EXCEEDED), no pushes in flight (the first push
+    waited forever), a heartbeat of 0 (a busy loop, 2 s of CPU a second): refused when the client is made, naming the
+    option; and a cut's hold of nan or below 0 (an export's, a checkpoint's), which ended the hold at once, refused
+    by the shard."""
+    address = cluster2[0].address
+    for kwargs, match in (({"addresses": address}, "addresses must be a list of 'host:port' strings"),
+                          ({"timeout": float("inf")}, "timeout must be a finite number of seconds, > 0"),
+                          ({"timeout": 0}, "timeout must be"), ({"retry_timeout": float("nan")}, "retry_timeout must"),
+                          ({"max_inflight_pushes": 0}, "max_inflight_pushes must be an int >= 1"),
+                          ({"heartbeat_s": 0, "rank": 0, "world_size": 1}, "heartbeat_s must be")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            Client(**{"addresses": [s.address for s in cluster2], **kwargs})
+    with Client([s.address for s in cluster2], timeout=10, retry_timeout=0) as c:  # (0: no retries)
+        for hold in (float("nan"), -1.0):
+            with pytest.raises(InvalidArgumentError, match="hold_s must be >= 0 seconds"):
+                c.export(tmp_path / "out", hold_s=hold)

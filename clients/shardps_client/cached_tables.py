@@ -15,7 +15,15 @@ import torch
 from shardps.core.ids import coalesce
 from shardps_client.cache import CacheStats, RowCache
 from shardps_client.errors import IdOutOfRangeError, InvalidArgumentError
-from shardps_client.inputs import IdsLike, check_grads, checked_ids, grads_to_numpy, ids_to_numpy
+from shardps_client.inputs import (
+    WIRE_INF,
+    IdsLike,
+    check_grads,
+    check_sent,
+    checked_ids,
+    grads_to_numpy,
+    ids_to_numpy,
+)
 from shardps_client.session import Session
 from shardps_client.versions import Versions
 
@@ -73,6 +81,7 @@ class CachedTables:
         check_grads(g, table, "grads", ids_np.shape + (spec.dim,), "ids.shape + (dim,)", spec.allow_nonfinite)
         uniq, summed = coalesce(ids_np.reshape(-1), g.reshape(-1, spec.dim))
         wire_code = self._session.wire(wire_dtype)  # before the step number: a refused push must not use one up
+        check_sent(summed, table, wire_code, spec.allow_nonfinite, summed=uniq.shape[0] != ids_np.size)
         cache = self._caches.get(table)
         if cache is not None:  # rows the cache holds sum their gradients locally
             absorbed = cache.accumulate(uniq, summed)
@@ -117,6 +126,8 @@ class CachedTables:
         np.greater(flat[1:], flat[:-1], out=increasing[1:])
         increasing[starts[some]] = True
         wire_code = session.wire(wire_dtype)
+        for t, spec in enumerate(specs if wire_code in WIRE_INF else ()):  # (a narrow wire dtype's range)
+            check_sent(g[int(starts[t]) : int(starts[t] + counts[t])], spec.name, wire_code, spec.allow_nonfinite)
         fused = []
         for t, spec in enumerate(specs):
             part = slice(int(starts[t]), int(starts[t] + counts[t]))

@@ -44,7 +44,7 @@ from shardps_client.cached_tables import CachedTables
 from shardps_client.cluster import ClusterMethods, ClusterOps
 from shardps_client.dense import DenseMethods, DenseTensors
 from shardps_client.errors import InvalidArgumentError, ShardpsError
-from shardps_client.inputs import IdsLike, MiB, wire_code
+from shardps_client.inputs import IdsLike, MiB, check_client_options, wire_code
 from shardps_client.pulls import Pulls
 from shardps_client.pushes import DensePull, PushHold, PushPipeline
 from shardps_client.session import Session, Shared
@@ -118,6 +118,7 @@ class Client(ClusterMethods, DenseMethods):
         heartbeat_s: float = 1.0, torch_threads: Union[int, str, None] = "auto", tls: Optional[TLS] = None,
         token: Optional[str] = None, data_plane: Optional[str] = None, stale_reads: bool = False,
     ) -> None:
+        check_client_options(addresses, timeout, retry_timeout, max_inflight_pushes, heartbeat_s)
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
         code = wire_code(wire_dtype)

@@ -22,7 +22,7 @@ from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
 from shardps_client.admin import first_decides
 from shardps_client.errors import InvalidArgumentError
-from shardps_client.inputs import MiB, check_grads, grads_to_numpy
+from shardps_client.inputs import MiB, check_grads, check_sent, grads_to_numpy
 from shardps_client.pushes import DensePull
 from shardps_client.session import Session
 from shardps_client.versions import Versions
@@ -110,6 +110,7 @@ class DenseTensors:
         g = grads_to_numpy(grad, f"{name}: grad")
         check_grads(g, name, "grad", spec.shape, None, spec.allow_nonfinite)
         wire_code = session.wire(wire_dtype)  # before the step number: a refused push must not use one up
+        check_sent(g, name, wire_code, spec.allow_nonfinite)
         sync_step = session.worker.next_sync_step(name) if spec.sync is not None else 0
         calls = planner.dense_push_plan(spec, g.reshape(spec.rows, spec.cols), session.slots, wire_code,
                                         session.max_message_bytes, versions.by_shard if versions is not None else None,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import math
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -14,6 +15,10 @@ from shardps_client import planner
 from shardps_client.errors import IdOutOfRangeError, InvalidArgumentError
 
 MiB = 1 << 20
+# The smallest float32 magnitude a narrow wire dtype carries as inf (the cast rounds to nearest): 65520 for float16;
+# 0x7F7F8000 as float32 bits (about 3.3962e38) for bfloat16.
+WIRE_INF = {planner.WIRE["float16"]: 65520.0,
+            planner.WIRE["bfloat16"]: float(np.array([0x7F7F8000], np.uint32).view(np.float32)[0])}
 IdsLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 
 
@@ -22,6 +27,42 @@ def wire_code(wire_dtype: str) -> int:
     if wire_dtype not in planner.WIRE:
         raise InvalidArgumentError(f"wire_dtype must be one of {sorted(planner.WIRE)}, got {wire_dtype!r}")
     return planner.WIRE[wire_dtype]
+
+
+def check_sent(values: np.ndarray, name: str, wire: int, allow_nonfinite: bool, summed: bool = False) -> None:
+    """Refuse gradients, finite as given, that would reach the shards non-finite: past float32's range once the
+    gradients of duplicate ids are ``summed``, or past a narrow ``wire`` dtype's (sent as inf). The shards would
+    refuse them only after the others applied their parts of the push."""
+    if allow_nonfinite or not values.size:
+        return
+    if summed and not all_finite(values):
+        raise InvalidArgumentError(f"{name}: the gradients of a repeated id sum past float32's range (to inf); push "
+                                   "rejected, nothing sent")
+    inf = WIRE_INF.get(wire)
+    if inf is not None:
+        top = float(np.abs(values).max())  # (a pass over the gradients, for a narrow wire dtype only)
+        if not top < inf:
+            names = {code: n for n, code in planner.WIRE.items()}
+            raise InvalidArgumentError(f"{name}: a gradient of {top:.5g} is past {names[wire]}'s range: "
+                                       f"wire_dtype={names[wire]!r} would send it as inf; push rejected, nothing sent "
+                                       "(push it as float32)")
+
+
+def check_client_options(addresses: Any, timeout: float, retry_timeout: float, max_inflight_pushes: int,
+                         heartbeat_s: float) -> None:
+    """Refuse ``Client`` options that would misbehave later rather than fail now: a string of addresses (read one
+    character an address), a timeout that is not a positive number of seconds (inf or 0: every call failed at once),
+    no pushes in flight (the first push waited forever), a heartbeat of 0 (a busy loop)."""
+    if isinstance(addresses, (str, bytes)):
+        raise InvalidArgumentError(f"addresses must be a list of 'host:port' strings, got the string {addresses!r} "
+                                   f"(Client([{addresses!r}]) for one shard)")
+    for what, value, zero in (("timeout", timeout, False), ("retry_timeout", retry_timeout, True),
+                              ("heartbeat_s", heartbeat_s, False)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 or zero and value == 0)):
+            raise InvalidArgumentError(f"{what} must be a finite number of seconds, {'>= 0' if zero else '> 0'}, "
+                                       f"got {value!r}")
+    if not (isinstance(max_inflight_pushes, int) and max_inflight_pushes >= 1):
+        raise InvalidArgumentError(f"max_inflight_pushes must be an int >= 1, got {max_inflight_pushes!r}")
 
 
 def ids_to_numpy(ids: IdsLike) -> np.ndarray:

@@ -267,12 +267,17 @@ def axpy(x: np.ndarray, a: float, y: np.ndarray) -> np.ndarray:
     return out.astype(np.float32)
 
 
+F32_MAX = 3.4028234663852886e38
+
+
 def _check_finite(opt: object) -> None:
-    """Every numeric hyperparameter must be finite: an lr of inf or nan would wreck every row it touches."""
+    """Every numeric hyperparameter must be finite in float32, where the kernels hold it: an lr of inf or nan (or of
+    1e300, inf as float32) would wreck every row it touches."""
     for f in dataclasses.fields(opt):  # type: ignore[arg-type]
         value = getattr(opt, f.name)
         for v in value if isinstance(value, tuple) else (value,):
-            _check(isinstance(v, bool) or math.isfinite(v), f"{type(opt).__name__} {f.name} must be finite, got {value}")
+            _check(isinstance(v, bool) or (math.isfinite(v) and abs(v) <= F32_MAX),
+                   f"{type(opt).__name__} {f.name} must be finite in float32 (at most {F32_MAX:.4g}), got {value}")
 
 
 def _check(cond: bool, message: str) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from shardps.core import kernels
 from shardps.core.errors import InvalidArgument, clip
-from shardps.core.optim import SGD, Adagrad, Adam, Optimizer
+from shardps.core.optim import F32_MAX, SGD, Adagrad, Adam, Optimizer
 from shardps.core.policies import Admission, DiskTier, Eviction, Staleness, SyncPolicy
 from shardps.core.routing import SPLITMIX_GOLDEN, SPLITMIX_M1, SPLITMIX_M2, mix64
 from shardps.v1 import shardps_pb2 as pb
@@ -54,6 +54,9 @@ class Initializer:
             raise InvalidArgument(f"initializer kind must be zeros, normal or uniform, got {self.kind!r}")
         if not (self.std >= 0 and self.a >= 0 and math.isfinite(self.mean)):
             raise InvalidArgument("initializer std and a must be >= 0 and mean finite")
+        if not (abs(self.mean) + 8 * self.std <= F32_MAX and self.a <= F32_MAX):  # (inf and nan fail too)
+            raise InvalidArgument(f"initializer values must stay finite in float32: |mean| + 8 std and a at most "
+                                  f"{F32_MAX:.4g}, got mean {self.mean}, std {self.std}, a {self.a}")
         if not 0 <= self.seed < 2**64:
             raise InvalidArgument("initializer seed must fit in 64 unsigned bits")
 

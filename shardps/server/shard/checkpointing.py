@@ -67,6 +67,9 @@ class Checkpointer:
         """Hold new pushes back and let running ones finish: phase 1 of a cluster-wide cut (checkpoint or
         export), ended by phase 2, an abort, or after ``hold_s`` (at most the configured hold)."""
         self.check_writable("a checkpoint or export")
+        if hold_s is not None and not hold_s >= 0:  # (nan too: the hold would end at once)
+            raise InvalidArgument(f"shard {self.index}: hold_s must be >= 0 seconds (0: the shard's own hold), "
+                                  f"got {hold_s}")
         hold = self.hold_s if not hold_s else min(hold_s, self.hold_s)
         with self.lock:
             handing = self.migrations.handing_over() if self.migrations is not None else ""
