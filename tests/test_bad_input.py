@@ -343,3 +343,25 @@ def test_client_options_that_would_misbehave_later_are_refused_at_once(cluster2,
         for hold in (float("nan"), -1.0):
             with pytest.raises(InvalidArgumentError, match="hold_s must be >= 0 seconds"):
                 c.export(tmp_path / "out", hold_s=hold)
+
+
+def test_arguments_of_the_wrong_kind_are_named(setup, tmp_path):
+    """A float dim, an optimizer by name, a string where a list of names goes (read one character a name), an empty
+    export path (written into the working directory), negative or fractional sizes: each refused naming the
+    argument, where numpy, protobuf or a lookup of 'b' used to answer."""
+    c, _, _ = setup
+    for call, match in ((lambda: c.create_table("f", dim=4.5), "dim must be an int, got 4.5"),
+                        (lambda: c.create_table("f", dim=4, optimizer="sgd"), "unsupported optimizer 'sgd'"),
+                        (lambda: c.export(tmp_path / "e", tables="t"), "tables must be a list of names, got the "),
+                        (lambda: c.export(""), "export needs a directory"),
+                        (lambda: c.pull_dense_many("d"), "names must be a list of names"),
+                        (lambda: c.push_stacked("t", [torch.arange(2)], torch.zeros(2, 4)), "tables must be a list"),
+                        (lambda: c.register_dense("e", torch.ones(2, 2), chunk_bytes=-1), "chunk_bytes must be an int"),
+                        (lambda: c.cache_table("t", steps=1.5), "cache steps must be an int >= 0, got 1.5"),
+                        (lambda: c.load_state_dict("t", {"weight": torch.full((100, 4), float("nan"))}),
+                         "t: weight contains NaN or Inf; nothing loaded")):
+        with pytest.raises(InvalidArgumentError, match=match):
+            call()
+    with pytest.raises(TableNotFoundError):
+        c.describe_table("f")
+    assert not (tmp_path / "e").exists()

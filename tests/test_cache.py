@@ -128,7 +128,7 @@ def test_bad_cache_settings_are_refused(client2: Client) -> None:
     client2.create_table("s", dim=DIM, num_embeddings=10, sync=SyncPolicy(workers=1))
     with pytest.raises(InvalidArgumentError, match="s: a synchronous table cannot be cached"):
         client2.cache_table("s", steps=2)
-    with pytest.raises(InvalidArgumentError, match="cache steps must be >= 0, got -1"):
+    with pytest.raises(InvalidArgumentError, match="cache steps must be an int >= 0, got -1"):
         client2.cache_table("c", steps=-1)
-    with pytest.raises(InvalidArgumentError, match="cache max_rows must be >= 1, got 0"):
+    with pytest.raises(InvalidArgumentError, match="cache max_rows must be an int >= 1, got 0"):
         client2.cache_table("c", steps=2, max_rows=0)

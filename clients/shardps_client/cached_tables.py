@@ -23,6 +23,7 @@ from shardps_client.inputs import (
     checked_ids,
     grads_to_numpy,
     ids_to_numpy,
+    names,
 )
 from shardps_client.session import Session
 from shardps_client.versions import Versions
@@ -44,10 +45,10 @@ class CachedTables:
     def configure(self, table: str, steps: int, max_rows: int) -> None:
         """Set ``table``'s cache (``Client.cache_table``): what an old one summed is pushed first."""
         spec = self._session.catalog.table(table)
-        if steps < 0:
-            raise InvalidArgumentError(f"{table}: cache steps must be >= 0, got {steps}")
-        if max_rows < 1:
-            raise InvalidArgumentError(f"{table}: cache max_rows must be >= 1, got {max_rows}")
+        if not isinstance(steps, int) or steps < 0:
+            raise InvalidArgumentError(f"{table}: cache steps must be an int >= 0, got {steps!r}")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise InvalidArgumentError(f"{table}: cache max_rows must be an int >= 1, got {max_rows!r}")
         if spec.sync is not None and steps:
             raise InvalidArgumentError(f"{table}: a synchronous table cannot be cached (every worker pushes every "
                                        "step)")
@@ -95,7 +96,7 @@ class CachedTables:
         """``Client.push_stacked``: the checks of ``push`` over every table at once; the tables with neither a
         row cache nor a synchronous step, whose ids are sorted and unique, planned as one."""
         session = self._session
-        specs = [session.catalog.table(t) for t in tables]
+        specs = [session.catalog.table(t) for t in names(tables, "push_stacked's tables")]
         if len({s.dim for s in specs}) > 1:
             raise InvalidArgumentError(f"push_stacked takes tables of one width, got {[(s.name, s.dim) for s in specs]}")
         if not (len(ids) == len(specs) == len(versions)):

@@ -28,7 +28,7 @@ from shardps.v1 import shardps_pb2 as pb
 from shardps_client import admin, planner
 from shardps_client.admin import first_decides
 from shardps_client.errors import ExportGapError, InvalidArgumentError
-from shardps_client.inputs import check_grads, grads_to_numpy, ids_to_numpy
+from shardps_client.inputs import check_grads, grads_to_numpy, ids_to_numpy, names
 from shardps_client.session import Session
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,9 @@ class ClusterOps:
                 admission=admission, eviction=eviction,
                 disk=storage if isinstance(storage, DiskTier) else DiskTier() if storage == "disk" else None,
             )
+            msg = table_spec_to_pb(spec)  # (refuses what the spec holds but protobuf cannot: an optimizer by name)
         except _ServerInvalidArgument as e:
             raise InvalidArgumentError(str(e)) from None
-        msg = table_spec_to_pb(spec)
         slots = self._session.slots
         results = first_decides(self._session.transport, [
             (s, "CreateTable", pb.CreateTableRequest(spec=msg, shard_map=planner.shard_map(s, slots)))
@@ -111,10 +111,15 @@ class ClusterOps:
                hold_s: float) -> ExportResult:
         """``Client.export``."""
         self._flush()
-        return self._exporter(hold_s).base(pathlib.Path(out), list(tables) if tables else None, optimizer_state)
+        if not str(out):
+            raise InvalidArgumentError("export needs a directory to write into, got an empty path")
+        return self._exporter(hold_s).base(pathlib.Path(out), names(tables, "tables") if tables else None,
+                                           optimizer_state)
 
     def export_delta(self, out: Union[str, os.PathLike], fallback_base: bool, hold_s: float) -> ExportResult:
         """``Client.export_delta``."""
+        if not str(out):
+            raise InvalidArgumentError("export_delta needs a directory to write into, got an empty path")
         self._flush()
         try:
             return self._exporter(hold_s).delta(pathlib.Path(out), fallback_base)

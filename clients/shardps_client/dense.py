@@ -23,6 +23,7 @@ from shardps_client import planner
 from shardps_client.admin import first_decides
 from shardps_client.errors import InvalidArgumentError
 from shardps_client.inputs import MiB, check_grads, check_sent, grads_to_numpy
+from shardps_client.inputs import names as as_names
 from shardps_client.pushes import DensePull
 from shardps_client.session import Session
 from shardps_client.versions import Versions
@@ -45,6 +46,8 @@ class DenseTensors:
                  sync: Optional[SyncPolicy]) -> bool:
         """``Client.register_dense``."""
         session = self._session
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 0:
+            raise InvalidArgumentError(f"{name}: chunk_bytes must be an int >= 0, got {chunk_bytes!r}")
         arr = grads_to_numpy(value, f"{name}: value")
         if not np.isfinite(arr).all():
             raise InvalidArgumentError(f"{name}: initial value contains NaN or Inf")
@@ -166,7 +169,7 @@ class DenseMethods:
         self, names: Sequence[str], wire_dtype: Optional[str] = None
     ) -> dict[str, tuple[torch.Tensor, Versions]]:
         """Several dense tensors in one parallel fan-out: ``{name: (value, versions)}``."""
-        return self._dense.pull_many(names, wire_dtype)
+        return self._dense.pull_many(as_names(names, "pull_dense_many's names"), wire_dtype)
 
     def push_dense(self, name: str, grad: Union[torch.Tensor, np.ndarray], versions: Optional[Versions] = None,
                    wait: bool = False, wire_dtype: Optional[str] = None) -> None:

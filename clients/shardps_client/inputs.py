@@ -65,6 +65,14 @@ def check_client_options(addresses: Any, timeout: float, retry_timeout: float, m
         raise InvalidArgumentError(f"max_inflight_pushes must be an int >= 1, got {max_inflight_pushes!r}")
 
 
+def names(value: Any, what: str) -> list[str]:
+    """A list of table or tensor names from ``value`` (any sequence of names; a lone string is refused, not read one
+    character a name)."""
+    if isinstance(value, (str, bytes)):
+        raise InvalidArgumentError(f"{what} must be a list of names, got the string {value!r} ([{value!r}] for one)")
+    return list(value)
+
+
 def ids_to_numpy(ids: IdsLike) -> np.ndarray:
     """Ids as an int64 array (integer tensors and arrays only)."""
     if isinstance(ids, torch.Tensor):
@@ -120,4 +128,5 @@ def check_grads(arr: np.ndarray, name: str, noun: str, shape: tuple, shape_words
         words = f" ({shape_words})" if shape_words else ""
         raise InvalidArgumentError(f"{name}: {noun} must have shape {list(shape)}{words}, got {list(arr.shape)}")
     if not allow_nonfinite and not all_finite(arr):
-        raise InvalidArgumentError(f"{name}: gradient contains NaN or Inf; push rejected")
+        raise InvalidArgumentError(f"{name}: gradient contains NaN or Inf; push rejected" if noun != "weight" else
+                                   f"{name}: weight contains NaN or Inf; nothing loaded")

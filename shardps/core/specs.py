@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import math
+import numbers
 import re
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
@@ -198,6 +199,10 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         check_name(self.name)
+        for what in ("dim", "num_embeddings"):  # (an int: numpy's integers too, not a float nor a bool)
+            value = getattr(self, what)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise InvalidArgument(f"table {self.name!r}: {what} must be an int, got {value!r}")
         if not 1 <= self.dim <= MAX_DIM:
             raise InvalidArgument(f"table {self.name!r}: dim must be in [1, {MAX_DIM}], got {self.dim}")
         if self.num_embeddings is not None and not 1 <= self.num_embeddings < 2**63:
