@@ -336,9 +336,14 @@ def test_client_options_that_would_misbehave_later_are_refused_at_once(cluster2,
                           ({"timeout": float("inf")}, "timeout must be a finite number of seconds, > 0"),
                           ({"timeout": 0}, "timeout must be"), ({"retry_timeout": float("nan")}, "retry_timeout must"),
                           ({"max_inflight_pushes": 0}, "max_inflight_pushes must be an int >= 1"),
+                          ({"max_message_bytes": 2**40}, r"max_message_bytes must be an int in \[1, 2\*\*31\)"),
                           ({"heartbeat_s": 0, "rank": 0, "world_size": 1}, "heartbeat_s must be")):
         with pytest.raises(InvalidArgumentError, match=match):
             Client(**{"addresses": [s.address for s in cluster2], **kwargs})
+    from shardps_client import SyncPolicy
+
+    with pytest.raises(ValueError, match=r"sync workers must be in \[1, 2\*\*31\), got 1099511627776"):
+        SyncPolicy(workers=2**40)  # (protobuf's "Value out of range" before)
     with Client([s.address for s in cluster2], timeout=10, retry_timeout=0) as c:  # (0: no retries)
         for hold in (float("nan"), -1.0):
             with pytest.raises(InvalidArgumentError, match="hold_s must be >= 0 seconds"):

@@ -118,7 +118,7 @@ class Client(ClusterMethods, DenseMethods):
         heartbeat_s: float = 1.0, torch_threads: Union[int, str, None] = "auto", tls: Optional[TLS] = None,
         token: Optional[str] = None, data_plane: Optional[str] = None, stale_reads: bool = False,
     ) -> None:
-        check_client_options(addresses, timeout, retry_timeout, max_inflight_pushes, heartbeat_s)
+        check_client_options(addresses, timeout, retry_timeout, max_message_bytes, max_inflight_pushes, heartbeat_s)
         if not addresses:
             raise InvalidArgumentError("Client needs at least one shard address")
         code = wire_code(wire_dtype)

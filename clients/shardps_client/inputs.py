@@ -48,8 +48,8 @@ def check_sent(values: np.ndarray, name: str, wire: int, allow_nonfinite: bool, 
                                        "(push it as float32)")
 
 
-def check_client_options(addresses: Any, timeout: float, retry_timeout: float, max_inflight_pushes: int,
-                         heartbeat_s: float) -> None:
+def check_client_options(addresses: Any, timeout: float, retry_timeout: float, max_message_bytes: int,
+                         max_inflight_pushes: int, heartbeat_s: float) -> None:
     """Refuse ``Client`` options that would misbehave later rather than fail now: a string of addresses (read one
     character an address), a timeout that is not a positive number of seconds (inf or 0: every call failed at once),
     no pushes in flight (the first push waited forever), a heartbeat of 0 (a busy loop)."""
@@ -61,6 +61,8 @@ def check_client_options(addresses: Any, timeout: float, retry_timeout: float, m
         if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > 0 or zero and value == 0)):
             raise InvalidArgumentError(f"{what} must be a finite number of seconds, {'>= 0' if zero else '> 0'}, "
                                        f"got {value!r}")
+    if not (isinstance(max_message_bytes, int) and 1 <= max_message_bytes < 2**31):  # (gRPC's sizes are 32 bits)
+        raise InvalidArgumentError(f"max_message_bytes must be an int in [1, 2**31), got {max_message_bytes!r}")
     if not (isinstance(max_inflight_pushes, int) and max_inflight_pushes >= 1):
         raise InvalidArgumentError(f"max_inflight_pushes must be an int >= 1, got {max_inflight_pushes!r}")
 

@@ -201,8 +201,8 @@ class SyncPolicy:
     on_timeout: str = "wait"
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise InvalidArgument(f"sync workers must be >= 1, got {self.workers}")
+        if not 1 <= self.workers < 2**31:  # (the wire's field is 32 bits; a shard's --max-workers is far lower)
+            raise InvalidArgument(f"sync workers must be in [1, 2**31), got {self.workers}")
         if self.aggregator not in AGGREGATORS:
             raise InvalidArgument(f"sync aggregator must be one of {AGGREGATORS}, got {self.aggregator!r}")
         if not 0 <= self.trim_fraction < 0.5:
