@@ -42,9 +42,9 @@ def check_sent(values: np.ndarray, name: str, wire: int, allow_nonfinite: bool, 
     if inf is not None:
         top = float(np.abs(values).max())  # (a pass over the gradients, for a narrow wire dtype only)
         if not top < inf:
-            names = {code: n for n, code in planner.WIRE.items()}
-            raise InvalidArgumentError(f"{name}: a gradient of {top:.5g} is past {names[wire]}'s range: "
-                                       f"wire_dtype={names[wire]!r} would send it as inf; push rejected, nothing sent "
+            dtype = next(n for n, code in planner.WIRE.items() if code == wire)
+            raise InvalidArgumentError(f"{name}: a gradient of {top:.5g} is past {dtype}'s range: "
+                                       f"wire_dtype={dtype!r} would send it as inf; push rejected, nothing sent "
                                        "(push it as float32)")
 
 
