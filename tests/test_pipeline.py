@@ -229,3 +229,87 @@ def test_pulls_a_shard_could_not_serve_with_the_pushes_are_pulled_again():
             c.pull_many({"gone": ids})
         opt.flush()
         torch.testing.assert_close(c.pull("items", torch.tensor([1, 2])), -torch.ones(2, DIM))
+
+
+def test_a_table_a_batch_reads_nothing_of_is_not_prefetched():
+    """A batch in which every bag of one table's feature is empty (or the feature absent): the pipeline trains on
+    it as a direct forward does (its prefetch of no ids used to raise "request has no ids", killing the trainer)."""
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection([
+            EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="ta", feature_names=["f1"]),
+            EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="tb", feature_names=["f2"])],
+            c, optimizer=SGD(lr=0.1))
+        t = torch.tensor
+        batches = [KeyedJaggedTensor(["f1", "f2"], t([1, 2, 3]), lengths=t([1, 1, 1, 0])),
+                   KeyedJaggedTensor(["f1", "f2"], t([1, 2]), lengths=t([1, 1, 0, 0])),  # tb: no ids
+                   KeyedJaggedTensor(["f1"], t([4, 5]), lengths=t([1, 1]))]  # f2 absent
+        assert ebc.ids_of(batches[1]).keys() == {"ta"}
+        model = nn.Sequential()
+        model.ebc = ebc
+        pipeline = TrainPipeline(model, ShardedOptimizer(c, model), forward=lambda m, b: m.ebc(b).values().sum())
+        assert len(list(pipeline.run(batches))) == 3
+
+
+def test_a_loop_that_stops_early_leaves_no_prefetched_rows_to_a_later_pull():
+    """``for batch in Prefetcher(...): break`` left the next batch's prefetch behind: a pull of the same ids after
+    later pushes was served the rows it read then (a push stale, with no bound). Closing the loop drops them."""
+    from shardps_client import Prefetcher
+
+    with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("t", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        batches = [torch.tensor([1, 2]), torch.tensor([5, 6]), torch.tensor([7])]
+        for _ in Prefetcher(batches, c, lambda b: {"t": b}):
+            break  # batch [5, 6] was prefetched, never taken
+        c.push("t", torch.tensor([5, 6]), torch.ones(2, DIM), wait=True)
+        assert torch.equal(c.pull("t", torch.tensor([5, 6])), -torch.ones(2, DIM))
+
+
+def test_a_loader_that_fails_once_loses_no_batch():
+    """The loader raises at one position: the step that asked for it hears the error, the batches read ahead of it
+    were trained first, and the next ``progress`` on the same iterator goes on after it (it used to lose the batch
+    read ahead, and every later call raised StopIteration)."""
+
+    class Loader:  # yields [1], [2], raises once, then [3], [4], [5] (a loader that skips a bad record)
+        def __init__(self) -> None:
+            self.k, self.failed = 0, False
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if self.k == 2 and not self.failed:
+                self.failed = True
+                raise RuntimeError("bad record")
+            if self.k == 5:
+                raise StopIteration
+            self.k += 1
+            return torch.tensor([self.k])
+
+    with running_cluster(1) as servers, Client([s.address for s in servers]) as c:
+        c.create_table("t", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+        seen: list[int] = []
+
+        class Rows(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.rows = RemoteEmbeddingBag(c, "t", mode="sum")
+
+            def forward(self, ids):
+                seen.append(int(ids[0]))
+                return self.rows(ids, torch.tensor([0])).sum()
+
+        model = Rows()
+        pipeline = TrainPipeline(model, ShardedOptimizer(c, model), ids_fn=lambda b: {"t": b})
+        it = Loader()
+        results = []
+        for _ in range(8):
+            try:
+                pipeline.progress(it)
+                results.append("ok")
+            except StopIteration:
+                break
+            except RuntimeError as e:
+                results.append(str(e))
+        assert results == ["ok", "ok", "bad record", "ok", "ok", "ok"] and seen == [1, 2, 3, 4, 5], (results, seen)
+        pipeline.flush()
+        assert torch.equal(c.pull("t", torch.arange(1, 6)), -torch.ones(5, DIM))  # each batch's step, once

@@ -235,7 +235,7 @@ class _RemoteCollection(nn.Module):
         if values.device.type == "cpu" and lengths.device.type == "cpu":  # (kept for forward: the prefetch's depth)
             self._planned.append((tuple(features.keys()), values.detach().clone(), lengths.detach().clone(), step))
             del self._planned[:-PLANS_KEPT]
-        return {t: torch.from_numpy(u) for t, u in zip(self.layout.tables, step.uniq)}
+        return {t: torch.from_numpy(u) for t, u in zip(self.layout.tables, step.uniq) if u.shape[0]}  # (empty: none)
 
     # ---- pulling and the local weights ------------------------------------------------------
 

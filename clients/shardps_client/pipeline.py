@@ -101,7 +101,13 @@ class TrainPipeline:
         if self._feed is None or batches is not self._source:
             self._source = batches
             self._feed = iter(Prefetcher(batches, self.client, self.ids_fn, depth=self.depth))
-        batch = next(self._feed)
+        try:
+            batch = next(self._feed)
+        except StopIteration:
+            raise
+        except Exception:  # the loader failed (its batches read ahead came first): a next call goes on after it
+            self._feed = None
+            raise
         for opt in self.optimizers:
             opt.zero_grad()
         out = self.forward(self.model, batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
@@ -34,14 +35,32 @@ class Prefetcher:
         self.depth = max(0, depth)
 
     def __iter__(self) -> Iterator[Any]:
-        queue: list[Any] = []
-        for batch in iter(self.loader):
-            pending = self.client.prefetch_many(dict(self.ids_fn(batch)), steps_ahead=self.depth + 1)
-            if self.depth == 0:
-                pending.result()
-            queue.append(batch)
-            if len(queue) > self.depth:
+        queue: list[Any] = []  # batches read ahead, not yet yielded
+        issued: collections.deque = collections.deque(maxlen=self.depth + 2)  # the prefetches not surely taken
+        loader = iter(self.loader)
+        try:
+            while True:
+                try:
+                    batch = next(loader)
+                except StopIteration:
+                    break
+                except Exception:  # the loader failed: the batches read ahead first, as a plain loop had them
+                    while queue:
+                        yield queue.pop(0)
+                    raise
+                wanted = {t: ids for t, ids in dict(self.ids_fn(batch)).items() if len(ids)}  # (a table it reads none)
+                pending = self.client.prefetch_many(wanted, steps_ahead=self.depth + 1) if wanted else None
+                if pending is not None:
+                    issued.append(pending)
+                    if self.depth == 0:
+                        pending.result()
+                queue.append(batch)
+                if len(queue) > self.depth:
+                    yield queue.pop(0)
+            while queue:
                 yield queue.pop(0)
-        yield from queue
-        if self.client.pushes.parked:  # the last step's pushes waited for a prefetch that will not come
-            self.client.pushes.send()
+        finally:  # (also when the loop over it stopped early: a prefetch never taken must not serve a later pull)
+            for pending in issued:
+                pending.forget()
+            if self.client.pushes.parked:  # the last step's pushes waited for a prefetch that will not come
+                self.client.pushes.send()

@@ -136,7 +136,7 @@ class Pulls:
         """``Client.prefetch_many``."""
         session = self._session
         wire_code = session.wire(wire_dtype)
-        items, futures = [], []
+        items, futures, keys = [], [], []
         for table, ids in requests.items():
             spec = session.catalog.table(table)
             ids_np, ordered = checked_ids_in_order(spec, ids)
@@ -154,8 +154,9 @@ class Pulls:
             items.append((spec, need))
             f: Future = Future()
             futures.append(f)
+            keys.append((table, hash(uniq.tobytes()), wire_code))
             with self._lock:
-                self._prefetched[(table, hash(uniq.tobytes()), wire_code)] = (uniq, need, f, epoch)
+                self._prefetched[keys[-1]] = (uniq, need, f, epoch)
                 while len(self._prefetched) > MAX_PREFETCHED:
                     self._prefetched.pop(next(iter(self._prefetched)))
         carry = session.pushes.expect_carry() if all(u.shape[0] for _, u in items) else None
@@ -172,7 +173,16 @@ class Pulls:
                     if not f.done():
                         f.set_exception(e)
 
-        return session.pool.submit(run)
+        out = session.pool.submit(run)
+        out.forget = lambda: self._forget(keys)  # type: ignore[attr-defined]  # (``Prefetcher``: never taken)
+        return out
+
+    def _forget(self, keys: list[tuple[str, int, int]]) -> None:
+        """Drop prefetches nothing will take (a ``Prefetcher`` loop that stopped early): a later pull of the same ids
+        must not be served the rows they read then."""
+        with self._lock:
+            for key in keys:
+                self._prefetched.pop(key, None)
 
     def _carried(self, items: list[tuple[TableSpec, np.ndarray]], wire_code: int,
                  carry: threading.Event) -> Optional[list[tuple[np.ndarray, Versions]]]:
