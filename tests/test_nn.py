@@ -106,6 +106,39 @@ def test_remote_embedding_bag_matches_nn_embedding_bag(table, case):
     torch.testing.assert_close(_pushed_grad(c, before), ref.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_include_last_offset_short_of_the_ids_is_refused_and_pushes_nothing(table):
+    """With include_last_offset the last offset must be the number of ids (torch's CSR form): torch does not check,
+    and its backward gave ids past it, in no bag, gradients of uninitialised memory, which the push applied to the
+    shared rows (1e33 seen; mode="max" crashed the process). Refused naming the offsets; nothing pushed."""
+    c = table
+    before = c.pull("t", torch.arange(ROWS))
+    for mode in ("sum", "mean", "max"):
+        bag = RemoteEmbeddingBag(c, "t", mode=mode, include_last_offset=True)
+        for offsets in (torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([], dtype=torch.int64)):
+            with pytest.raises(ValueError, match=r"t: with include_last_offset the last offset must be the number "
+                                                 r"of ids \(3\)"):
+                bag(torch.tensor([1, 2, 3]), offsets)
+        bag(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3])).sum().backward()  # (the CSR form: trains)
+    c.flush()
+    changed = (c.pull("t", torch.arange(ROWS)) != before).any(1).nonzero().flatten().tolist()
+    assert changed == [1, 2, 3]
+
+
+def test_arguments_torch_refuses_are_refused(table):
+    """A padding_idx of True (read as row 1) or 2.0, and ShardedOptimizer given parameters without their names (a
+    TypeError about concatenating str and Tensor): refused, saying what is wanted, as torch refuses the first."""
+    c = table
+    for bad in (True, 2.0):
+        with pytest.raises((TypeError, IndexError)):  # the reference refuses it too (at its first forward)
+            nn.Embedding(ROWS, DIM, padding_idx=bad)(torch.tensor([1, 2]))
+        with pytest.raises(TypeError, match="padding_idx must be an int"):
+            RemoteEmbedding(c, "t", padding_idx=bad)
+    assert RemoteEmbedding(c, "t", padding_idx=torch.tensor(3).item()).padding_idx == 3
+    model = TinyModel(RemoteEmbedding(c, "t"))
+    with pytest.raises(TypeError, match="takes the module, or its named_parameters"):
+        ShardedOptimizer(c, model.parameters())
+
+
 def test_no_grad_forward_pushes_nothing(table):
     c = table
     with torch.no_grad():

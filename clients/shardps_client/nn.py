@@ -11,6 +11,7 @@ fused optimizer: the server applies the update). ``client.flush()`` waits.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -37,6 +38,9 @@ class _RemoteRows(nn.Module):
         self.embedding_dim = spec.dim
         self.device = torch.device(device) if device is not None else None
         self.wire_dtype = wire_dtype
+        if padding_idx is not None and (isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral)):
+            raise TypeError(f"padding_idx must be an int, got {padding_idx!r}")  # (as torch's modules refuse it)
+        padding_idx = int(padding_idx) if padding_idx is not None else None
         if padding_idx is not None and padding_idx < 0:
             if self.num_embeddings is None:
                 raise ValueError("a negative padding_idx needs a table with num_embeddings")
@@ -131,6 +135,11 @@ class RemoteEmbeddingBag(_RemoteRows):
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.include_last_offset and offsets is not None and input.dim() == 1 and (
+                offsets.numel() == 0 or int(offsets[-1]) != input.numel()):  # (torch does not check; see below)
+            raise ValueError(f"{self.table}: with include_last_offset the last offset must be the number of ids "
+                             f"({input.numel()}), got {offsets[-1:].tolist()}: ids past it are in no bag, and torch's "
+                             "backward gives them gradients of uninitialised memory (which a push would apply)")
         weight, local, local_pad = self._local(input)
         device = weight.device
         out = F.embedding_bag(

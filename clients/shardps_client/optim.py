@@ -86,6 +86,9 @@ class ShardedOptimizer:
         # together at step(): one PushBatch per shard instead of one call per tensor.
         self._pushes = client.hold_pushes()
         named = list(params.named_parameters() if isinstance(params, nn.Module) else params)
+        if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in named):
+            raise TypeError("ShardedOptimizer takes the module, or its named_parameters() (the names key the dense "
+                            "tensors on the shards), not parameters alone")
         # (a collection's table placeholders hold no values: the tables are the shards' already)
         self.params = {prefix + name: p for name, p in named if p.requires_grad and not is_table_slot(p)}
         #: tensor name on the shards -> the parameters it holds (one, or a bucket's in order).
