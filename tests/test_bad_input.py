@@ -370,3 +370,32 @@ def test_arguments_of_the_wrong_kind_are_named(setup, tmp_path):
     with pytest.raises(TableNotFoundError):
         c.describe_table("f")
     assert not (tmp_path / "e").exists()
+
+
+def test_command_line_values_out_of_range_are_one_line_errors_and_leave_nothing_running(tmp_path):
+    """``shardps serve`` with a port of -1 or 70000 (bound as 65535 or 4464), --workers 0 (served), --max-message-mb
+    0 or a data dir that is a file (tracebacks); ``shardps cluster`` whose cluster file cannot be written (a
+    traceback, its shard left running): each a one-line error and exit code 1, nothing left behind."""
+    import subprocess
+    import sys
+
+    serve = [sys.executable, "-m", "shardps", "serve", "--host", "127.0.0.1", "--shard-index", "0", "--num-shards", "1"]
+    (tmp_path / "afile").write_text("")
+    for extra, match in ((["--port", "-1"], "--port must be in [0, 65535], got -1"),
+                         (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+                         (["--workers", "0"], "--workers must be in [1, inf), got 0"),
+                         (["--max-message-mb", "0"], "--max-message-mb must be in [1, inf)"),
+                         (["--fsync-interval", "nan"], "--fsync-interval must be in [0, inf), got nan"),
+                         (["--data-dir", str(tmp_path / "afile")], "is a file, not a directory")):
+        r = subprocess.run(serve + extra, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and match in r.stderr and "Traceback" not in r.stderr, (extra, r.stderr[-500:])
+    logs = tmp_path / "logs"
+    (tmp_path / "dir.json").mkdir()  # a cluster file that is a directory: found only once the shards run
+    for where, match in ((tmp_path / "no" / "c.json", "the cluster file's directory"),
+                         (tmp_path / "dir.json", "cannot write")):
+        r = subprocess.run([sys.executable, "-m", "shardps", "cluster", "--host", "127.0.0.1", "--shards", "1",
+                            "--log-dir", str(logs), "--cluster-file", str(where)], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and match in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+        left = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True).stdout.split()
+        assert not left, f"shards left running: {left}"

@@ -376,9 +376,30 @@ def _replica(args: argparse.Namespace) -> Optional[ReplicaConfig]:
     return ReplicaConfig(args.cluster_name, args.member, args.etcd, lease_ttl=args.lease_ttl)
 
 
+# Numeric serve flags that must be at least 1 (the others at least 0; none negative, none NaN), and the ports.
+AT_LEAST_ONE = ("num-shards", "workers", "max-message-mb", "replicas", "lease-ttl")
+PORTS = ("port", "data-port", "metrics-port")
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse a numeric serve flag out of its range (a port of -1 or 70000 was bound as 65535 or 4464; --workers 0
+    served; --max-message-mb 0 failed in a traceback)."""
+    for flag, cast, _, _ in SERVE_FLAGS:
+        value = getattr(args, flag.replace("-", "_"))
+        if cast not in (int, float) or value is None:
+            continue
+        low, high = (1 if flag in AT_LEAST_ONE else 0), (65535 if flag in PORTS else float("inf"))
+        if not low <= value <= high:  # (NaN fails too)
+            raise SystemExit(f"shardps serve: --{flag} must be in [{low}, {high if high != float('inf') else 'inf'}"
+                             f"{']' if high != float('inf') else ')'}, got {value}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     if args.shard_index is None or args.num_shards is None:
         raise SystemExit("shardps serve: --shard-index and --num-shards are required (or SHARDPS_SHARD_INDEX / SHARDPS_NUM_SHARDS)")
+    check_numbers(args)
+    if args.data_dir and os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+        raise SystemExit(f"shardps serve: --data-dir {args.data_dir} is a file, not a directory")
     try:
         shard_config = ShardConfig(
             shard_index=args.shard_index, num_shards=args.num_shards, data_dir=args.data_dir,

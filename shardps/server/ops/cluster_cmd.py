@@ -11,11 +11,18 @@ from shardps.server.ops.launcher import Placement
 
 
 def run_cluster(args: argparse.Namespace) -> int:
+    import pathlib
     import signal
     import time
 
     from shardps.server.ops.launcher import LocalCluster, handle_request
 
+    if args.shards < 1 or args.replicas < 1 or not 0 <= args.base_port <= 65535:
+        raise SystemExit(f"shardps cluster: --shards and --replicas must be >= 1 and --base-port in [0, 65535], got "
+                         f"{args.shards}, {args.replicas} and {args.base_port}")
+    if not pathlib.Path(args.cluster_file).absolute().parent.is_dir():  # (before a shard starts: none is left behind)
+        raise SystemExit(f"shardps cluster: the cluster file's directory {pathlib.Path(args.cluster_file).parent} "
+                         "does not exist")
     serve_args = ["--durability", args.durability, "--fsync", args.fsync,
                   "--checkpoint-interval", str(args.checkpoint_interval)]
     if args.tokens_file:
@@ -45,7 +52,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         cluster.start()
     except (RuntimeError, TimeoutError) as e:
         raise SystemExit(f"shardps cluster: {e}") from None
-    cluster.write_cluster_file(args.cluster_file)
+    try:
+        cluster.write_cluster_file(args.cluster_file)
+    except OSError as e:  # (the shards started: stopped, not left running)
+        cluster.close()
+        raise SystemExit(f"shardps cluster: cannot write {args.cluster_file}: {e.strerror or e}") from None
     group = f" of {args.replicas} members each (etcd at {cluster.etcd})" if args.replicas > 1 else ""
     print(f"shardps cluster: {args.shards} shards{group} healthy (logs in {cluster.log_dir})", flush=True)
     for i, members in enumerate(cluster.groups):

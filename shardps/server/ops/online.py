@@ -73,7 +73,11 @@ def run_reshard(args: argparse.Namespace) -> int:
 def cluster_file(args: argparse.Namespace) -> dict[str, Any]:
     """The cluster file ``--cluster-file`` names (as ``shardps cluster`` writes it); its TLS files fill the TLS
     options not given."""
-    data: dict[str, Any] = json.loads(pathlib.Path(args.cluster_file).read_text())
+    try:
+        data: dict[str, Any] = json.loads(pathlib.Path(args.cluster_file).read_text())
+    except (OSError, ValueError) as e:  # (a one-line error, not a traceback)
+        raise SystemExit(f"shardps: cannot read the cluster file {args.cluster_file}: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
     tls = data.get("tls") or {}
     args.tls_ca = args.tls_ca or tls.get("ca")
     args.tls_cert = args.tls_cert or tls.get("cert")
