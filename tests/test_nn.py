@@ -418,3 +418,58 @@ def test_prefetching_many_tables_at_once_does_not_deadlock(client2):
     for ids in Prefetcher(batches, c, lambda b: {f"p{i}": b for i in range(12)}):
         rows = [c.pull(f"p{i}", ids) for i in range(12)]
         assert all(r.shape == (20, 4) for r in rows)
+
+
+@pytest.mark.parametrize("optimizer, reference", [
+    (Adagrad(lr=0.5), lambda p: torch.optim.Adagrad(p, lr=0.5)),
+    (Adam(lr=0.1), lambda p: torch.optim.Adam(p, lr=0.1)),
+])
+def test_a_module_called_twice_in_a_step_steps_once_with_the_summed_gradient(client2, optimizer, reference):
+    """A shared embedding (one module called on two id sets in one forward, a row in both): torch.optim takes one
+    step with the gradient autograd summed; the step's two pushes were applied as two steps, which Adagrad and Adam
+    tell apart (row 2 off by 0.5). A held step pushes each table once, its rows' gradients summed: the reference's
+    rows to float32 rounding. The same for a collection called on two batches in one loss."""
+    from shardps_client import EmbeddingBagConfig, KeyedJaggedTensor, RemoteEmbeddingBagCollection
+
+    c = client2
+    c.create_table("t", dim=DIM, num_embeddings=ROWS, optimizer=optimizer, initializer=Initializer(seed=5))
+    ref = nn.Embedding(ROWS, DIM)
+    with torch.no_grad():
+        ref.weight.copy_(c.pull("t", torch.arange(ROWS)))
+    ref_opt = reference(ref.parameters())
+    model = nn.Module()
+    model.emb = RemoteEmbedding(c, "t")
+    opt = ShardedOptimizer(c, model)
+    up = torch.randn(2, DIM, generator=torch.Generator().manual_seed(0))
+    a, b = torch.tensor([1, 2]), torch.tensor([2, 3])
+    for _ in range(3):
+        opt.zero_grad()
+        ((model.emb(a) * up).sum() + (model.emb(b) * up).sum()).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ((ref(a) * up).sum() + (ref(b) * up).sum()).backward()
+        ref_opt.step()
+    opt.flush()
+    torch.testing.assert_close(c.pull("t", torch.arange(ROWS)), ref.weight.detach(), rtol=1e-5, atol=1e-6)
+
+    cfg = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name="tc", feature_names=["f"])]
+    c.create_table("tc", dim=DIM, num_embeddings=ROWS, optimizer=optimizer, initializer=Initializer(seed=5))
+    ebc = RemoteEmbeddingBagCollection(cfg, c, create=False)
+    bag = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    with torch.no_grad():
+        bag.weight.copy_(c.pull("tc", torch.arange(ROWS)))
+    bag_opt = reference(bag.parameters())
+    holder = nn.Module()
+    holder.ebc = ebc
+    opt = ShardedOptimizer(c, holder)
+    k1 = KeyedJaggedTensor(["f"], a, lengths=torch.tensor([2]))
+    k2 = KeyedJaggedTensor(["f"], b, lengths=torch.tensor([2]))
+    for _ in range(3):
+        opt.zero_grad()
+        (ebc(k1).values() * up[0]).sum().add((ebc(k2).values() * up[1]).sum()).backward()
+        opt.step()
+        bag_opt.zero_grad()
+        ((bag(a, torch.tensor([0])) * up[0]).sum() + (bag(b, torch.tensor([0])) * up[1]).sum()).backward()
+        bag_opt.step()
+    opt.flush()
+    torch.testing.assert_close(c.pull("tc", torch.arange(ROWS)), bag.weight.detach(), rtol=1e-5, atol=1e-6)

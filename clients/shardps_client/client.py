@@ -213,10 +213,11 @@ class Client(ClusterMethods, DenseMethods):
             self._hold.release()
             self._hold = None
 
-    def hold_pushes(self) -> PushHold:
+    def hold_pushes(self, step: bool = False) -> PushHold:
         """A handle that queues this client's asynchronous pushes while held; ``send()`` sends them as one
-        PushBatch per shard (``send_pushes``), ``release()`` stops holding. ``ShardedOptimizer`` holds one."""
-        return self.pushes.hold(self.send_pushes)
+        PushBatch per shard (``send_pushes``), ``release()`` stops holding. ``ShardedOptimizer`` holds one, with
+        ``step``: the row pushes made while it is held are one optimizer step, each table's summed per row first."""
+        return self.pushes.hold(self.send_pushes, step)
 
     # ---- workers: heartbeats, SSP clocks ---------------------------------------------
 

@@ -289,7 +289,7 @@ class _StepPushes:
         client, lay = self.module.client, self.module.layout
         if not self.started:  # the first gradient of the step: hold its pushes, unless a ShardedOptimizer does
             self.started = True
-            self.hold = None if client.defer_pushes else client.hold_pushes()
+            self.hold = None if client.defer_pushes else client.hold_pushes(step=True)
         a, b = lay.groups[g]
         try:  # every table of the group in one plan (sorted unique ids: no dedup, no per-table Python)
             client.push_stacked(lay.tables[a:b], self.step.uniq[a:b], grad,

@@ -84,7 +84,7 @@ class ShardedOptimizer:
         self.dense_lag = dense_lag
         # Pushes of a step (embedding rows from backward hooks, dense gradients) go out
         # together at step(): one PushBatch per shard instead of one call per tensor.
-        self._pushes = client.hold_pushes()
+        self._pushes = client.hold_pushes(step=True)  # (a table pushed twice in a step: one step of the sum)
         named = list(params.named_parameters() if isinstance(params, nn.Module) else params)
         if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in named):
             raise TypeError("ShardedOptimizer takes the module, or its named_parameters() (the names key the dense "

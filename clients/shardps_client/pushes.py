@@ -110,13 +110,16 @@ class PushHold:
     """While held, this client's asynchronous pushes queue up until ``send``: one PushBatch per shard.
 
     ``ShardedOptimizer`` holds one for its life, so a step's pushes (embedding rows
-    from backward hooks, dense gradients) go out together at ``step()``.
+    from backward hooks, dense gradients) go out together at ``step()``. Its hold is a
+    ``step`` hold: the row pushes made while it is held are one optimizer step, each
+    table's rows' gradients summed before they go (``held_step``).
     """
 
-    def __init__(self, pipeline: PushPipeline, send: Callable[..., Optional[DensePull]]) -> None:
+    def __init__(self, pipeline: PushPipeline, send: Callable[..., Optional[DensePull]], step: bool = False) -> None:
         self._pipeline = pipeline
         self._send = send
         self.held = True
+        self.step = step
 
     def send(self, pull_dense: tuple[str, ...] | list[str] = (), park: bool = False) -> Optional[DensePull]:
         """Send the queued pushes (see ``Client.send_pushes``)."""
@@ -126,7 +129,7 @@ class PushHold:
         """Stop holding (queued pushes are sent by the next push, pull or flush)."""
         if self.held:
             self.held = False
-            self._pipeline._release()
+            self._pipeline._release(self.step)
 
 
 class _StepParking:
@@ -143,6 +146,8 @@ class _StepParking:
     # Whether a prefetch carried the last step parked (or came since): steps park only then. A loop without a
     # ``Prefetcher`` sends its steps' pushes at once after its first, as it would without parking.
     _carrier: bool
+    # Plans a held step's row pushes into the queue (``Session.plan_held``), before anything takes the queue.
+    before_send: Callable[[], None]
 
     def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
         raise NotImplementedError  # (PushPipeline's)
@@ -155,6 +160,7 @@ class _StepParking:
         """Keep a step's queued pushes (and ``returning``'s dense pulls) for the next prefetch to carry in the same
         message per shard (``carry``): a step then costs a shard one call, not two. Anything that needs them out
         first sends them: ``returning.result()``, a pull that must see them, another push sent, ``flush``."""
+        self.before_send()
         with self._order:
             if self._parked is not None:
                 self.send()  # (an earlier step's, that nothing carried)
@@ -183,6 +189,7 @@ class _StepParking:
         """Send the parked pushes with ``carried`` row pulls (framed PushBatchRequest.pulls entries, per shard) in
         each shard's last batch, read there once the pushes are applied: the futures of the calls that carry them,
         by shard. None when nothing is parked (the caller pulls as it would)."""
+        self.before_send()
         with self._order:
             self._carrier = True  # a prefetch came: the next step parks for the one after it
             if self._parked is None:
@@ -225,9 +232,12 @@ class PushPipeline(_StepParking):
         # also when a prefetch's thread sends those that waited for its pull (``send_trailing``).
         self._order = threading.RLock()
         self._holds = 0
+        self._step_holds = 0  # of them, holds whose pushes are one optimizer step (``PushHold.step``)
         self._deferred: list[tuple[str, list[planner.Call]]] = []
         self._parked: Optional[list[Optional[DensePull]]] = None
         self._carrier = True
+        self.before_send: Callable[[], None] = lambda: None
+        self.held_rows: Callable[[], bool] = lambda: False  # whether a held step's row pushes wait to be planned
         self._pending: dict[str, set[Future]] = {}
         self._errors: list[BaseException] = []
         self._inflight = threading.BoundedSemaphore(max_inflight)
@@ -241,14 +251,21 @@ class PushPipeline(_StepParking):
 
     # ---- holding -----------------------------------------------------------------------
 
-    def hold(self, send: Callable[..., Optional[DensePull]]) -> PushHold:
+    def hold(self, send: Callable[..., Optional[DensePull]], step: bool = False) -> PushHold:
         with self._lock:
             self._holds += 1
-        return PushHold(self, send)
+            self._step_holds += step
+        return PushHold(self, send, step)
 
-    def _release(self) -> None:
+    def _release(self, step: bool = False) -> None:
         with self._lock:
             self._holds -= 1
+            self._step_holds -= step
+
+    @property
+    def summing(self) -> bool:
+        """A step hold is held: row pushes wait, unplanned, to be summed per table (``Session.push_rows``)."""
+        return self._step_holds > 0
 
     @property
     def holding(self) -> bool:
@@ -256,7 +273,7 @@ class PushPipeline(_StepParking):
 
     @property
     def has_queued(self) -> bool:
-        return bool(self._deferred) or self._parked is not None
+        return bool(self._deferred) or self._parked is not None or self.held_rows()
 
     @property
     def parked(self) -> bool:
@@ -298,6 +315,7 @@ class PushPipeline(_StepParking):
     def send(self, returning: Optional[DensePull] = None) -> Optional[DensePull]:
         """Send the queued pushes, with ``returning``'s dense pulls carried by each shard's last batch (and those of
         a step parked before, with its pushes)."""
+        self.before_send()
         with self._order:
             deferred, parked = self._take()
             if parked is not None:
@@ -440,7 +458,7 @@ class PushPipeline(_StepParking):
 
     def wait(self, key: Optional[str] = None) -> None:
         """Send what is queued, then wait for the pushes in flight (of ``key``, or all); errors stay for ``flush``."""
-        if self._deferred or self._parked is not None:
+        if self.has_queued:
             self.send()
         with self._lock:
             if key is None:

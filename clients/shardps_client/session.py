@@ -28,7 +28,8 @@ from shardps.v1 import shardps_pb2 as pb
 from shardps_client import planner
 from shardps_client.admin import Catalog, maps_of
 from shardps_client.errors import ShardMapError, ShardpsError, ShardRemovedError, SlotMovedError, TableChangedError
-from shardps_client.inputs import wire_code
+from shardps_client.held_step import HeldRows, Unit, summed_parts
+from shardps_client.inputs import check_sent, wire_code
 from shardps_client.pushes import PushPipeline
 from shardps_client.transport import Transport
 from shardps_client.versions import Versions
@@ -60,11 +61,13 @@ class Session:
     _seq_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
     _slots_lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
     _encoders: dict[tuple[str, int, int, str], PushEncoder] = field(init=False, repr=False, default_factory=dict)
+    held: HeldRows = field(init=False, repr=False, default_factory=HeldRows)  # a held step's row pushes, unplanned
 
     def __post_init__(self) -> None:
         self._seq = [itertools.count(1) for _ in self.addresses]
         self.slots = SlotMap.uniform(len(self.addresses), self.transport.addresses)
         self.transport.gone = self.shard_gone
+        self.pushes.before_send, self.pushes.held_rows = self.plan_held, lambda: self.held.pending
 
     @property
     def num_shards(self) -> int:
@@ -168,7 +171,14 @@ class Session:
 
     def push_rows(self, spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, versions: Optional[Versions],
                   wait: bool, wire_code: int) -> None:
-        """Push the summed gradients of sorted unique ids."""
+        """Push the summed gradients of sorted unique ids (under a step hold: planned at its send, ``plan_held``)."""
+        if not wait and self.pushes.summing:
+            self.held.add(Unit([spec], [uniq], summed, [versions], wire_code, stacked=False))
+            return
+        self._push_rows(spec, uniq, summed, versions, wait, wire_code)
+
+    def _push_rows(self, spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, versions: Optional[Versions],
+                   wait: bool, wire_code: int) -> None:
         sync_step = self.worker.next_sync_step(spec.name) if spec.sync is not None else 0
         trail = self.trails(spec)  # (a push that trails a pull is built in a request slot of a shard's region)
         calls = planner.push_plan(spec, uniq, summed, self.slots, wire_code, self.max_message_bytes,
@@ -186,11 +196,34 @@ class Session:
     def push_rows_many(self, specs: list[TableSpec], uniq: list[np.ndarray], summed: np.ndarray,
                        versions: list[Optional[Versions]], wire_code: int) -> None:
         """Push the summed gradients of several tables' sorted unique ids (one width, no synchronous step),
-        stacked table after table in ``summed``: planned at once, dispatched together."""
+        stacked table after table in ``summed``: planned at once, dispatched together (in a held step: at its send)."""
+        if self.pushes.summing:
+            self.held.add(Unit(list(specs), list(uniq), summed, list(versions), wire_code, stacked=True))
+            return
+        self._push_rows_many(specs, uniq, summed, versions, wire_code)
+
+    def _push_rows_many(self, specs: list[TableSpec], uniq: list[np.ndarray], summed: np.ndarray,
+                        versions: list[Optional[Versions]], wire_code: int) -> None:
         calls = planner.push_plan_many([s.name for s in specs], uniq, summed, self.slots, wire_code,
                                        self.max_message_bytes, [v.by_shard if v is not None else None for v in versions],
                                        self.push_encoder, self.next_seq)
         self.pushes.dispatch_many(calls, wait=False, trail=all(self.trails(s) for s in specs))
+
+    def plan_held(self) -> None:
+        """Plan the row pushes a held step made (``held_step``): before its pushes are sent, or a pull must see them.
+        A table pushed more than once in the step is pushed once, each row's gradients summed."""
+        if not self.held.pending:
+            return
+        keep, again = self.held.take()
+        for u in keep:
+            if u.stacked:
+                self._push_rows_many(u.specs, u.uniq, u.summed, u.versions, u.wire)
+            else:
+                self._push_rows(u.specs[0], u.uniq[0], u.summed, u.versions[0], False, u.wire)
+        for name, parts in again.items():
+            uniq, summed, versions = summed_parts(parts)
+            check_sent(summed, name, parts[0][4], parts[0][0].allow_nonfinite, summed=True)
+            self._push_rows(parts[0][0], uniq, summed, versions, False, parts[0][4])
 
     def push_encoder(self, table: str, shard: int) -> PushEncoder:  # (``wire`` here would be the method)
         """The encoder of this client's pushes of ``table`` to ``shard`` under the current slot map (made once)."""
