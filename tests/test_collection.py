@@ -263,6 +263,15 @@ BAD = [
         ["f1"], torch.tensor([1.0, 2.0]), torch.tensor([1, 1])), TypeError, "int64 or int32"),
     ("ragged keys", lambda: KeyedJaggedTensor.from_lengths_sync(
         ["f1", "f2"], torch.tensor([1, 2, 3]), torch.tensor([1, 1, 1])), ValueError, "not a whole number of bags"),
+    # TorchRec refuses these three too (in its own words); they were flattened, or the stride ignored
+    ("2-D values", lambda: KeyedJaggedTensor(["f1"], torch.tensor([[1, 2], [3, 4]]), lengths=torch.tensor([2, 2])),
+     ValueError, r"values and lengths must be 1-D, got shapes \[2, 2\] and \[2\]"),
+    ("a stride its lengths do not give", lambda: KeyedJaggedTensor(
+        ["f1"], torch.tensor([1, 2]), lengths=torch.tensor([1, 1]), stride=3), ValueError,
+     r"the batch says 3 bags a feature \(stride\), its lengths give 2"),
+    ("no features", lambda: KeyedJaggedTensor([], torch.tensor([], dtype=torch.int64),
+                                              lengths=torch.tensor([], dtype=torch.int64)), ValueError,
+     "a batch with no features"),
 ]
 
 
@@ -281,6 +290,21 @@ def test_bad_input_is_refused_naming_the_feature_and_nothing_is_pulled_or_pushed
         with pytest.raises(ValueError, match="a feature may read one table only"):
             RemoteEmbeddingBagCollection([EmbeddingBagConfig(30, 4, "ta", ["f1"]),
                                           EmbeddingBagConfig(20, 4, "tb", ["f1"])], c)
+
+
+def test_a_batch_of_no_bags_gives_no_rows_of_every_column():
+    """A batch of no bags (lengths empty): TorchRec's shape, [0, every feature's columns] (a reshape error before);
+    and a container asked for a key it lacks raises KeyError naming it, as TorchRec's do."""
+    with running_cluster(1) as servers, Client([s.address for s in servers]) as c:
+        ebc = RemoteEmbeddingBagCollection(CONFIGS, c)
+        none = torch.tensor([], dtype=torch.int64)
+        empty = KeyedJaggedTensor(["f1"], none, lengths=none)
+        out = ebc(empty)
+        assert out.values().shape == (0, 4 + 4 + 4 + 3) and out.keys() == ["f1", "f2", "f3", "f4"]
+        with pytest.raises(KeyError, match="'nope' is not a key"):
+            _kjt({"f1": [[1], [2]]})["nope"]
+        with pytest.raises(KeyError, match="'nope' is not a key"):
+            out["nope"]
 
 
 def test_a_prefetched_collection_reads_the_same_rows_without_a_pull_of_its_own():

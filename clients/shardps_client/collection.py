@@ -195,7 +195,12 @@ class _RemoteCollection(nn.Module):
                            f"(features: {lay.features})")
         if len(set(keys)) != len(keys):
             raise ValueError(f"feature keys repeat: {keys}")
+        if not keys:
+            raise ValueError("a batch with no features (a KeyedJaggedTensor of no keys)")
         values, lengths = features.values(), features.lengths()
+        if values.dim() != 1 or lengths.dim() != 1:  # (TorchRec refuses them; they were flattened)
+            raise ValueError(f"values and lengths must be 1-D, got shapes {list(values.shape)} and "
+                             f"{list(lengths.shape)}")
         if values.dtype not in (torch.int64, torch.int32) or lengths.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"ids and lengths must be int64 or int32, got {values.dtype} and {lengths.dtype}")
         ids = values.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
@@ -203,6 +208,8 @@ class _RemoteCollection(nn.Module):
         stride = lens.shape[0] // len(keys) if keys else 0
         if lens.shape[0] != stride * len(keys):
             raise ValueError(f"{lens.shape[0]} lengths for {len(keys)} features: not a whole number of bags each")
+        if callable(getattr(features, "stride", None)) and features.stride() != stride:
+            raise ValueError(f"the batch says {features.stride()} bags a feature (stride), its lengths give {stride}")
         if (lens < 0).any():
             k = int(np.argmax(lens < 0)) // max(stride, 1)
             raise ValueError(f"feature {keys[k]!r}: negative bag length {int(lens[lens < 0][0])}")
@@ -394,6 +401,9 @@ class RemoteEmbeddingBagCollection(_RemoteCollection):
         device = self.device if self.device is not None else features.values().device
         ws = self._weights(step, device)
         lay, B = self.layout, step.stride
+        if B == 0:  # no bags: TorchRec's shape, no rows of every feature's columns
+            empty = torch.zeros(0, int(lay.feature_starts[-1]), device=device)
+            return _containers(features)[0](lay.features, lay.feature_dims, empty)
         bag_lengths = torch.from_numpy(step.lengths)
         keys = list(step.feature_pos)
         group_of_key = lay.group_of_table[[lay.table_of[k] for k in keys]] if keys else np.zeros(0, np.int64)

@@ -156,7 +156,7 @@ class KeyedJaggedTensor(_Bags):
         return out
 
     def __getitem__(self, key: str) -> JaggedTensor:
-        i = self._keys.index(key)
+        i = _index(self._keys, key)
         start, end = self.offset_per_key()[i : i + 2]
         w = self._weights[start:end] if self._weights is not None else None
         return JaggedTensor(self._values[start:end], w, lengths=self._lengths[i * self._stride : (i + 1) * self._stride])
@@ -215,7 +215,7 @@ class KeyedTensor:
         return out
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        i = self._keys.index(key)
+        i = _index(self._keys, key)
         start, end = self.offset_per_key()[i : i + 2]
         return self._values.narrow(self._key_dim, start, end - start)
 
@@ -225,3 +225,11 @@ class KeyedTensor:
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key})"
+
+
+def _index(keys: list[str], key: str) -> int:
+    """Where ``key`` is among ``keys``: KeyError naming it when it is not (as TorchRec's containers raise)."""
+    try:
+        return keys.index(key)
+    except ValueError:
+        raise KeyError(f"{key!r} is not a key of this container (keys: {keys})") from None
