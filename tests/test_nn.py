@@ -473,3 +473,19 @@ def test_a_module_called_twice_in_a_step_steps_once_with_the_summed_gradient(cli
         bag_opt.step()
     opt.flush()
     torch.testing.assert_close(c.pull("tc", torch.arange(ROWS)), bag.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_holds_a_copy_of_what_was_pushed(client2):
+    """A step hold keeps its row pushes unplanned until the step is sent: it keeps copies, so the caller may change
+    its ids and gradients after the push (as after any push) without changing what the step sends."""
+    c = client2
+    c.create_table("t", dim=DIM, num_embeddings=ROWS, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    opt = ShardedOptimizer(c, [])
+    ids, g = torch.tensor([1, 2]), torch.ones(2, DIM)
+    c.push("t", ids, g)
+    ids.fill_(5)
+    g.mul_(7)
+    opt.step()
+    opt.flush()
+    got = c.pull("t", torch.tensor([1, 2, 5]))
+    assert torch.equal(got, torch.tensor([[-1.0] * DIM, [-1.0] * DIM, [0.0] * DIM]))

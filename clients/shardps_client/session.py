@@ -172,8 +172,8 @@ class Session:
     def push_rows(self, spec: TableSpec, uniq: np.ndarray, summed: np.ndarray, versions: Optional[Versions],
                   wait: bool, wire_code: int) -> None:
         """Push the summed gradients of sorted unique ids (under a step hold: planned at its send, ``plan_held``)."""
-        if not wait and self.pushes.summing:
-            self.held.add(Unit([spec], [uniq], summed, [versions], wire_code, stacked=False))
+        if not wait and self.pushes.summing:  # (copies: the caller may change its arrays before the step is sent)
+            self.held.add(Unit([spec], [np.array(uniq)], np.array(summed), [versions], wire_code, stacked=False))
             return
         self._push_rows(spec, uniq, summed, versions, wait, wire_code)
 
@@ -197,8 +197,9 @@ class Session:
                        versions: list[Optional[Versions]], wire_code: int) -> None:
         """Push the summed gradients of several tables' sorted unique ids (one width, no synchronous step),
         stacked table after table in ``summed``: planned at once, dispatched together (in a held step: at its send)."""
-        if self.pushes.summing:
-            self.held.add(Unit(list(specs), list(uniq), summed, list(versions), wire_code, stacked=True))
+        if self.pushes.summing:  # (copies, as above)
+            self.held.add(Unit(list(specs), [np.array(u) for u in uniq], np.array(summed), list(versions), wire_code,
+                               stacked=True))
             return
         self._push_rows_many(specs, uniq, summed, versions, wire_code)
 
