@@ -489,3 +489,22 @@ def test_a_step_holds_a_copy_of_what_was_pushed(client2):
     opt.flush()
     got = c.pull("t", torch.tensor([1, 2, 5]))
     assert torch.equal(got, torch.tensor([[-1.0] * DIM, [-1.0] * DIM, [0.0] * DIM]))
+
+
+def test_a_push_that_waits_goes_after_the_rows_a_step_holds(client2):
+    """A push with wait=True is sent at once, past any hold: the rows a step hold keeps unplanned go first, as the
+    pushes a hold queues always did (a client's pushes reach each shard in the order they were made)."""
+    c = client2
+    c.create_table("t", dim=DIM, num_embeddings=ROWS, optimizer=Adagrad(lr=1.0), initializer=Initializer("zeros"))
+    ref = nn.Parameter(torch.zeros(ROWS, DIM))
+    ref_opt = torch.optim.Adagrad([ref], lr=1.0)
+    opt = ShardedOptimizer(c, [])
+    ids = torch.tensor([3])
+    for g, wait in ((1.0, False), (3.0, True)):  # (Adagrad's steps do not commute: the order shows)
+        c.push("t", ids, torch.full((1, DIM), g), wait=wait)
+        ref.grad = torch.zeros(ROWS, DIM)
+        ref.grad[3] = g
+        ref_opt.step()
+    opt.step()
+    opt.flush()
+    torch.testing.assert_close(c.pull("t", ids), ref.detach()[ids], rtol=1e-6, atol=1e-6)

@@ -297,8 +297,8 @@ class PushPipeline(_StepParking):
                     return
                 queued = True  # too many trailing: sent now, with the others
         with self._order:
-            if self._deferred:
-                self.send()  # keep this client's pushes in order
+            if self._deferred or self.held_rows():
+                self.send()  # keep this client's pushes in order (a held step's rows, planned first)
             if queued:
                 return
             futures = self._submit([([key], call) for key, cs in calls for call in cs], wait)
