@@ -374,14 +374,18 @@ def test_arguments_of_the_wrong_kind_are_named(setup, tmp_path):
 
 def test_command_line_values_out_of_range_are_one_line_errors_and_leave_nothing_running(tmp_path):
     """``shardps serve`` with a port of -1 or 70000 (bound as 65535 or 4464), --workers 0 (served), --max-message-mb
-    0 or a data dir that is a file (tracebacks); ``shardps cluster`` whose cluster file cannot be written (a
-    traceback, its shard left running): each a one-line error and exit code 1, nothing left behind."""
+    0 or a data dir that is a file (tracebacks), a certificate that is not one (\"could not bind\"); ``shardps
+    cluster`` whose cluster file cannot be written (a traceback, its shard left running): each a one-line error and
+    exit code 1, nothing left behind."""
     import subprocess
     import sys
 
     serve = [sys.executable, "-m", "shardps", "serve", "--host", "127.0.0.1", "--shard-index", "0", "--num-shards", "1"]
     (tmp_path / "afile").write_text("")
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    junk = str(tmp_path / "junk.pem")
     for extra, match in ((["--port", "-1"], "--port must be in [0, 65535], got -1"),
+                         (["--tls-cert", junk, "--tls-key", junk], "not a PEM certificate chain and its private key"),
                          (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
                          (["--workers", "0"], "--workers must be in [1, inf), got 0"),
                          (["--max-message-mb", "0"], "--max-message-mb must be in [1, inf)"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import pathlib
+import ssl
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Optional
 
@@ -150,6 +151,15 @@ class TLSFiles:
     client_ca: Optional[str] = None
 
     def read(self) -> tuple[bytes, bytes, Optional[bytes]]:
-        """(certificate chain, key, client CA or None), read now: a missing file fails at start."""
+        """(certificate chain, key, client CA or None), read now: a missing file fails at start, and so do files
+        that are not a certificate and its key (gRPC's bind failed on them with only \"could not bind\")."""
         chain, key = pathlib.Path(self.cert).read_bytes(), pathlib.Path(self.key).read_bytes()
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert, self.key, password=lambda: b"")
+            if self.client_ca:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(self.client_ca)
+        except ssl.SSLError as e:
+            raise ValueError(f"--tls-cert {self.cert} / --tls-key {self.key}"
+                             f"{f' / --tls-client-ca {self.client_ca}' if self.client_ca else ''}: not a PEM "
+                             f"certificate chain and its private key (and CA): {e.reason or e}") from None
         return chain, key, pathlib.Path(self.client_ca).read_bytes() if self.client_ca else None
