@@ -59,6 +59,33 @@ class Model(nn.Module):
         return F.binary_cross_entropy_with_logits(self.head(self.ebc(kjt).values()).squeeze(1), labels)
 
 
+WEIGHTS = torch.arange(1, DIM + 1, dtype=torch.float32)
+
+
+class WeightedBag(nn.Module):
+    """Sum-bags of the table "items" times fixed ``WEIGHTS``: gradients that do not depend on the rows read, so the
+    end state is known whatever rows a pipelined step read. ``on_rows`` sees each batch's bags; with ``dense``, a
+    dense parameter on the shards too (pushed with each step, its gradient 0)."""
+
+    def __init__(self, c: Client, on_rows, dense: bool = False) -> None:
+        super().__init__()
+        self.items = RemoteEmbeddingBag(c, "items", mode="sum")
+        self.scale = nn.Parameter(torch.ones(1)) if dense else None
+        self.on_rows = on_rows
+
+    def forward(self, ids, offsets):
+        rows = self.items(ids, offsets)
+        self.on_rows(rows)
+        loss = (rows * WEIGHTS).sum()
+        return loss + 0 * self.scale.sum() if self.scale is not None else loss
+
+
+def bag_batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS batches of BATCH bags of two random ids each: (ids, offsets)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, ROWS, (BATCH * 2,), generator=g), torch.arange(0, BATCH * 2, 2)) for _ in range(STEPS)]
+
+
 def test_exact_mode_trains_as_local_sgd_bit_for_bit():
     torch.manual_seed(0)
     configs = [EmbeddingBagConfig(num_embeddings=ROWS, embedding_dim=DIM, name=f"t{i}", feature_names=[f],
@@ -92,19 +119,8 @@ def test_exact_mode_trains_as_local_sgd_bit_for_bit():
 def test_default_pulls_the_next_batch_during_the_step_and_loses_no_update():
     """Gradients that do not depend on the rows read (loss = sum of the rows times fixed weights): whatever rows a
     pipelined step read, the end state is known: each row moved by -lr x its count x the weight."""
-    weights = torch.arange(1, DIM + 1, dtype=torch.float32)
     with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
         c.create_table("items", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
-
-        class Bag(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.items = RemoteEmbeddingBag(c, "items", mode="sum")
-
-            def forward(self, ids, offsets):
-                events.append("forward")
-                return (self.items(ids, offsets) * weights).sum()
-
         events: list[str] = []
         asked = c.prefetch_many
 
@@ -113,9 +129,8 @@ def test_default_pulls_the_next_batch_during_the_step_and_loses_no_update():
             return asked(requests, *args, **kwargs)
 
         c.prefetch_many = prefetch_many  # type: ignore[method-assign]
-        g = torch.Generator().manual_seed(3)
-        data = [(torch.randint(0, ROWS, (BATCH * 2,), generator=g), torch.arange(0, BATCH * 2, 2)) for _ in range(STEPS)]
-        model = Bag()
+        data = bag_batches(3)
+        model = WeightedBag(c, lambda rows: events.append("forward"))
         pipeline = TrainPipeline(model, ShardedOptimizer(c, model), ids_fn=lambda b: {"items": b[0]})
         batches = iter(data)
         for _ in range(STEPS):
@@ -127,7 +142,7 @@ def test_default_pulls_the_next_batch_during_the_step_and_loses_no_update():
         assert events[:3] == ["prefetch", "prefetch", "forward"], events[:6]
         assert events.count("prefetch") == STEPS and events.count("forward") == STEPS
         counts = torch.bincount(torch.cat([ids for ids, _ in data]), minlength=ROWS).float()
-        assert torch.equal(c.pull("items", torch.arange(ROWS)), -counts[:, None] * weights[None, :])
+        assert torch.equal(c.pull("items", torch.arange(ROWS)), -counts[:, None] * WEIGHTS[None, :])
 
 
 def test_a_pipeline_needs_to_know_the_rows():
@@ -144,21 +159,8 @@ def test_a_steps_pushes_travel_with_the_next_batchs_pulls():
     """Pipelined, a step's pushes (rows and dense gradients, with the dense values asked back) and the pulls of the
     batch after next go to each shard in one call: the rows read are those a pull right after the pushes reads
     (batch k+1's rows hold the pushes of steps up to k-1, as without the carrying), and nothing is lost."""
-    weights = torch.arange(1, DIM + 1, dtype=torch.float32)
     with running_cluster(2) as servers, Client([s.address for s in servers]) as c:
         c.create_table("items", num_embeddings=ROWS, dim=DIM, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
-
-        class Bag(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.items = RemoteEmbeddingBag(c, "items", mode="sum")
-                self.scale = nn.Parameter(torch.ones(1))  # a dense value on the shards, pushed with each step
-
-            def forward(self, ids, offsets):
-                rows = self.items(ids, offsets)
-                seen.append(rows.detach().clone())
-                return (rows * weights).sum() + 0 * self.scale.sum()
-
         seen: list[torch.Tensor] = []
         carried: list[bool] = []
         carry = c.pushes.carry
@@ -169,10 +171,8 @@ def test_a_steps_pushes_travel_with_the_next_batchs_pulls():
             return calls
 
         c.pushes.carry = watched  # type: ignore[method-assign]
-        g = torch.Generator().manual_seed(5)
-        data = [(torch.randint(0, ROWS, (BATCH * 2,), generator=g), torch.arange(0, BATCH * 2, 2))
-                for _ in range(STEPS)]
-        model = Bag()
+        data = bag_batches(5)
+        model = WeightedBag(c, lambda rows: seen.append(rows.detach().clone()), dense=True)
         pipeline = TrainPipeline(model, ShardedOptimizer(c, model), ids_fn=lambda b: {"items": b[0]})
         for _ in pipeline.run(iter(data)):
             pass
@@ -184,10 +184,10 @@ def test_a_steps_pushes_travel_with_the_next_batchs_pulls():
             pushed = [torch.zeros(0, dtype=torch.int64)] + [ids for ids, _ in data[: max(0, k - 1)]]
             counts = torch.bincount(torch.cat(pushed), minlength=ROWS).float()
             ids, offsets = data[k]
-            expect = torch.nn.functional.embedding_bag(ids, -counts[:, None] * weights[None, :], offsets, mode="sum")
+            expect = torch.nn.functional.embedding_bag(ids, -counts[:, None] * WEIGHTS[None, :], offsets, mode="sum")
             assert torch.equal(rows, expect), k
         counts = torch.bincount(torch.cat([ids for ids, _ in data]), minlength=ROWS).float()
-        assert torch.equal(c.pull("items", torch.arange(ROWS)), -counts[:, None] * weights[None, :])
+        assert torch.equal(c.pull("items", torch.arange(ROWS)), -counts[:, None] * WEIGHTS[None, :])
 
 
 def test_a_loop_without_a_prefetcher_sends_each_steps_pushes_at_once():

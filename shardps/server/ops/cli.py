@@ -388,10 +388,10 @@ def check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, flag.replace("-", "_"))
         if cast not in (int, float) or value is None:
             continue
-        low, high = (1 if flag in AT_LEAST_ONE else 0), (65535 if flag in PORTS else float("inf"))
+        low = 1 if flag in AT_LEAST_ONE else 0
+        high, bound = (65535, f"[{low}, 65535]") if flag in PORTS else (float("inf"), f"[{low}, inf)")
         if not low <= value <= high:  # (NaN fails too)
-            raise SystemExit(f"shardps serve: --{flag} must be in [{low}, {high if high != float('inf') else 'inf'}"
-                             f"{']' if high != float('inf') else ')'}, got {value}")
+            raise SystemExit(f"shardps serve: --{flag} must be in {bound}, got {value}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
