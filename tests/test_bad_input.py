@@ -350,6 +350,36 @@ def test_client_options_that_would_misbehave_later_are_refused_at_once(cluster2,
                 c.export(tmp_path / "out", hold_s=hold)
 
 
+def test_a_closed_client_refuses_every_call_saying_so_and_drops_no_push_silently(cluster2):
+    """After ``close()`` a push was queued and never sent, with no error (it was lost); a table's create and a dense
+    pull raised gRPC's "Cannot invoke RPC on closed channel" ValueError. Now every call raises a ShardpsError saying
+    the client is closed, before anything is queued; closing again is harmless, and the shards hold what the client
+    sent before."""
+    from shardps_client import ShardpsError
+
+    addresses = [s.address for s in cluster2]
+    c = Client(addresses, timeout=10, retry_timeout=1)
+    c.create_table("closed.t", dim=4, num_embeddings=100, optimizer=SGD(lr=1.0), initializer=Initializer("zeros"))
+    c.register_dense("closed.d", torch.zeros(3, 2))
+    c.push("closed.t", torch.arange(4), torch.ones(4, 4))  # (sent by close(): it flushes)
+    c.close()
+    calls = {"pull": lambda: c.pull("closed.t", torch.arange(4)),
+             "push": lambda: c.push("closed.t", torch.arange(4), torch.ones(4, 4)),
+             "push_dense": lambda: c.push_dense("closed.d", torch.ones(3, 2)),
+             "pull_dense": lambda: c.pull_dense("closed.d"),
+             "create_table": lambda: c.create_table("closed.u", dim=4, num_embeddings=10),
+             "shard_info": lambda: c.shard_info()}
+    for what, call in calls.items():
+        with pytest.raises(ShardpsError, match="this client is closed") as info:
+            call()
+        assert type(info.value) is ShardpsError, what
+    c.close()
+    c.flush()  # (nothing pending: the push above was refused, not queued)
+    with Client(addresses, timeout=10) as fresh:
+        torch.testing.assert_close(fresh.pull("closed.t", torch.arange(4)), -torch.ones(4, 4), rtol=0, atol=0)
+        torch.testing.assert_close(fresh.pull_dense("closed.d")[0], torch.zeros(3, 2), rtol=0, atol=0)
+
+
 def test_arguments_of_the_wrong_kind_are_named(setup, tmp_path):
     """A float dim, an optimizer by name, a string where a list of names goes (read one character a name), an empty
     export path (written into the working directory), negative or fractional sizes: each refused naming the

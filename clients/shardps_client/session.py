@@ -31,7 +31,7 @@ from shardps_client.errors import ShardMapError, ShardpsError, ShardRemovedError
 from shardps_client.held_step import HeldRows, Unit, summed_parts
 from shardps_client.inputs import check_sent, wire_code
 from shardps_client.pushes import PushPipeline
-from shardps_client.transport import Transport
+from shardps_client.transport import CLOSED, Transport
 from shardps_client.versions import Versions
 from shardps_client.worker import WorkerClock
 
@@ -123,7 +123,10 @@ class Session:
         return shard not in slots.active()
 
     def wire(self, wire_dtype: Optional[str]) -> int:
-        """The wire dtype code of a call: ``wire_dtype``, or the client's default."""
+        """The wire dtype code of a call: ``wire_dtype``, or the client's default. Every pull and push asks it first,
+        so a closed client refuses them here (a push would otherwise be queued and never sent)."""
+        if self.transport.closed:
+            raise ShardpsError(CLOSED, address="")
         return self.wire_dtype if wire_dtype is None else wire_code(wire_dtype)
 
     def routed(self, call: Callable[[SlotMap], T]) -> T:

@@ -4,6 +4,6 @@ channels, replica groups' members)."""
 
 from shardps_client.transport.channels import TLS
 from shardps_client.transport.lane import Lane, from_rpc_error, from_status, resolve
-from shardps_client.transport.shards import Transport, results
+from shardps_client.transport.shards import CLOSED, Transport, results
 
-__all__ = ["TLS", "Lane", "Transport", "from_rpc_error", "from_status", "resolve", "results"]
+__all__ = ["CLOSED", "TLS", "Lane", "Transport", "from_rpc_error", "from_status", "resolve", "results"]

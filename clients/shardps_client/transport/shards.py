@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DISCOVER_S = 2.0  # the deadline of a replica group member's ShardInfo when a lane connects to it
 PROBE_DEADLINE_S = 0.3  # a stall probe's deadline per member (``newer_primary``)
+CLOSED = "this client is closed (Client.close() was called, or its `with` block ended): make a new Client"
 
 
 class Transport:
@@ -67,8 +68,8 @@ class Transport:
             raise ValueError(f"data_plane must be 'zmq', 'zmq-tcp' or 'grpc', got {data_plane!r}")
         self.groups = [members(a) for a in addresses]  # [] for a shard removed from the cluster (its entry "")
         self.addresses = [g[0] if g else "" for g in self.groups]
-        self.timeout = timeout
-        self.retry_timeout = retry_timeout
+        self.timeout, self.retry_timeout = timeout, retry_timeout
+        self.closed = False  # (``close``: every later call is refused, saying so)
         self.channels = Channels(max_message_bytes, tls, token)
         self._failover_locks = [threading.Lock() for _ in self.groups]
         self.stale_reads = stale_reads
@@ -79,10 +80,8 @@ class Transport:
                 primary, self.epochs[i] = locate_primary(self.channels, group, timeout)
                 self.addresses[i] = primary or group[0]
         self._stubs = [Stub(self.channels.get(a)) if a else None for a in self.addresses]
-        self._zmq = data_plane != "grpc" and importlib.util.find_spec("zmq") is not None
-        self._ipc = data_plane == "zmq"
-        self._client_id = client_id
-        self._token = token
+        self._zmq, self._ipc = data_plane != "grpc" and importlib.util.find_spec("zmq") is not None, data_plane == "zmq"
+        self._client_id, self._token = client_id, token
         self._grow_lock = threading.Lock()
         # Whether a shard that does not answer is out of the cluster (the session's slot map says so).
         self.gone: Callable[[int], bool] = lambda shard: False
@@ -236,7 +235,7 @@ class Transport:
         """One RPC with a deadline (the client's, or ``timeout``), retried with backoff while the shard is
         UNAVAILABLE."""
         if self._stubs[shard] is None:
-            raise _Removed(shard).error(method)
+            raise self.lanes[shard].error(method)
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
         while True:
@@ -269,7 +268,7 @@ class Transport:
             return [self.call(*calls[0])]
         for s, method, _ in calls:
             if self._stubs[s] is None:
-                raise _Removed(s).error(method)
+                raise self.lanes[s].error(method)
         futures = [getattr(self._stubs[s], method).future(req, timeout=self.timeout) for s, method, req in calls]
 
         def result(call: tuple[int, str, Any], f: Any) -> Any:
@@ -339,10 +338,12 @@ class Transport:
         return get
 
     def close(self) -> None:
-        """Send what the lanes hold, then close them and the channels."""
+        """Send what the lanes hold, then close them and the channels; every later call fails at once, saying so."""
         for lane in [*self.lanes, *self._read_lanes.values()]:
             lane.close()
         self.channels.close()
+        self.closed = True
+        self.lanes, self._stubs = [_Removed(i, closed=True) for i in range(len(self.lanes))], [None] * len(self._stubs)
 
 
 def _serialized(request: Any) -> Any:
@@ -356,18 +357,21 @@ class _Deposed(Exception):
 
 class _Removed:
     """The lane of a shard removed from the cluster (``shardps reshard --remove``): it owns nothing, so nothing is
-    routed to it; a call that is fails at once."""
+    routed to it; a call that is fails at once. With ``closed``, every shard's lane once the client is closed."""
 
     streaming = True
     mode = "grpc"
 
-    def __init__(self, shard: int) -> None:
+    def __init__(self, shard: int, closed: bool = False) -> None:
         self.shard = shard
         self.address = ""
+        self.closed = closed
 
     removed = True
 
     def error(self, method: str) -> ShardpsError:
+        if self.closed:
+            return ShardpsError(f"{method}: {CLOSED}", address="")
         return ShardRemovedError(f"{method}: shard {self.shard} was removed from the cluster (it has no address)",
                                  address="")
 
