@@ -61,6 +61,7 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
     "direct_remove": [("int32[::1]", _IDS, "int64", _IDS)],
     # A table's per-row arrays: rows, and 1-D ones (versions, slots, ids, eviction counts) as [n, 1].
     "apply_moves": [(f"{t}[:, ::1]", "int64[:, ::1]") for t in ("float32", "int32", "int64", "uint32", "uint8")],
+    "touch_rows": [("int32[:, ::1]", "int64[:, ::1]", _IDS, "int32[::1]", "int64", "int64")],
     "normal_rows": [(_IDS, "int64", "uint64", "uint64", "float64", "float64", "uint64[::1]", "float64[::1]",
                      "float64[::1]")],
     "sgd_apply": [(_ROWS, _ROWS, _IDS, "boolean[::1]", _ROWS, "float64", "boolean", "float64", "boolean", "float64",
@@ -80,7 +81,8 @@ EXPORTS: dict[str, list[tuple[str, ...]]] = {
 }
 # The arguments each kernel writes into (by position): these must be writeable and are never copied.
 WRITES: dict[str, tuple[int, ...]] = {
-    "hash_place": (0,), "hash_remove": (0, 1), "direct_remove": (0, 1), "apply_moves": (0,), "sgd_apply": (0, 1),
+    "hash_place": (0,), "hash_remove": (0, 1), "direct_remove": (0, 1), "apply_moves": (0,), "touch_rows": (0, 1),
+    "sgd_apply": (0, 1),
     "adagrad_apply": (0, 1), "adam_apply": (0, 1, 2), "gather_rows": (2,), "scatter_rows": (0,),
     "pread_records": (5,), "clock_victims": (4,), "gather_words": (4,), "scatter_words": (0,),
 }

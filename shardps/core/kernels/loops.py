@@ -212,6 +212,21 @@ def apply_moves(arr: np.ndarray, moves: np.ndarray) -> None:
             arr[dst, j] = arr[src, j]
 
 
+@_njit
+def touch_rows(words: np.ndarray, wide: np.ndarray, slots: np.ndarray, step: np.ndarray, stamp: int,
+               now: int) -> None:
+    """A push's metadata of rows ``slots`` (``table._step``): each row's step count set to ``step``, its last
+    version to ``stamp``, its last push time to ``now`` (uint32 ticks) and its pushes counted, in one pass over the
+    table's 24-byte records (``rows.META``) seen as 6 int32 words (``words``) and as 3 int64 words (``wide``)."""
+    t = np.int32(np.uint32(now))
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        wide[s, 0] = stamp
+        words[s, 2] = step[i]
+        words[s, 3] = t
+        words[s, 4] = np.int32(words[s, 4] + np.int32(1))
+
+
 # ---- initial rows (core.specs.Initializer) -------------------------------------------
 
 

@@ -95,9 +95,12 @@ class RowStore:
         self._make_ahead()
 
     def _meta_fields(self) -> None:
-        """The fields of ``meta`` as arrays of their own (views with a stride of one record)."""
+        """The fields of ``meta`` as arrays of their own (views with a stride of one record), and its records as 6
+        int32 and as 3 int64 words (``meta_words``: what ``kernels.touch_rows`` writes a push's metadata through)."""
         self.steps, self.last_version = self.meta["steps"], self.meta["last_version"]
         self.last_time, self.touches = self.meta["last_time"], self.meta["touches"]
+        n = self.meta.shape[0]
+        self.meta_words = (self.meta.view(np.int32).reshape(n, 6), self.meta.view(np.int64).reshape(n, 3))
 
     # ---- the index and the budget ------------------------------------------------------
 
@@ -152,7 +155,7 @@ class RowStore:
             return
         new_cap = max(need, min(cap + cap // 2, self.max_rows))
         # In place where nothing else holds them (memory.regrow); meta's field views are dropped first.
-        self.steps = self.last_version = self.last_time = self.touches = None  # type: ignore[assignment]
+        self.steps = self.last_version = self.last_time = self.touches = self.meta_words = None  # type: ignore
         with self._map_lock:
             regrow(self, "rows", new_cap)
             regrow(self, "meta", new_cap)
