@@ -422,7 +422,7 @@ def _step(t: Table, ids: np.ndarray, grads: np.ndarray, slots: np.ndarray, lr_sc
             m = row_scales == scale
             t.optimizer.apply(t.rows, t.state, slots[m], grads[m], step[m], scale)
     k = kernels.jit()
-    if k is not None:  # (the five assignments below in one pass: 1 us against 7 for a DLRM push of 270 rows)
+    if k is not None:  # (the four assignments below in one pass: with the read above, 4.4 us against 6.3 for 270 rows)
         k.touch_rows(*t.store.meta_words, slots, step, stamp, max(0, now))
     else:
         t.steps[slots] = step
